@@ -1,0 +1,46 @@
+"""``epl plan``: the Plan of a training script or a manual example on any number of devices."""
+
+from __future__ import annotations
+
+import click
+
+from epl import examples
+from epl.cli.options import parse_settings
+from epl.errors import EplError
+from epl.plan.mode import PlanRequest, plan_example, plan_script
+
+
+@click.command(
+    "plan",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+@click.option("--world-size", "-n", type=click.IntRange(min=1), required=True, help="Devices (processes) in the cluster.")
+@click.option("--gpu-per-worker", type=click.IntRange(min=1), default=None, help="Devices per node [default: all on one node].")
+@click.option("--example", type=click.Choice(examples.names()), default=None, help="Plan one of the manual's examples instead of a script.")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="Override a config key (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print the Plan as JSON.")
+@click.argument("script", required=False, type=click.Path(exists=True, dir_okay=False))
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def plan_command(
+    world_size: int,
+    gpu_per_worker: int | None,
+    example: str | None,
+    settings: tuple[str, ...],
+    as_json: bool,
+    script: str | None,
+    script_args: tuple[str, ...],
+) -> None:
+    """Show how SCRIPT (run up to epl.parallelize) or --example would be placed on WORLD_SIZE devices.
+
+    Nothing trains and no processes start: the script runs in this process with a
+    virtual cluster, and stops at epl.parallelize. Arguments after SCRIPT are
+    passed to it. Example: epl plan --world-size 1024 train.py --lr 3e-4
+    """
+    if (script is None) == (example is None):
+        raise click.UsageError("Give a SCRIPT or --example NAME (one of them).")
+    try:
+        request = PlanRequest(world_size=world_size, gpu_per_worker=gpu_per_worker, overrides=parse_settings(settings))
+        plan = plan_script(script, script_args, request) if script else plan_example(example or "", request)
+    except EplError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(plan.to_json() if as_json else str(plan))

@@ -1,0 +1,154 @@
+"""Every key of the manual's configuration chapter, declared by the core.
+
+Keys that another package implements carry ``provided_by``: ``epl config``
+lists them on any installation, and setting one without its package installed is
+an error that says what to install. The core implements ``pipeline.num_micro_batch``
+(gradient accumulation in one stage) and the ``cluster.*`` keys itself.
+"""
+
+from __future__ import annotations
+
+from epl.config.key import ConfigKey
+
+COMM = "epl-comm"
+MEMORY = "epl-memory"
+PIPELINE = "epl-pipeline"
+
+MANUAL_KEYS: tuple[ConfigKey, ...] = (
+    # 6.1 Pipeline
+    ConfigKey(
+        name="pipeline.num_micro_batch", types=(int,), default=1, minimum=1,
+        doc="Number of micro-batches per replica batch: pipeline micro-batches, or "
+            "gradient accumulation steps when the model has one stage.",
+    ),
+    ConfigKey(
+        name="pipeline.num_stages", types=(int, type(None)), default=None, minimum=1,
+        provided_by=PIPELINE,
+        doc="Number of pipeline stages to partition an unannotated model into "
+            "when auto.auto_parallel is True.",
+    ),
+    ConfigKey(
+        name="pipeline.strategy", types=(str,), default="PreferBackward",
+        choices=("PreferBackward", "PreferForward"), provided_by=PIPELINE,
+        doc="Pipeline schedule: PreferBackward (1F1B, like PipeDream) or "
+            "PreferForward (GPipe).",
+    ),
+    # 6.2 Gradient checkpoint
+    ConfigKey(
+        name="gradient_checkpoint.type", types=(str,), default="",
+        choices=("", "collection", "auto"), provided_by=MEMORY,
+        doc="Which activations to recompute: 'collection' (modules the user marks) "
+            "or 'auto' (EPL chooses); '' disables checkpointing.",
+    ),
+    ConfigKey(
+        name="gradient_checkpoint.end_taskgraph", types=(int,), default=-1, minimum=-1,
+        provided_by=MEMORY,
+        doc="Index of the last TaskGraph to apply gradient checkpointing to (-1: all).",
+    ),
+    ConfigKey(
+        name="gradient_checkpoint.check_gradients", types=(bool,), default=False,
+        provided_by=MEMORY,
+        doc="Compare checkpointed gradients with plain ones once and report.",
+    ),
+    # 6.3 ZeRO
+    ConfigKey(
+        name="zero.level", types=(str,), default="", choices=("", "v0", "v1", "v2"),
+        provided_by=MEMORY,
+        doc="ZeRO level: 'v0' partitions optimizer states, 'v1' also gradients, "
+            "'v2' also parameters; '' disables ZeRO.",
+    ),
+    # 6.4 Offload
+    ConfigKey(
+        name="offload.level", types=(str,), default="", choices=("", "v0"),
+        provided_by=MEMORY,
+        doc="Offload level: 'v0' keeps all weights in CPU memory; '' disables offload.",
+    ),
+    # 6.5 Memory-efficient AMP
+    ConfigKey(
+        name="amp.level", types=(str,), default="", choices=("", "O1"), provided_by=MEMORY,
+        doc="Automatic mixed precision level; only 'O1' is supported; '' disables AMP.",
+    ),
+    ConfigKey(
+        name="amp.debug_log", types=(bool,), default=False, provided_by=MEMORY,
+        doc="Log AMP decisions (loss scale changes, skipped steps).",
+    ),
+    ConfigKey(
+        name="amp.loss_scale", types=(str, int), default="dynamic", choices=("dynamic",),
+        minimum=1, provided_by=MEMORY,
+        doc="Loss scale for AMP: 'dynamic', or a fixed number.",
+    ),
+    # 6.6 Optimizer
+    ConfigKey(
+        name="optimizer.num_apply_group", types=(int,), default=1, minimum=1,
+        provided_by=MEMORY,
+        doc="Apply the optimizer update in this many groups to lower the peak memory.",
+    ),
+    # 6.7 Cluster
+    ConfigKey(
+        name="cluster.device_place_prefer_intra_node", types=(bool,), default=True,
+        doc="Place one model replica's devices inside one node (row-major placement); "
+            "False spreads them across nodes (column-major).",
+    ),
+    ConfigKey(
+        name="cluster.run_visible_devices", types=(str,), default="",
+        doc="Comma-separated device indices visible to this worker, usually set by "
+            "the scheduler; local rank i uses the i-th of them.",
+    ),
+    ConfigKey(
+        name="cluster.colocate_split_and_replicate", types=(bool,), default=False,
+        doc="Place all TaskGraphs of a replica on the same devices instead of "
+            "different ones.",
+    ),
+    # 6.8 Communication
+    ConfigKey(
+        name="communication.num_communicators", types=(int,), default=2, minimum=1,
+        provided_by=COMM,
+        doc="Number of communicators gradient buckets are reduced over, round-robin.",
+    ),
+    ConfigKey(
+        name="communication.sparse_as_dense", types=(bool,), default=False, provided_by=COMM,
+        doc="Turn sparse gradients into dense ones before communication.",
+    ),
+    ConfigKey(
+        name="communication.max_splits", types=(int,), default=5, minimum=1,
+        provided_by=COMM,
+        doc="Maximum number of gradient buckets per dtype for tensor fusion.",
+    ),
+    ConfigKey(
+        name="communication.fp16", types=(bool,), default=False, provided_by=COMM,
+        doc="Reduce gradients in fp16.",
+    ),
+    ConfigKey(
+        name="communication.fp16_scale", types=(int,), default=128, minimum=1,
+        provided_by=COMM,
+        doc="Scale applied to gradients before an fp16 reduction and removed after it.",
+    ),
+    ConfigKey(
+        name="communication.clip_after_allreduce", types=(bool,), default=False,
+        provided_by=COMM,
+        doc="Clip gradients after the reduction instead of before it.",
+    ),
+    ConfigKey(
+        name="communication.gradients_reduce_method", types=(str,), default="mean",
+        choices=("mean", "sum"), provided_by=COMM,
+        doc="How gradients are reduced over replicas: 'mean' or 'sum'.",
+    ),
+    # 6.9 IO
+    ConfigKey(
+        name="io.slicing", types=(bool,), default=False, provided_by=COMM,
+        doc="Give each replica its own slice of the data files.",
+    ),
+    ConfigKey(
+        name="io.unbalanced_io_slicing", types=(bool,), default=False, provided_by=COMM,
+        doc="Allow replicas to get different numbers of files when slicing.",
+    ),
+    ConfigKey(
+        name="io.drop_last_files", types=(bool,), default=False, provided_by=COMM,
+        doc="Partition the files evenly and drop the last ones that do not divide.",
+    ),
+    # 6.10 Auto parallel
+    ConfigKey(
+        name="auto.auto_parallel", types=(bool,), default=False, provided_by=PIPELINE,
+        doc="Partition an unannotated model automatically (experimental).",
+    ),
+)

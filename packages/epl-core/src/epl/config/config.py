@@ -1,0 +1,270 @@
+"""``epl.Config``: validated values for every declared key, from a dict, a file and the environment."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import tomllib
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from epl.config.key import ConfigKey
+from epl.errors import ConfigError, MissingPluginError
+
+if TYPE_CHECKING:
+    from epl.plugins.manager import EplPluginManager
+
+#: Environment variables of EPL's own that look like config keys but are not.
+NON_KEY_ENV_VARS = frozenset({"EPL_CONFIG_FILE"})
+
+#: Where a value came from, lowest precedence first.
+SOURCES = ("default", "file", "env", "dict")
+
+
+class Config:
+    """All EPL settings, validated against the keys the installed plugins declare.
+
+    Values come from, in increasing precedence: each key's default, a TOML or
+    JSON file (``file=`` or the ``EPL_CONFIG_FILE`` variable), ``EPL_<SECTION>_<KEY>``
+    environment variables, and ``param_dict``. Keys may be flat
+    (``{"pipeline.num_micro_batch": 4}``) or nested by section
+    (``{"pipeline": {"num_micro_batch": 4}}``).
+
+    Read values as ``config["pipeline.num_micro_batch"]`` or
+    ``config.pipeline.num_micro_batch``. A Config is read-only; build a new one with
+    :meth:`with_overrides`.
+    """
+
+    def __init__(
+        self,
+        param_dict: Mapping[str, Any] | None = None,
+        *,
+        file: str | os.PathLike[str] | None = None,
+        environ: Mapping[str, str] | None = None,
+        plugin_manager: EplPluginManager | None = None,
+    ) -> None:
+        if plugin_manager is None:
+            from epl.plugins import get_plugin_manager
+
+            plugin_manager = get_plugin_manager()
+        environ = os.environ if environ is None else environ
+        schema = plugin_manager.config_schema()
+        values = {name: key.default for name, key in schema.items()}
+        sources = dict.fromkeys(schema, "default")
+        file = file if file is not None else environ.get("EPL_CONFIG_FILE") or None
+        layers: list[tuple[str, Mapping[str, Any]]] = []
+        if file is not None:
+            layers.append(("file", _read_file(Path(file))))
+        layers.append(("env", _from_environ(schema, environ)))
+        if param_dict is not None:
+            layers.append(("dict", _flatten(param_dict, origin="the Config dict")))
+        for source, layer in layers:
+            for name, value in layer.items():
+                key = _lookup(schema, name, origin=_origin(source, name, file))
+                _check(key, value)
+                values[name] = value
+                sources[name] = source
+        object.__setattr__(self, "_schema", schema)
+        object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_sources", sources)
+
+    # -- reading -------------------------------------------------------------------
+    def __getitem__(self, name: str) -> Any:
+        _lookup(self._schema, name, origin="lookup")
+        return self._values[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """The value of ``name``, or ``default`` when no such key is declared."""
+        return self._values.get(name, default)
+
+    def __getattr__(self, section: str) -> _Section:
+        if section.startswith("_"):
+            raise AttributeError(section)
+        names = [n for n in self._schema if n.split(".", 1)[0] == section]
+        if not names:
+            sections = sorted({n.split(".", 1)[0] for n in self._schema})
+            hint = _closest(section, sections)
+            raise AttributeError(
+                f"Config has no section {section!r}.{hint} Sections: {', '.join(sections)}."
+            )
+        return _Section(self, section)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            "epl.Config is read-only; build a new one with "
+            "epl.Config({...}) or config.with_overrides({...})"
+        )
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._values
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Config) and self._values == other._values
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted((k, repr(v)) for k, v in self._values.items())))
+
+    def __repr__(self) -> str:
+        changed = {k: v for k, v in self._values.items() if self._sources[k] != "default"}
+        return f"epl.Config({changed!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (self._schema, self._values, self._sources))
+
+    def keys(self) -> Mapping[str, ConfigKey]:
+        """The declared keys, by name."""
+        return dict(self._schema)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every key with its value, flat."""
+        return dict(self._values)
+
+    def source(self, name: str) -> str:
+        """Where the value of ``name`` came from: default, file, env or dict."""
+        _lookup(self._schema, name, origin="lookup")
+        return self._sources[name]
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> Config:
+        """A new Config with ``overrides`` applied on top of this one (validated)."""
+        values = dict(self._values)
+        sources = dict(self._sources)
+        for name, value in _flatten(overrides, origin="the overrides").items():
+            _check(_lookup(self._schema, name, origin="override"), value)
+            values[name] = value
+            sources[name] = "dict"
+        return _rebuild(self._schema, values, sources)
+
+    # -- plugin requirements -------------------------------------------------------
+    def check_plugins(self, plugin_manager: EplPluginManager) -> None:
+        """Fail when a key set away from its default needs a plugin that is not installed."""
+        lines = []
+        for name, key in self._schema.items():
+            value = self._values[name]
+            if key.provided_by is None or value == key.default:
+                continue
+            if not plugin_manager.has_plugin(key.provided_by):
+                lines.append(
+                    f"Config key {name!r} = {value!r} needs the package {key.provided_by}, "
+                    f"which is not installed. Install it: pip install {key.provided_by} "
+                    f"(from a checkout: pip install -e packages/{key.provided_by})."
+                )
+        if lines:
+            raise MissingPluginError("\n".join(lines))
+
+
+class _Section:
+    """Attribute access to one section: ``config.pipeline.num_micro_batch``."""
+
+    def __init__(self, config: Config, section: str) -> None:
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_section", section)
+
+    def __getattr__(self, attribute: str) -> Any:
+        return self._config[f"{self._section}.{attribute}"]
+
+    def __setattr__(self, attribute: str, value: Any) -> None:
+        self._config.__setattr__(attribute, value)
+
+    def __repr__(self) -> str:
+        prefix = self._section + "."
+        items = {k[len(prefix):]: v for k, v in self._config.to_dict().items() if k.startswith(prefix)}
+        return f"<epl.Config section {self._section}: {items}>"
+
+
+def _rebuild(schema: dict[str, ConfigKey], values: dict[str, Any], sources: dict[str, str]) -> Config:
+    config = Config.__new__(Config)
+    object.__setattr__(config, "_schema", schema)
+    object.__setattr__(config, "_values", values)
+    object.__setattr__(config, "_sources", sources)
+    return config
+
+
+def _closest(name: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    return f" Did you mean {match[0]!r}?" if match else ""
+
+
+def _lookup(schema: Mapping[str, ConfigKey], name: str, *, origin: str) -> ConfigKey:
+    key = schema.get(name)
+    if key is None:
+        where = "" if origin in ("lookup", "override") else f" (in {origin})"
+        raise ConfigError(
+            f"Unknown config key {name!r}{where}.{_closest(name, list(schema))} "
+            "Run `epl config` to list every key."
+        )
+    return key
+
+
+def _check(key: ConfigKey, value: Any) -> None:
+    problem = key.problem_with(value)
+    if problem is not None:
+        raise ConfigError(
+            f"Invalid value for config key {key.name!r}: {problem}. Allowed: {key.allowed()}."
+        )
+
+
+def _origin(source: str, name: str, file: object) -> str:
+    if source == "file":
+        return f"config file {file}"
+    if source == "env":
+        return "EPL_" + name.upper().replace(".", "_")
+    return "the Config dict"
+
+
+def _flatten(params: Mapping[str, Any], *, origin: str) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for name, value in params.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"Config keys are strings like 'pipeline.num_micro_batch'; got {name!r} in {origin}.")
+        if isinstance(value, Mapping) and "." not in name:
+            for attribute, inner in value.items():
+                flat[f"{name}.{attribute}"] = inner
+        else:
+            flat[name] = value
+    return flat
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"Config file {path} does not exist.")
+    text = path.read_text()
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        elif path.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            raise ConfigError(f"Config file {path} must end in .toml or .json.")
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"Config file {path} is not valid {path.suffix[1:].upper()}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"Config file {path} must hold a table of keys, got {type(data).__name__}.")
+    return _flatten(data, origin=f"config file {path}")
+
+
+def _from_environ(schema: Mapping[str, ConfigKey], environ: Mapping[str, str]) -> dict[str, Any]:
+    by_var = {key.env_var: key for key in schema.values()}
+    section_prefixes = tuple({f"EPL_{key.section.upper()}_" for key in schema.values()})
+    values: dict[str, Any] = {}
+    for var, text in environ.items():
+        if not var.startswith(section_prefixes) or var in NON_KEY_ENV_VARS:
+            continue
+        key = by_var.get(var)
+        if key is None:
+            hint = _closest(var, list(by_var))
+            warnings.warn(f"Environment variable {var} names no EPL config key.{hint}", stacklevel=4)
+            continue
+        try:
+            values[key.name] = key.parse(text)
+        except ValueError as exc:
+            raise ConfigError(
+                f"Invalid value for config key {key.name!r} from {var}={text!r}: {exc}. "
+                f"Allowed: {key.allowed()}."
+            ) from None
+    return values

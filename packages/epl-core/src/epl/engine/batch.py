@@ -1,0 +1,76 @@
+"""Batches as tensors, tuples/lists or dicts of tensors: moving, measuring and splitting them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from epl.errors import BatchError
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor on ``device`` (tensors already there are not copied)."""
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(item, device) for item in batch)
+    if isinstance(batch, Mapping):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    return batch
+
+
+def batch_size(batch: Any) -> int | None:
+    """The common size of dimension 0 of every tensor in ``batch`` (None: no tensors)."""
+    sizes = {t.shape[0] for t in _tensors(batch) if t.dim() > 0}
+    if len(sizes) > 1:
+        raise BatchError(f"The tensors of one batch have different sizes in dimension 0: {sorted(sizes)}.")
+    return sizes.pop() if sizes else None
+
+
+def split_batch(batch: Any, parts: int, *, what: str) -> list[Any]:
+    """Split every tensor of ``batch`` into ``parts`` equal pieces along dimension 0.
+
+    Non-tensor leaves are passed to every piece unchanged. ``what`` names the
+    reason for the split in the error when the size does not divide.
+    """
+    size = batch_size(batch)
+    if size is None:
+        raise BatchError(f"Cannot split a batch without tensors into {parts} parts for {what}.")
+    if size % parts:
+        raise BatchError(
+            f"A batch of {size} samples cannot be split into {parts} equal parts for {what}. "
+            f"Use a batch size that is a multiple of {parts}."
+        )
+    return [_piece(batch, index, size // parts) for index in range(parts)]
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """Call ``model`` with ``inputs``: a tuple/list as positional arguments, a dict as keywords."""
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    return model(inputs)
+
+
+def _piece(batch: Any, index: int, length: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.narrow(0, index * length, length) if batch.dim() > 0 else batch
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_piece(item, index, length) for item in batch)
+    if isinstance(batch, Mapping):
+        return {key: _piece(value, index, length) for key, value in batch.items()}
+    return batch
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, (tuple, list)):
+        return [t for item in batch for t in _tensors(item)]
+    if isinstance(batch, Mapping):
+        return [t for value in batch.values() for t in _tensors(value)]
+    return []

@@ -1,0 +1,127 @@
+"""``Engine``: what ``epl.parallelize`` returns and a training loop calls."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from epl.engine.batch import call_model, to_device
+from epl.engine.extensions import ParallelContext, StepRunner
+from epl.plan.plan import Plan
+
+#: Version of the layout of ``Engine.state_dict``.
+STATE_VERSION = 1
+
+
+class Engine:
+    """Trains this rank's part of the model as the Plan says.
+
+    ``step(inputs, targets)`` takes the batch of this rank's replica and returns
+    the replica's mean loss. ``num_replicas`` and ``replica_index`` tell a script
+    which share of the data is its own.
+    """
+
+    def __init__(self, context: ParallelContext, runner: StepRunner) -> None:
+        self.context = context
+        self.runner = runner
+        self.global_step = 0
+
+    # -- training --------------------------------------------------------------------
+    def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
+        """Run forward, backward and the optimizer on one replica batch; return its mean loss."""
+        loss = self.runner.step(inputs, targets)
+        self.global_step += 1
+        return loss
+
+    @torch.no_grad()
+    def predict(self, inputs: Any) -> Any:
+        """The model's outputs for ``inputs``, without gradients (the model's mode is unchanged)."""
+        return call_model(self.model, to_device(inputs, self.context.cluster.device))
+
+    def train(self, mode: bool = True) -> Engine:
+        """Put the model in training mode (``mode=False``: evaluation mode)."""
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        """Put the model in evaluation mode."""
+        return self.train(False)
+
+    # -- what this rank holds ----------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        """This rank's model, after every transform."""
+        return self.context.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """This rank's optimizer, after every wrapper (use it for LR schedulers)."""
+        return self.context.optimizer
+
+    @property
+    def plan(self) -> Plan:
+        """The Plan this engine runs."""
+        return self.context.plan
+
+    @property
+    def num_replicas(self) -> int:
+        """How many model replicas train in parallel (each on its own data)."""
+        return self.plan.num_replicas
+
+    @property
+    def replica_index(self) -> int:
+        """Which replica this rank belongs to (0 .. num_replicas - 1)."""
+        return self.context.replica_index
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters (or shards) this rank holds."""
+        return self.model.parameters()
+
+    # -- checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer and step counter of this rank."""
+        return {
+            "version": STATE_VERSION,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "global_step": self.global_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"Engine state of version {state.get('version')!r}; this EPL reads version {STATE_VERSION}.")
+        self.model.load_state_dict(state["model"])
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.global_step = int(state["global_step"])
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`state_dict` to ``path`` atomically (a crash leaves the old file intact)."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(handle, "wb") as file:
+                torch.save(self.state_dict(), file)
+            os.replace(temporary, target)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Restore a checkpoint written by :meth:`save`."""
+        state = torch.load(path, map_location=self.context.cluster.device, weights_only=True)
+        self.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return (
+            f"epl.Engine(replica {self.replica_index} of {self.num_replicas}, "
+            f"{self.plan.num_stages} stage(s), step {self.global_step})"
+        )

@@ -1,0 +1,94 @@
+"""What plugins receive and return when they extend ``epl.parallelize``.
+
+``ParallelContext`` is handed to the model-transform, optimizer-wrapper and
+step-runner hooks; the three protocols are what those hooks return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from epl.cluster import Cluster
+    from epl.comm.protocol import Communicator
+    from epl.config import Config
+    from epl.env import Env
+    from epl.plan.plan import Plan
+    from epl.strategy.taskgraph import TaskGraph
+
+LossFn = Callable[..., torch.Tensor]
+
+
+@dataclass(kw_only=True)
+class ParallelContext:
+    """Everything ``epl.parallelize`` knows about this rank's part of the job.
+
+    ``model`` is updated after every model transform and ``optimizer`` after
+    every wrapper, so later hooks see the result of earlier ones.
+    """
+
+    env: Env
+    plan: Plan
+    taskgraphs: list[TaskGraph]
+    model: nn.Module
+    loss_fn: LossFn | None
+    optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def config(self) -> Config:
+        """The validated config."""
+        return self.env.config
+
+    @property
+    def cluster(self) -> Cluster:
+        """This process's place in the job."""
+        return self.env.cluster
+
+    @property
+    def communicator(self) -> Communicator:
+        """The communicator joining every process of the job."""
+        assert self.env.communicator is not None, "a plan-only run has no communicator"
+        return self.env.communicator
+
+    @property
+    def replica_index(self) -> int:
+        """The replica this rank belongs to."""
+        return 0 if self.plan.local else self.plan.replica_of(self.cluster.rank)
+
+
+class ModelTransform(Protocol):
+    """Changes this rank's model after placement (checkpointing, casting, sharding, sync hooks).
+
+    Transforms run in ascending ``order``; each receives the previous result.
+    """
+
+    name: str
+    order: int
+
+    def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
+        """Return the transformed model (or ``model`` itself, changed in place)."""
+        ...
+
+
+class OptimizerWrapper(Protocol):
+    """Wraps the optimizer (ZeRO partitioning, apply groups, loss scaling, gradient sync)."""
+
+    name: str
+    order: int
+
+    def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
+        """Return the wrapped optimizer."""
+        ...
+
+
+class StepRunner(Protocol):
+    """Runs one training step on this rank: forward, backward and the optimizer update."""
+
+    def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
+        """Train on one replica batch; return the replica's mean loss (detached)."""
+        ...

@@ -1,0 +1,88 @@
+"""The core's step runner: forward, backward and update in this process, micro-batches as gradient accumulation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from epl.engine.batch import call_model, split_batch, to_device
+from epl.engine.extensions import LossFn, ParallelContext
+from epl.errors import EplError
+
+
+class LocalStepRunner:
+    """Runs a one-stage plan: ``num_micro_batch`` forward/backward passes, then one optimizer step.
+
+    Each micro-batch's loss is divided by the number of micro-batches before its
+    backward, so the accumulated gradients are those of the mean loss over the
+    whole batch; the returned loss is the mean of the micro-batch losses.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        loss_fn: LossFn | None,
+        num_micro_batch: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.num_micro_batch = num_micro_batch
+        self.device = device
+
+    @classmethod
+    def from_context(cls, context: ParallelContext) -> LocalStepRunner:
+        """The runner for the model, optimizer and loss of ``context``."""
+        return cls(
+            model=context.model,
+            optimizer=context.optimizer,
+            loss_fn=context.loss_fn,
+            num_micro_batch=context.plan.num_micro_batch,
+            device=context.cluster.device,
+        )
+
+    def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
+        """Train on one batch; return its mean loss, detached."""
+        if self.optimizer is None:
+            raise EplError("Engine.step needs an optimizer: pass optimizer=... to epl.parallelize().")
+        inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        parts = self.num_micro_batch
+        if parts == 1:
+            loss = self.loss(inputs, targets)
+            loss.backward()
+            self.optimizer.step()
+            return loss.detach()
+        what = f"pipeline.num_micro_batch={parts}"
+        losses = []
+        for micro_inputs, micro_targets in zip(
+            split_batch(inputs, parts, what=what),
+            split_batch(targets, parts, what=what) if targets is not None else [None] * parts,
+            strict=True,
+        ):
+            loss = self.loss(micro_inputs, micro_targets)
+            (loss / parts).backward()
+            losses.append(loss.detach())
+        self.optimizer.step()
+        return torch.stack(losses).mean()
+
+    def loss(self, inputs: Any, targets: Any) -> torch.Tensor:
+        """The scalar loss of ``inputs`` against ``targets``."""
+        outputs = call_model(self.model, inputs)
+        if self.loss_fn is None:
+            if targets is not None:
+                raise EplError("Engine.step got targets but epl.parallelize() had no loss_fn; pass loss_fn=... .")
+            loss = outputs
+        else:
+            loss = self.loss_fn(outputs, targets) if targets is not None else self.loss_fn(outputs)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise EplError(
+                f"The loss must be a scalar tensor, got {shape}. Reduce it (e.g. reduction='mean')."
+            )
+        return loss

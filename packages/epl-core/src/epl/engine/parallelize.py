@@ -1,0 +1,91 @@
+"""``epl.parallelize`` and ``epl.plan``: from annotated model to Engine (or to Plan only)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Union
+
+import torch
+from torch import nn
+
+from epl.engine.engine import Engine
+from epl.engine.extensions import LossFn, ParallelContext
+from epl.env import Env
+from epl.errors import EplError
+from epl.plan.mode import PlanReady, current_request
+from epl.plan.plan import Plan, TaskGraphSpec, build_local_plan, build_plan
+from epl.strategy.taskgraph import TaskGraph
+
+OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], None]
+
+
+def parallelize(model: nn.Module, optimizer: OptimizerSpec = None, loss_fn: LossFn | None = None) -> Engine:
+    """Turn the annotated ``model`` into an :class:`Engine` for this rank.
+
+    Builds the Plan from the captured TaskGraphs, stops capturing annotations,
+    moves the model to this rank's device, applies the plugins' model
+    transforms, builds the optimizer over this rank's parameters (``optimizer``
+    is a factory ``params -> Optimizer``, or an optimizer already built over
+    ``model``'s parameters), applies the plugins' optimizer wrappers and picks
+    the step runner. In ``epl plan`` runs it raises ``PlanReady`` instead.
+    """
+    env = Env.get()
+    if not isinstance(model, nn.Module):
+        raise EplError(f"epl.parallelize takes an nn.Module, got {type(model).__name__}.")
+    taskgraphs = env.annotations.taskgraphs_for(model)
+    plan = _plan_for(taskgraphs, env)
+    env.annotations.remove()
+    if current_request() is not None:
+        raise PlanReady(plan)
+    model = model.to(env.cluster.device)
+    context = ParallelContext(env=env, plan=plan, taskgraphs=taskgraphs, model=model, loss_fn=loss_fn)
+    for transform in env.plugins.model_transforms(context):
+        context.model = transform(context.model, context)
+    context.optimizer = _build_optimizer(optimizer, context.model)
+    if context.optimizer is not None:
+        for wrapper in env.plugins.optimizer_wrappers(context):
+            context.optimizer = wrapper(context.optimizer, context)
+    return Engine(context, env.plugins.make_step_runner(context))
+
+
+def plan(model: nn.Module, *, world_size: int | None = None, gpu_per_worker: int | None = None) -> Plan:
+    """The Plan for ``model``'s annotations on ``world_size`` devices, without running anything.
+
+    Defaults to the current cluster. Capturing goes on: call it as often as you like
+    before ``epl.parallelize``.
+    """
+    env = Env.get()
+    taskgraphs = env.annotations.taskgraphs_for(model)
+    if world_size is None:
+        return _plan_for(taskgraphs, env)
+    specs = [TaskGraphSpec.from_taskgraph(tg) for tg in taskgraphs]
+    return build_plan(specs, world_size=world_size, gpu_per_worker=gpu_per_worker, config=env.config)
+
+
+def _plan_for(taskgraphs: list[TaskGraph], env: Env) -> Plan:
+    specs = [TaskGraphSpec.from_taskgraph(tg) for tg in taskgraphs]
+    if env.cluster.world_size == 1 and not env.planning:
+        return build_local_plan(specs, config=env.config)
+    return build_plan(
+        specs, world_size=env.cluster.world_size, gpu_per_worker=env.cluster.gpu_per_worker, config=env.config
+    )
+
+
+def _build_optimizer(optimizer: OptimizerSpec, model: nn.Module) -> torch.optim.Optimizer | None:
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer is not None:
+            ours = {id(p) for p in model.parameters()}
+            foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in ours)
+            if foreign:
+                raise EplError(
+                    f"The optimizer holds {foreign} parameters that are not in the model given to "
+                    "epl.parallelize. Build it over model.parameters(), or pass a factory: "
+                    "optimizer=lambda params: torch.optim.Adam(params)."
+                )
+        return optimizer
+    if not callable(optimizer):
+        raise EplError(f"optimizer must be a torch.optim.Optimizer or a factory params -> Optimizer, got {optimizer!r}.")
+    built = optimizer(model.parameters())
+    if not isinstance(built, torch.optim.Optimizer):
+        raise EplError(f"The optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer.")
+    return built

@@ -1,0 +1,96 @@
+"""``epl.init`` and ``epl.Env``: the EPL state of this process."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from epl.cluster import Cluster
+from epl.comm.protocol import Communicator
+from epl.config import Config
+from epl.errors import ConfigError, NotInitializedError
+from epl.plan.mode import current_request
+from epl.plugins import EplPluginManager, get_plugin_manager
+from epl.strategy.capture import AnnotationRecorder
+
+
+class Env:
+    """What ``epl.init`` set up: ``cluster``, ``config``, ``plugins``, ``communicator`` and ``annotations``.
+
+    ``Env.get()`` returns the current one. ``communicator`` is None in a plan-only
+    run (``epl plan``), where no processes are joined.
+    """
+
+    _current: ClassVar[Env | None] = None
+
+    def __init__(
+        self,
+        *,
+        cluster: Cluster,
+        config: Config,
+        plugins: EplPluginManager,
+        communicator: Communicator | None,
+        annotations: AnnotationRecorder,
+    ) -> None:
+        self.cluster = cluster
+        self.config = config
+        self.plugins = plugins
+        self.communicator = communicator
+        self.annotations = annotations
+
+    @classmethod
+    def get(cls) -> Env:
+        """The Env of the last ``epl.init`` call."""
+        if cls._current is None:
+            raise NotInitializedError("EPL is not initialised: call epl.init() (or epl.init(epl.Config({...}))) first.")
+        return cls._current
+
+    @property
+    def planning(self) -> bool:
+        """Whether this is a plan-only run (``epl plan``)."""
+        return self.communicator is None
+
+    def close(self) -> None:
+        """Stop capturing annotations and release the communicator. ``Env.get()`` then fails."""
+        self.annotations.remove()
+        if self.communicator is not None:
+            self.communicator.close()
+        if Env._current is self:
+            Env._current = None
+
+    def __repr__(self) -> str:
+        return f"epl.Env(cluster={self.cluster}, config={self.config!r})"
+
+
+def init(config: Config | Mapping[str, Any] | None = None) -> Env:
+    """Start EPL in this process: read the cluster, validate the config, join the processes.
+
+    Calling ``init`` again starts over: the previous Env is closed (its
+    communicator released) and annotations made before are forgotten.
+    Modules created from now until ``epl.parallelize`` are captured into TaskGraphs.
+    """
+    if Env._current is not None:
+        Env._current.close()
+    plugins = get_plugin_manager()
+    if config is None:
+        config = Config(plugin_manager=plugins)
+    elif isinstance(config, Mapping):
+        config = Config(config, plugin_manager=plugins)
+    elif not isinstance(config, Config):
+        raise ConfigError(f"epl.init takes an epl.Config (or a dict of keys), got {type(config).__name__}.")
+    request = current_request()
+    if request is not None:
+        config = config.with_overrides(request.overrides)
+    config.check_plugins(plugins)
+    communicator: Communicator | None
+    if request is not None:
+        cluster = Cluster.virtual(request.world_size, request.gpu_per_worker)
+        communicator = None
+    else:
+        cluster = Cluster.from_environ(visible_devices=config["cluster.run_visible_devices"])
+        communicator = plugins.make_communicator(cluster, config)
+    annotations = AnnotationRecorder()
+    annotations.install()
+    env = Env(cluster=cluster, config=config, plugins=plugins, communicator=communicator, annotations=annotations)
+    Env._current = env
+    return env

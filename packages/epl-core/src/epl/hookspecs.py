@@ -1,0 +1,151 @@
+"""The hooks through which plugins extend EPL.
+
+Every hook is named ``epl_<verb>_<object>`` and documented with when it is called,
+what it receives, and what its return value means. Hooks marked *firstresult*
+stop at the first implementation that returns something other than None; the
+core's own implementation of such a hook is ``trylast`` so any plugin can
+override it. Types are imported only for type checking: this module imports
+nothing at run time but pluggy.
+
+Implement a hook in a module or class with ``@epl.hookimpl`` and expose it
+through the ``epl`` entry-point group, named after your distribution::
+
+    [project.entry-points.epl]
+    epl-something = "epl_something.plugin"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    import click
+    from torch import nn
+
+    from epl.cluster import Cluster
+    from epl.comm.protocol import Communicator
+    from epl.config import Config, ConfigKey
+    from epl.engine.extensions import (
+        ModelTransform,
+        OptimizerWrapper,
+        ParallelContext,
+        StepRunner,
+    )
+    from epl.plan.schedule import ScheduleGenerator
+    from epl.strategy.split_rule import SplitRule
+
+hookspec = pluggy.HookspecMarker("epl")
+
+# --------------------------------------------------------------------------------
+# Configuration: called when the plugin manager builds the config schema, before
+# any epl.Config is validated.
+# --------------------------------------------------------------------------------
+
+
+@hookspec
+def epl_config_keys() -> Sequence[ConfigKey] | None:
+    """Declare the config keys this plugin owns.
+
+    Called once per plugin manager, when the first :class:`epl.Config` is built.
+    Return the keys (name, types, default, doc, allowed values). A key may
+    replace a key the core declares with ``provided_by`` naming this plugin
+    (e.g. epl-memory refining ``zero.level``); any other duplicate is an error.
+    Return None to declare nothing.
+    """
+
+
+# --------------------------------------------------------------------------------
+# Initialisation: called by epl.init after the cluster is read from the environment.
+# --------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def epl_make_communicator(cluster: Cluster, config: Config) -> Communicator | None:
+    """Build the communicator that joins the processes of ``cluster``.
+
+    Called once by ``epl.init``. *firstresult*: the first non-None result is used.
+    Return None to leave the choice to another plugin. The core answers last with
+    a single-process communicator when ``cluster.world_size == 1``.
+
+    :param cluster: ranks, world size and device of this process.
+    :param config: the validated config (e.g. ``communication.*`` keys).
+    """
+
+
+# --------------------------------------------------------------------------------
+# Parallelisation: called by epl.parallelize, in this order:
+#   1. epl_model_transforms   (after placement, before the optimizer is built)
+#   2. epl_optimizer_wrappers (after the optimizer is built over local parameters)
+#   3. epl_make_step_runner   (what Engine.step runs)
+# --------------------------------------------------------------------------------
+
+
+@hookspec
+def epl_model_transforms(context: ParallelContext) -> Sequence[ModelTransform] | None:
+    """Offer transforms of this rank's model (checkpointing, casting, sharding, sync hooks).
+
+    Called once per ``epl.parallelize``. Return the transforms that apply to
+    ``context`` (read its config and plan), or None. All transforms of all
+    plugins run in ascending ``order``, each receiving the previous result.
+    """
+
+
+@hookspec
+def epl_optimizer_wrappers(context: ParallelContext) -> Sequence[OptimizerWrapper] | None:
+    """Offer wrappers of the optimizer (ZeRO partitioning, apply groups, loss scaling).
+
+    Called once per ``epl.parallelize`` after the optimizer is built over the
+    parameters this rank holds. Return the wrappers that apply, or None. They
+    run in ascending ``order``, each wrapping the previous result.
+    """
+
+
+@hookspec(firstresult=True)
+def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
+    """Build what runs one training step (forward, backward, optimizer) for this rank.
+
+    Called once per ``epl.parallelize``, after the transforms and wrappers.
+    *firstresult*. Return None when the plan is not yours (e.g. a pipeline
+    plugin returns None for a one-stage plan). The core answers last with the
+    local runner (micro-batches as gradient accumulation) for one-stage plans.
+    """
+
+
+# --------------------------------------------------------------------------------
+# Registries: collected from every plugin; a name or type registered twice is an error.
+# --------------------------------------------------------------------------------
+
+
+@hookspec
+def epl_pipeline_schedules() -> Mapping[str, ScheduleGenerator] | None:
+    """Register pipeline schedules by name (the values of ``pipeline.strategy``).
+
+    Called when a pipeline is built or a schedule is drawn. A schedule generator
+    turns (stages, micro-batches) into per-stage action lists; one executor runs
+    every schedule. Return None to register none.
+    """
+
+
+@hookspec
+def epl_split_rules() -> Mapping[type[nn.Module], SplitRule] | None:
+    """Register how modules of a type are sharded under ``epl.split``.
+
+    Called when a split TaskGraph is parallelized. Keys are module classes; the
+    most specific class in a module's MRO wins. Return None to register none.
+    """
+
+
+# --------------------------------------------------------------------------------
+# Command line: called when the `epl` command starts.
+# --------------------------------------------------------------------------------
+
+
+@hookspec
+def epl_cli_commands(cli: click.Group) -> None:
+    """Add subcommands to the ``epl`` click group (``cli.add_command(...)``).
+
+    Called once when the ``epl`` command starts, before arguments are parsed.
+    """

@@ -1,0 +1,333 @@
+"""The Plan: where every TaskGraph of every replica runs, computed without any process group.
+
+Placement rules (DESIGN.md):
+
+* A replica spans D devices: the sum of its TaskGraphs' ``device_count``, or,
+  with ``cluster.colocate_split_and_replicate``, the common ``device_count`` of
+  all TaskGraphs (an implicit TaskGraph then widens to D).
+* ``replicas = world_size / D``; anything else is an error naming the numbers.
+* Row-major (``cluster.device_place_prefer_intra_node``, the default): replica r
+  holds devices ``r*D .. r*D+D-1``, TaskGraph after TaskGraph. Column-major:
+  position s of replica r is device ``s*replicas + r``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from epl.errors import PlacementError
+
+if TYPE_CHECKING:
+    from epl.config import Config
+    from epl.strategy.taskgraph import TaskGraph
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskGraphSpec:
+    """What the Plan needs to know of a TaskGraph: its strategy and the size of its parameters.
+
+    For a split TaskGraph, ``shard_parameters``/``shard_bytes`` give what each of
+    its devices holds, estimated by sharding every parameter along dimension 0
+    until the split rules say otherwise.
+    """
+
+    index: int
+    name: str
+    strategy: str
+    device_count: int
+    implicit: bool = False
+    num_parameters: int = 0
+    parameter_bytes: int = 0
+    shard_parameters: tuple[int, ...] = ()
+    shard_bytes: tuple[int, ...] = ()
+    modules: tuple[str, ...] = ()
+
+    @classmethod
+    def from_taskgraph(cls, taskgraph: TaskGraph) -> TaskGraphSpec:
+        """Summarise a captured TaskGraph."""
+        params = taskgraph.parameters
+        k = taskgraph.strategy.device_count
+        shard_numel = [0] * k
+        shard_bytes = [0] * k
+        if taskgraph.strategy.kind == "split":
+            for p in params:
+                for shard, numel in enumerate(_dim0_shard_numels(p, k)):
+                    shard_numel[shard] += numel
+                    shard_bytes[shard] += numel * p.element_size()
+        return cls(
+            index=taskgraph.index,
+            name=taskgraph.name,
+            strategy=taskgraph.strategy.kind,
+            device_count=k,
+            implicit=taskgraph.implicit,
+            num_parameters=sum(p.numel() for p in params),
+            parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+            shard_parameters=tuple(shard_numel) if taskgraph.strategy.kind == "split" else (),
+            shard_bytes=tuple(shard_bytes) if taskgraph.strategy.kind == "split" else (),
+            modules=tuple(taskgraph.modules),
+        )
+
+    @property
+    def label(self) -> str:
+        """``replicate(2)`` or ``split(4)``."""
+        return f"{self.strategy}({self.device_count})"
+
+    def held_by_position(self, position: int) -> tuple[int, int]:
+        """(parameters, bytes) held by the device at ``position`` of this TaskGraph."""
+        if self.strategy == "split":
+            return self.shard_parameters[position], self.shard_bytes[position]
+        return self.num_parameters, self.parameter_bytes
+
+
+@dataclass(frozen=True)
+class DeviceAssignment:
+    """What one device (global rank) runs."""
+
+    device: int
+    worker: int
+    replica: int
+    slot: int
+    #: (TaskGraph index, position of this device within that TaskGraph's devices).
+    taskgraphs: tuple[tuple[int, int], ...]
+    num_parameters: int
+    parameter_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Placement of every TaskGraph of every replica on ``world_size`` devices.
+
+    Plain data: printable (``str(plan)``), serialisable (``to_dict``/``to_json``)
+    and independent of any process group, so it can be computed for clusters
+    far larger than this machine.
+    """
+
+    world_size: int
+    gpu_per_worker: int
+    devices_per_replica: int
+    num_replicas: int
+    num_micro_batch: int
+    colocated: bool
+    row_major: bool
+    taskgraphs: tuple[TaskGraphSpec, ...]
+    #: Per TaskGraph, its positions (slots) within a replica's devices.
+    slots: tuple[tuple[int, ...], ...]
+    notes: tuple[str, ...] = field(default=())
+    #: One process runs every TaskGraph (no launcher): annotations checked, not applied.
+    local: bool = False
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages: TaskGraphs on different devices run one after another."""
+        return 1 if self.colocated or self.local else len(self.taskgraphs)
+
+    @property
+    def num_workers(self) -> int:
+        """Nodes in the cluster."""
+        return self.world_size // self.gpu_per_worker
+
+    def device_of(self, replica: int, slot: int) -> int:
+        """The device at position ``slot`` of ``replica``."""
+        if self.row_major:
+            return replica * self.devices_per_replica + slot
+        return slot * self.num_replicas + replica
+
+    def locate(self, device: int) -> tuple[int, int]:
+        """(replica, slot) of ``device``."""
+        if not 0 <= device < self.world_size:
+            raise ValueError(f"device {device} is not in a world of {self.world_size} devices")
+        if self.row_major:
+            return divmod(device, self.devices_per_replica)
+        slot, replica = divmod(device, self.num_replicas)
+        return replica, slot
+
+    def replica_of(self, rank: int) -> int:
+        """The replica that ``rank`` belongs to."""
+        return self.locate(rank)[0]
+
+    def devices(self, taskgraph: int, replica: int | None = None) -> tuple[int, ...]:
+        """Devices of ``taskgraph`` in ``replica``, or in every replica when None."""
+        replicas = range(self.num_replicas) if replica is None else [replica]
+        return tuple(self.device_of(r, s) for r in replicas for s in self.slots[taskgraph])
+
+    def devices_of_replica(self, replica: int) -> tuple[int, ...]:
+        """Every device of ``replica``, in slot order."""
+        return tuple(self.device_of(replica, slot) for slot in range(self.devices_per_replica))
+
+    def assignment(self, device: int) -> DeviceAssignment:
+        """What ``device`` runs and holds."""
+        replica, slot = self.locate(device)
+        held = tuple((tg.index, self.slots[tg.index].index(slot)) for tg in self.taskgraphs if slot in self.slots[tg.index])
+        if self.local:
+            sizes = [(tg.num_parameters, tg.parameter_bytes) for tg in self.taskgraphs]
+        else:
+            sizes = [self.taskgraphs[i].held_by_position(pos) for i, pos in held]
+        return DeviceAssignment(
+            device=device,
+            worker=device // self.gpu_per_worker,
+            replica=replica,
+            slot=slot,
+            taskgraphs=held,
+            num_parameters=sum(n for n, _ in sizes),
+            parameter_bytes=sum(b for _, b in sizes),
+        )
+
+    def taskgraphs_on(self, rank: int) -> tuple[int, ...]:
+        """Indices of the TaskGraphs that ``rank`` runs."""
+        return tuple(index for index, _ in self.assignment(rank).taskgraphs)
+
+    def global_batch(self, replica_batch: int) -> int:
+        """Samples per step over all replicas."""
+        return self.num_replicas * replica_batch
+
+    # -- serialisation ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (lists and dicts) that :meth:`from_dict` reads back."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """Rebuild a Plan from :meth:`to_dict` output."""
+        fields = dict(data)
+        fields["taskgraphs"] = tuple(
+            TaskGraphSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in tg.items()})
+            for tg in data["taskgraphs"]
+        )
+        fields["slots"] = tuple(tuple(s) for s in data["slots"])
+        fields["notes"] = tuple(data.get("notes", ()))
+        return cls(**fields)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The Plan as JSON."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def __str__(self) -> str:
+        from epl.plan.render import render_plan
+
+        return render_plan(self)
+
+
+def build_plan(
+    taskgraphs: Sequence[TaskGraphSpec],
+    *,
+    world_size: int,
+    gpu_per_worker: int | None,
+    config: Config,
+) -> Plan:
+    """Place ``taskgraphs`` on ``world_size`` devices following the placement rules."""
+    gpu_per_worker = gpu_per_worker or world_size
+    if world_size < 1 or world_size % gpu_per_worker:
+        raise PlacementError(
+            f"World size {world_size} is not a multiple of {gpu_per_worker} devices per worker."
+        )
+    colocated = bool(config["cluster.colocate_split_and_replicate"])
+    row_major = bool(config["cluster.device_place_prefer_intra_node"])
+    specs, width, slots = _replica_layout(taskgraphs, colocated)
+    if world_size % width:
+        parts = " + ".join(f"{tg.name}: {tg.device_count}" for tg in specs)
+        how = "the common device_count (colocated)" if colocated else parts
+        raise PlacementError(
+            f"The model needs {width} devices per replica ({how}), but the world size {world_size} "
+            f"is not a multiple of {width}. Run on a multiple of {width} devices "
+            f"({', '.join(str(width * i) for i in range(1, 4))}, ...) or change the annotations' device_count."
+        )
+    replicas = world_size // width
+    return Plan(
+        world_size=world_size,
+        gpu_per_worker=gpu_per_worker,
+        devices_per_replica=width,
+        num_replicas=replicas,
+        num_micro_batch=int(config["pipeline.num_micro_batch"]),
+        colocated=colocated,
+        row_major=row_major,
+        taskgraphs=tuple(specs),
+        slots=tuple(slots),
+        notes=tuple(_notes(specs, width, replicas, gpu_per_worker, colocated, row_major)),
+    )
+
+
+def build_local_plan(taskgraphs: Sequence[TaskGraphSpec], *, config: Config) -> Plan:
+    """The Plan of a run in one process: every TaskGraph on device 0, one replica.
+
+    The annotations are still checked: the placement they ask for must be valid
+    on one replica's worth of devices.
+    """
+    colocated = bool(config["cluster.colocate_split_and_replicate"])
+    specs, width, _ = _replica_layout(taskgraphs, colocated)
+    note = (
+        f"One process runs every TaskGraph locally; launched on a multiple of {width} devices "
+        f"this model would run as {width} device{'s' if width != 1 else ''} per replica."
+    )
+    return Plan(
+        world_size=1,
+        gpu_per_worker=1,
+        devices_per_replica=1,
+        num_replicas=1,
+        num_micro_batch=int(config["pipeline.num_micro_batch"]),
+        colocated=colocated,
+        row_major=True,
+        taskgraphs=tuple(specs),
+        slots=((0,),) * len(specs),
+        notes=(note,),
+        local=True,
+    )
+
+
+def _replica_layout(
+    taskgraphs: Sequence[TaskGraphSpec], colocated: bool
+) -> tuple[list[TaskGraphSpec], int, list[tuple[int, ...]]]:
+    """(TaskGraphs, devices per replica, each TaskGraph's slots in a replica)."""
+    specs = list(taskgraphs)
+    if colocated:
+        width = max((tg.device_count for tg in specs if not tg.implicit), default=1)
+        if any(not tg.implicit and tg.device_count != width for tg in specs):
+            counts = ", ".join(f"{tg.name}: {tg.device_count}" for tg in specs if not tg.implicit)
+            raise PlacementError(
+                "With cluster.colocate_split_and_replicate=True all TaskGraphs share the same devices, "
+                f"so their device_count must be equal; got {counts}. Use one device_count for every "
+                "annotation, or set cluster.colocate_split_and_replicate to False."
+            )
+        specs = [replace(tg, device_count=width) if tg.implicit else tg for tg in specs]
+        return specs, width, [tuple(range(width))] * len(specs)
+    offsets = [sum(tg.device_count for tg in specs[:i]) for i in range(len(specs))]
+    slots = [tuple(range(o, o + tg.device_count)) for o, tg in zip(offsets, specs, strict=True)]
+    return specs, sum(tg.device_count for tg in specs), slots
+
+
+def _notes(
+    specs: Sequence[TaskGraphSpec], width: int, replicas: int, gpu_per_worker: int, colocated: bool, row_major: bool
+) -> list[str]:
+    notes = []
+    for tg in specs:
+        if not tg.implicit and tg.num_parameters == 0:
+            notes.append(f"{tg.name} ({tg.label}) holds no parameters of the model.")
+        if tg.implicit:
+            notes.append(
+                f"{tg.name} holds modules created outside any annotation; it is replicate({tg.device_count})."
+            )
+        if tg.strategy == "replicate" and tg.device_count > 1:
+            notes.append(f"{tg.name} splits each replica batch {tg.device_count} ways.")
+    if not row_major and replicas > 1:
+        notes.append("Column-major placement (cluster.device_place_prefer_intra_node=False): a replica's devices are spread over nodes.")
+    elif width > gpu_per_worker:
+        notes.append(f"A replica needs {width} devices, more than the {gpu_per_worker} of one worker: replicas span nodes.")
+    elif gpu_per_worker % width:
+        notes.append(
+            f"{width} devices per replica do not divide {gpu_per_worker} devices per worker: some replicas span two nodes."
+        )
+    if colocated and len(specs) > 1:
+        notes.append("TaskGraphs are colocated (cluster.colocate_split_and_replicate=True): one stage, no pipeline.")
+    return notes
+
+
+def _dim0_shard_numels(tensor: torch.Tensor, shards: int) -> list[int]:
+    if tensor.dim() == 0:
+        return [1] * shards
+    rows = tensor.shape[0]
+    per_row = tensor.numel() // rows if rows else 0
+    return [(rows // shards + (1 if i < rows % shards else 0)) * per_row for i in range(shards)]

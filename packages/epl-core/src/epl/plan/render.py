@@ -1,0 +1,74 @@
+"""Text rendering of a Plan: a summary, the TaskGraph table and the device table."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from epl.plan.plan import Plan
+
+#: The device table lists at most this many devices (all of them in small worlds).
+ALL_DEVICES_UP_TO = 16
+
+
+def render_plan(plan: Plan) -> str:
+    """The Plan as a human-readable report."""
+    lines = [
+        f"EPL plan for {plan.world_size} devices ({plan.num_workers} workers x {plan.gpu_per_worker} devices)",
+        f"  {plan.num_replicas} replicas x {plan.devices_per_replica} devices per replica, "
+        f"{plan.num_stages} pipeline stage{'s' if plan.num_stages != 1 else ''}, "
+        f"{'row' if plan.row_major else 'column'}-major placement",
+        f"  batch: {plan.num_micro_batch} micro-batch{'es' if plan.num_micro_batch != 1 else ''} per replica batch; "
+        f"global batch = {plan.num_replicas} x replica batch",
+        "",
+    ]
+    rows = [["taskgraph", "name", "strategy", "parameters", "devices"]]
+    for tg in plan.taskgraphs:
+        rows.append([str(tg.index), tg.name, tg.label, f"{tg.num_parameters:,}", format_devices(plan.devices(tg.index))])
+    lines += _table(rows)
+    lines.append("")
+    shown = list(range(plan.world_size) if plan.world_size <= ALL_DEVICES_UP_TO else plan.devices_of_replica(0))
+    shown = shown[:ALL_DEVICES_UP_TO]
+    rows = [["device", "worker", "replica", "runs", "parameters", "parameter memory"]]
+    for device in shown:
+        a = plan.assignment(device)
+        runs = ", ".join(
+            plan.taskgraphs[i].name + (f"[shard {pos}]" if plan.taskgraphs[i].strategy == "split" else "")
+            for i, pos in a.taskgraphs
+        )
+        rows.append([str(device), str(a.worker), str(a.replica), runs, f"{a.num_parameters:,}", format_bytes(a.parameter_bytes)])
+    lines += _table(rows)
+    if plan.world_size > len(shown):
+        lines.append(
+            f"  ... {plan.world_size - len(shown)} more devices; every replica is laid out like replica 0 "
+            "(--json lists them all)"
+        )
+    if plan.notes:
+        lines += ["", "notes:"] + [f"  - {note}" for note in plan.notes]
+    return "\n".join(lines)
+
+
+def format_devices(devices: Sequence[int]) -> str:
+    """A device list, shortened when long: ``0, 2, 4, ..., 1022 (512 devices)``."""
+    devices = list(devices)
+    if len(devices) <= 8:
+        return ", ".join(map(str, devices))
+    step = devices[1] - devices[0]
+    regular = all(b - a == step for a, b in zip(devices, devices[1:], strict=False))
+    head = ", ".join(map(str, devices[:3]))
+    middle = "" if regular else " (irregular)"
+    return f"{head}, ...{middle}, {devices[-1]} ({len(devices)} devices)"
+
+
+def format_bytes(count: int) -> str:
+    """``1536`` -> ``1.5 KiB``."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]

@@ -1,0 +1,223 @@
+"""A typed facade over pluggy: one method per hook, entry-point discovery, validation."""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import pluggy
+
+from epl import hookspecs
+from epl.errors import MissingPluginError, PluginError
+
+if TYPE_CHECKING:
+    import click
+    from torch import nn
+
+    from epl.cluster import Cluster
+    from epl.comm.protocol import Communicator
+    from epl.config import Config, ConfigKey
+    from epl.engine.extensions import ModelTransform, OptimizerWrapper, ParallelContext, StepRunner
+    from epl.plan.schedule import ScheduleGenerator
+    from epl.strategy.split_rule import SplitRule
+
+#: Entry-point group that plugins are discovered in.
+ENTRY_POINT_GROUP = "epl"
+#: ``1``/``true`` blocks every external plugin; a comma-separated list blocks those names.
+DISABLE_ENV_VAR = "EPL_DISABLE_EXTERNAL_PLUGINS"
+#: The name the core's own plugin is registered under.
+CORE_PLUGIN_NAME = "epl-core"
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """What ``epl plugins`` shows about one registered plugin."""
+
+    name: str
+    source: str
+    hooks: tuple[str, ...]
+
+
+class EplPluginManager:
+    """The plugins of this process and one typed method per hook.
+
+    The core's defaults are registered first as the ``epl-core`` plugin; then
+    every entry point of the ``epl`` group is loaded, unless blocked by
+    ``EPL_DISABLE_EXTERNAL_PLUGINS``. Every implementation must match a spec.
+    """
+
+    def __init__(self, *, load_entry_points: bool = True, environ: Mapping[str, str] | None = None) -> None:
+        from epl.plugins import builtin
+
+        self._pm = pluggy.PluginManager("epl")
+        self._pm.add_hookspecs(hookspecs)
+        self._sources: dict[str, str] = {}
+        self._schema: dict[str, ConfigKey] | None = None
+        self.blocked: tuple[str, ...] = ()
+        self.register(builtin, name=CORE_PLUGIN_NAME, source="built in")
+        if load_entry_points:
+            self._load_entry_points(os.environ if environ is None else environ)
+
+    # -- registration --------------------------------------------------------------
+    def register(self, plugin: object, *, name: str, source: str = "registered in code") -> None:
+        """Register ``plugin`` (a module or object with ``@epl.hookimpl`` functions) as ``name``."""
+        if self._pm.has_plugin(name):
+            raise PluginError(f"A plugin named {name!r} is already registered ({self._sources[name]}).")
+        try:
+            self._pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"Plugin {name!r} ({source}) does not match EPL's hook specs: {exc}") from exc
+        self._check_specs(name)
+        self._sources[name] = source
+        self._schema = None
+
+    def unregister(self, name: str) -> None:
+        """Remove the plugin registered as ``name``."""
+        self._pm.unregister(name=name)
+        self._sources.pop(name, None)
+        self._schema = None
+
+    def has_plugin(self, name: str) -> bool:
+        """Whether a plugin is registered under ``name`` (a distribution name for entry points)."""
+        return self._pm.has_plugin(name)
+
+    def plugins(self) -> list[PluginInfo]:
+        """Every registered plugin with where it came from and the hooks it implements."""
+        infos = []
+        for name, plugin in self._pm.list_name_plugin():
+            hooks = tuple(
+                sorted(caller.name for caller in self._pm.get_hookcallers(plugin) or [])
+            )
+            infos.append(PluginInfo(name=name, source=self._sources.get(name, "?"), hooks=hooks))
+        return infos
+
+    def _load_entry_points(self, environ: Mapping[str, str]) -> None:
+        setting = environ.get(DISABLE_ENV_VAR, "").strip()
+        block_all = setting.lower() in {"1", "true", "yes", "all"}
+        names = {n.strip() for n in setting.split(",") if n.strip()} if not block_all else set()
+        blocked = []
+        for dist in importlib.metadata.distributions():
+            for entry_point in dist.entry_points:
+                if entry_point.group != ENTRY_POINT_GROUP or self._pm.has_plugin(entry_point.name):
+                    continue
+                if block_all or entry_point.name in names:
+                    blocked.append(entry_point.name)
+                    continue
+                source = f"{dist.metadata['Name']} {dist.version}"
+                try:
+                    plugin = entry_point.load()
+                except Exception as exc:
+                    raise PluginError(
+                        f"Plugin {entry_point.name!r} ({source}, entry point {entry_point.value}) "
+                        f"failed to import: {exc!r}. Fix or uninstall it, or set "
+                        f"{DISABLE_ENV_VAR}={entry_point.name} to skip it."
+                    ) from exc
+                self.register(plugin, name=entry_point.name, source=source)
+        self.blocked = tuple(sorted(blocked))
+
+    def _check_specs(self, name: str) -> None:
+        plugin = self._pm.get_plugin(name)
+        for caller in self._pm.get_hookcallers(plugin) or []:
+            if caller.spec is None:
+                known = [n for n in dir(hookspecs) if n.startswith("epl_")]
+                match = difflib.get_close_matches(caller.name, known, n=1)
+                hint = f" Did you mean {match[0]!r}?" if match else ""
+                self._pm.unregister(name=name)
+                raise PluginError(
+                    f"Plugin {name!r} implements {caller.name!r}, which is not an EPL hook.{hint} "
+                    f"The hooks are listed in epl/hookspecs.py."
+                )
+
+    # -- one method per hook -------------------------------------------------------
+    def config_schema(self) -> dict[str, ConfigKey]:
+        """Every declared config key by name (``epl_config_keys`` of all plugins)."""
+        if self._schema is None:
+            self._schema = self._collect_config_keys()
+        return self._schema
+
+    def _collect_config_keys(self) -> dict[str, ConfigKey]:
+        schema: dict[str, ConfigKey] = {}
+        owners: dict[str, str] = {}
+        # Core first so that a plugin's key can replace the core's placeholder for it.
+        impls = sorted(
+            self._pm.hook.epl_config_keys.get_hookimpls(),
+            key=lambda impl: impl.plugin_name != CORE_PLUGIN_NAME,
+        )
+        for impl in impls:
+            for key in impl.function() or ():
+                previous = schema.get(key.name)
+                if previous is not None and previous.provided_by != impl.plugin_name:
+                    raise PluginError(
+                        f"Config key {key.name!r} is declared by both {owners[key.name]!r} and "
+                        f"{impl.plugin_name!r}. Rename one of them."
+                    )
+                schema[key.name] = key
+                owners[key.name] = impl.plugin_name
+        return dict(sorted(schema.items()))
+
+    def make_communicator(self, cluster: Cluster, config: Config) -> Communicator:
+        """The communicator for ``cluster`` (``epl_make_communicator``)."""
+        communicator = self._pm.hook.epl_make_communicator(cluster=cluster, config=config)
+        if communicator is None:
+            raise MissingPluginError(
+                f"No installed plugin can join {cluster.world_size} processes: the core only runs "
+                "one process. Install the package epl-comm: pip install epl-comm "
+                "(from a checkout: pip install -e packages/epl-comm)."
+            )
+        return communicator
+
+    def model_transforms(self, context: ParallelContext) -> list[ModelTransform]:
+        """Every applicable model transform, in ascending ``order`` (``epl_model_transforms``)."""
+        return _ordered(self._pm.hook.epl_model_transforms(context=context))
+
+    def optimizer_wrappers(self, context: ParallelContext) -> list[OptimizerWrapper]:
+        """Every applicable optimizer wrapper, in ascending ``order`` (``epl_optimizer_wrappers``)."""
+        return _ordered(self._pm.hook.epl_optimizer_wrappers(context=context))
+
+    def make_step_runner(self, context: ParallelContext) -> StepRunner:
+        """What ``Engine.step`` runs on this rank (``epl_make_step_runner``)."""
+        runner = self._pm.hook.epl_make_step_runner(context=context)
+        if runner is None:
+            raise MissingPluginError(
+                f"No installed plugin can run a plan with {context.plan.num_stages} pipeline stages. "
+                "Install the package epl-pipeline: pip install epl-pipeline "
+                "(from a checkout: pip install -e packages/epl-pipeline)."
+            )
+        return runner
+
+    def pipeline_schedules(self) -> dict[str, ScheduleGenerator]:
+        """Every registered pipeline schedule by name (``epl_pipeline_schedules``)."""
+        return self._registry(self._pm.hook.epl_pipeline_schedules, "pipeline schedule", str)
+
+    def split_rules(self) -> dict[type[nn.Module], SplitRule]:
+        """Every registered split rule by module type (``epl_split_rules``)."""
+        return self._registry(self._pm.hook.epl_split_rules, "split rule for", lambda t: t.__qualname__)
+
+    def add_cli_commands(self, cli: click.Group) -> None:
+        """Let every plugin add its subcommands to ``cli`` (``epl_cli_commands``)."""
+        self._pm.hook.epl_cli_commands(cli=cli)
+
+    def _registry(self, hook: Any, what: str, describe: Callable[[Any], str]) -> dict[Any, Any]:
+        merged: dict[Any, Any] = {}
+        owners: dict[Any, str] = {}
+        for impl in hook.get_hookimpls():
+            for key, value in (impl.function() or {}).items():
+                if key in merged:
+                    raise PluginError(
+                        f"The {what} {describe(key)!r} is registered by both {owners[key]!r} and "
+                        f"{impl.plugin_name!r}. Uninstall or rename one of them."
+                    )
+                merged[key] = value
+                owners[key] = impl.plugin_name
+        return merged
+
+
+def _ordered(results: Iterable[Iterable[T] | None]) -> list[T]:
+    items = [item for result in results for item in (result or ())]
+    return sorted(items, key=lambda item: getattr(item, "order", 0))
