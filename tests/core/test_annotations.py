@@ -1,0 +1,196 @@
+"""Capture of the manual's annotations into TaskGraphs through PyTorch's registration hooks."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+from torch.nn.modules import module as module_hooks
+
+import epl
+from epl.examples import manual as examples
+
+
+def taskgraphs(model: nn.Module) -> list[epl.TaskGraph]:
+    return epl.Env.get().annotations.taskgraphs_for(model)
+
+
+def summary(model: nn.Module) -> list[tuple[str, str, int, bool]]:
+    return [(tg.name, tg.strategy.kind, tg.strategy.device_count, tg.implicit) for tg in taskgraphs(model)]
+
+
+def owned(tg: epl.TaskGraph) -> set[int]:
+    return {id(t) for t in tg.tensors}
+
+
+def test_data_parallel_example_is_one_replicate_taskgraph() -> None:
+    epl.init()
+    model = examples.data_parallel()
+    (tg,) = taskgraphs(model)
+    assert (tg.strategy.kind, tg.strategy.device_count, tg.implicit) == ("replicate", 1, False)
+    assert owned(tg) == {id(p) for p in model.parameters()}
+    assert tg.modules == ["0", "1"]
+
+
+def test_pipeline_example_has_two_stages_and_container_owns_nothing() -> None:
+    epl.init(epl.Config({"pipeline.num_micro_batch": 4}))
+    model = examples.pipeline()
+    stage0, stage1 = taskgraphs(model)
+    assert (stage0.name, stage1.name) == ("stage_0", "stage_1")
+    assert owned(stage0) == {id(p) for p in model[0].parameters()}
+    assert owned(stage1) == {id(p) for p in model[1].parameters()}
+    assert stage0.modules == ["0.0", "0.2"] and stage1.modules == ["1.0", "1.2"]
+
+
+def test_bert_example_each_set_default_strategy_opens_a_taskgraph() -> None:
+    epl.init()
+    model = examples.bert_stages()
+    first, second = taskgraphs(model)
+    assert not first.implicit and not second.implicit
+    assert owned(first) == {id(t) for t in [*model[0].parameters(), *model[0].buffers()]}
+    assert owned(second) == {id(t) for t in [*model[1].parameters(), *model[1].buffers()]}
+
+
+def test_colocated_classification_example() -> None:
+    epl.init(epl.Config({"cluster.colocate_split_and_replicate": True}))
+    model = examples.classification()
+    assert summary(model) == [("taskgraph_0", "replicate", 1, False), ("taskgraph_1", "split", 1, False)]
+    features, classifier = taskgraphs(model)
+    assert owned(classifier) == {id(p) for p in model[1].parameters()}
+    # BatchNorm buffers belong to the features TaskGraph too.
+    assert {id(b) for b in model[0].buffers()} <= owned(features)
+
+
+def test_moe_example_default_resumes_after_split_scope() -> None:
+    epl.init(epl.Config({"cluster.colocate_split_and_replicate": True}))
+    model = examples.moe()
+    default, experts = taskgraphs(model)
+    assert (default.strategy.kind, experts.strategy.kind) == ("replicate", "split")
+    assert owned(experts) == {id(p) for p in model.experts.parameters()}
+    assert owned(default) == {id(p) for p in [*model.attention.parameters(), *model.gate.parameters()]}
+
+
+def test_modules_after_scope_return_to_the_same_default_taskgraph() -> None:
+    epl.init()
+    epl.set_default_strategy(epl.replicate(2))
+    a = nn.Linear(2, 2)
+    with epl.split(2):
+        b = nn.Linear(2, 2)
+    c = nn.Linear(2, 2)
+    model = nn.Sequential(a, b, c)
+    default, split = taskgraphs(model)
+    assert owned(default) == {id(p) for p in [*a.parameters(), *c.parameters()]}
+    assert owned(split) == {id(p) for p in b.parameters()}
+
+
+def test_unannotated_modules_form_implicit_replicate_taskgraphs() -> None:
+    before = nn.Linear(3, 3)  # created before epl.init
+    epl.init()
+    early = nn.Linear(3, 3)
+    with epl.replicate(1, name="middle"):
+        middle = nn.Linear(3, 3)
+    late = nn.Linear(3, 3)
+    model = nn.Sequential(before, early, middle, late)
+    assert summary(model) == [
+        ("implicit_0", "replicate", 1, True),
+        ("middle", "replicate", 1, False),
+        ("implicit_2", "replicate", 1, True),
+    ]
+    first, _, last = taskgraphs(model)
+    assert owned(first) == {id(p) for p in [*before.parameters(), *early.parameters()]}
+    assert owned(last) == {id(p) for p in late.parameters()}
+
+
+def test_model_without_annotations_is_one_implicit_taskgraph() -> None:
+    epl.init()
+    model = nn.Linear(2, 2)
+    assert summary(model) == [("implicit_0", "replicate", 1, True)]
+
+
+def test_set_default_strategy_none_returns_to_implicit() -> None:
+    epl.init()
+    epl.set_default_strategy(epl.replicate(1, name="a"))
+    a = nn.Linear(2, 2)
+    epl.set_default_strategy(None)
+    b = nn.Linear(2, 2)
+    assert summary(nn.Sequential(a, b)) == [("a", "replicate", 1, False), ("implicit_1", "replicate", 1, True)]
+
+
+def test_tied_parameter_stays_with_its_first_taskgraph() -> None:
+    epl.init()
+    with epl.replicate(1, name="a"):
+        embed = nn.Embedding(10, 4)
+    with epl.replicate(1, name="b"):
+        head = nn.Linear(4, 10, bias=False)
+    head.weight = embed.weight  # re-registration does not move it
+    first, second = taskgraphs(nn.Sequential(embed, head))
+    assert id(embed.weight) in owned(first) and not second.tensors
+
+
+def test_nesting_is_an_error() -> None:
+    epl.init()
+    with epl.replicate(1), pytest.raises(epl.AnnotationError, match=r"Nested annotations are not allowed: split\(2\) was opened inside replicate\(1\)"):
+        with epl.split(2):
+            pass
+
+
+def test_set_default_strategy_inside_scope_is_an_error() -> None:
+    epl.init()
+    with epl.replicate(1), pytest.raises(epl.AnnotationError, match="inside the scope"):
+        epl.set_default_strategy(epl.replicate(1))
+
+
+def test_duplicate_names_are_an_error() -> None:
+    epl.init()
+    with epl.replicate(1, name="stage_0"):
+        pass
+    with pytest.raises(epl.AnnotationError, match="Two annotations are named 'stage_0'"):
+        with epl.replicate(1, name="stage_0"):
+            pass
+
+
+@pytest.mark.parametrize("count", [0, -1, 1.5, True, None])
+def test_device_count_must_be_a_positive_integer(count: object) -> None:
+    with pytest.raises(epl.AnnotationError, match="positive integer device count"):
+        epl.replicate(count)  # type: ignore[arg-type]
+
+
+def test_set_default_strategy_rejects_other_objects() -> None:
+    epl.init()
+    with pytest.raises(epl.AnnotationError, match="takes epl.replicate"):
+        epl.set_default_strategy("replicate")  # type: ignore[arg-type]
+
+
+def test_annotations_before_init_are_an_error() -> None:
+    with pytest.raises(epl.NotInitializedError, match=r"call epl.init\(\)"):
+        with epl.replicate(1):
+            pass
+    with pytest.raises(epl.NotInitializedError):
+        epl.Env.get()
+
+
+def test_hooks_are_installed_by_init_and_removed_by_parallelize() -> None:
+    before = len(module_hooks._global_parameter_registration_hooks)
+    epl.init()
+    assert len(module_hooks._global_parameter_registration_hooks) == before + 1
+    with epl.replicate(1):
+        model = nn.Linear(2, 2)
+    epl.parallelize(model, optimizer=lambda p: __import__("torch").optim.SGD(p, lr=0.1))
+    assert len(module_hooks._global_parameter_registration_hooks) == before
+    assert len(module_hooks._global_buffer_registration_hooks) == 0
+    with pytest.raises(epl.AnnotationError, match="after epl.parallelize"):
+        with epl.replicate(1):
+            pass
+
+
+def test_second_init_starts_over() -> None:
+    first = epl.init(epl.Config({"pipeline.num_micro_batch": 2}))
+    with epl.replicate(1, name="old"):
+        nn.Linear(2, 2)
+    second = epl.init()
+    assert epl.Env.get() is second and second is not first
+    assert not first.annotations.installed
+    assert second.config["pipeline.num_micro_batch"] == 1
+    assert len(module_hooks._global_parameter_registration_hooks) == 1
+    with epl.replicate(1, name="old"):  # the old name is free again
+        model = nn.Linear(2, 2)
+    assert summary(model) == [("old", "replicate", 1, False)]

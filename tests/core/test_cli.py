@@ -1,0 +1,113 @@
+"""The ``epl`` command: config, plan and plugins."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from epl.cli import make_cli
+from epl.cli.config_command import render_markdown
+from epl.config import Config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(*args: str) -> Result:
+    return CliRunner().invoke(make_cli(), list(args))
+
+
+def test_config_table_lists_every_key_with_default_and_package() -> None:
+    result = run("config")
+    assert result.exit_code == 0, result.output
+    for name, key in Config().keys().items():
+        assert f"{name} = {key.default!r}" in result.output
+    assert "[pipeline]" in result.output and "package epl-memory" in result.output
+    assert "env EPL_PIPELINE_NUM_MICRO_BATCH" in result.output
+
+
+def test_config_shows_sources_of_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    file = tmp_path / "epl.toml"
+    file.write_text("[communication]\nmax_splits = 3\n")
+    monkeypatch.setenv("EPL_CLUSTER_COLOCATE_SPLIT_AND_REPLICATE", "1")
+    result = run("config", "--config-file", str(file), "--set", "pipeline.num_micro_batch=4", "--format", "json")
+    rows = {row["key"]: row for row in json.loads(result.output)}
+    assert (rows["pipeline.num_micro_batch"]["value"], rows["pipeline.num_micro_batch"]["source"]) == (4, "dict")
+    assert (rows["communication.max_splits"]["value"], rows["communication.max_splits"]["source"]) == (3, "file")
+    assert rows["cluster.colocate_split_and_replicate"]["source"] == "env"
+
+
+def test_config_errors_are_one_clear_line() -> None:
+    result = run("config", "--set", "pipeline.num_micro_batchs=4")
+    assert result.exit_code == 1
+    assert "Unknown config key 'pipeline.num_micro_batchs'" in result.output
+    assert "Did you mean 'pipeline.num_micro_batch'?" in result.output
+    result = run("config", "--set", "pipeline.num_micro_batch=four")
+    assert result.exit_code == 1 and "cannot read 'four' as int" in result.output
+
+
+def test_docs_config_page_is_generated_from_the_keys() -> None:
+    page = (REPO / "docs" / "config.md").read_text()
+    assert render_markdown(Config()) in page, "docs/config.md is stale: run `epl config --format markdown`"
+
+
+@pytest.mark.parametrize(("world", "expected"), [(8, "4 replicas x 2 devices per replica"), (1024, "512 replicas x 2 devices")])
+def test_plan_of_a_manual_example(world: int, expected: str) -> None:
+    result = run("plan", "--world-size", str(world), "--example", "pipeline")
+    assert result.exit_code == 0, result.output
+    assert expected in result.output and "stage_0" in result.output
+
+
+def test_plan_of_a_script_with_its_arguments(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch, epl\n"
+        "from torch import nn\n"
+        "stages = int(sys.argv[sys.argv.index('--stages') + 1])\n"
+        "epl.init(epl.Config({'pipeline.num_micro_batch': 4}))\n"
+        "parts = []\n"
+        "for s in range(stages):\n"
+        "    with epl.replicate(1, name=f's{s}'):\n"
+        "        parts.append(nn.Linear(4, 4))\n"
+        "engine = epl.parallelize(nn.Sequential(*parts), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))\n"
+        "raise SystemExit('training must not start in a plan-only run')\n"
+    )
+    result = run("plan", "-n", "8", "--gpu-per-worker", "4", "--json", str(script), "--stages", "4")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert (plan["num_replicas"], plan["devices_per_replica"], plan["gpu_per_worker"]) == (2, 4, 4)
+    assert [tg["name"] for tg in plan["taskgraphs"]] == ["s0", "s1", "s2", "s3"]
+
+
+def test_plan_applies_overrides_and_total_gpu_num_is_the_planned_world() -> None:
+    result = run("plan", "-n", "16", "--gpu-per-worker", "8", "--example", "moe")
+    assert result.exit_code == 0, result.output
+    assert "split(16)" in result.output and "replicate(16)" in result.output
+    result = run("plan", "-n", "4", "--example", "pipeline", "--set", "cluster.device_place_prefer_intra_node=false")
+    assert "0, 1" in result.output and "column-major" in result.output
+
+
+def test_plan_errors(tmp_path: Path) -> None:
+    result = run("plan", "-n", "3", "--example", "pipeline")
+    assert result.exit_code == 1 and "world size 3 is not a multiple of 2" in result.output
+    result = run("plan", "-n", "2")
+    assert result.exit_code == 2 and "Give a SCRIPT or --example NAME" in result.output
+    idle = tmp_path / "idle.py"
+    idle.write_text("import epl\nepl.init()\n")
+    result = run("plan", "-n", "2", str(idle))
+    assert result.exit_code == 1 and "finished without calling epl.parallelize()" in result.output
+
+
+def test_plugins_lists_the_core() -> None:
+    result = run("plugins")
+    assert result.exit_code == 0 and "epl-core  (built in)" in result.output
+    assert "epl_make_step_runner" in result.output
+
+
+def test_console_script_entry_point() -> None:
+    from importlib.metadata import entry_points
+
+    (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "epl"]
+    assert script.value == "epl.cli:main"

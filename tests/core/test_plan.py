@@ -1,0 +1,146 @@
+"""The Plan: placement rules for several world sizes, errors that name the numbers, serialisation."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+import epl
+from epl.examples import manual as examples
+from epl.plan import Plan, TaskGraphSpec, build_plan
+
+
+def spec(index: int, strategy: str, count: int, *, params: int = 100, implicit: bool = False, name: str | None = None) -> TaskGraphSpec:
+    shards = tuple(params // count for _ in range(count)) if strategy == "split" else ()
+    return TaskGraphSpec(
+        index=index, name=name or f"tg{index}", strategy=strategy, device_count=count, implicit=implicit,
+        num_parameters=params, parameter_bytes=4 * params, shard_parameters=shards, shard_bytes=tuple(4 * s for s in shards),
+    )
+
+
+def place(specs: list[TaskGraphSpec], world: int, per_worker: int | None = None, **config: object) -> Plan:
+    return build_plan(specs, world_size=world, gpu_per_worker=per_worker, config=epl.Config(config))
+
+
+def test_two_stages_on_four_devices_is_row_major() -> None:
+    plan = place([spec(0, "replicate", 1), spec(1, "replicate", 1)], 4)
+    assert (plan.num_replicas, plan.devices_per_replica, plan.num_stages) == (2, 2, 2)
+    assert plan.devices(0) == (0, 2) and plan.devices(1) == (1, 3)
+    assert [plan.replica_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert plan.taskgraphs_on(3) == (1,)
+
+
+def test_column_major_when_intra_node_is_not_preferred() -> None:
+    plan = place([spec(0, "replicate", 1), spec(1, "replicate", 1)], 4, **{"cluster.device_place_prefer_intra_node": False})
+    assert plan.devices(0) == (0, 1) and plan.devices(1) == (2, 3)
+    assert [plan.replica_of(r) for r in range(4)] == [0, 1, 0, 1]
+    assert any("Column-major" in note for note in plan.notes)
+
+
+@pytest.mark.parametrize(
+    ("counts", "world", "replicas", "first_replica"),
+    [
+        ([1], 8, 8, [[0]]),
+        ([1, 1], 8, 4, [[0], [1]]),
+        ([2, 1], 6, 2, [[0, 1], [2]]),
+        ([1, 1, 1, 1], 8, 2, [[0], [1], [2], [3]]),
+        ([1, 1], 1024, 512, [[0], [1]]),
+        ([4], 1024, 256, [[0, 1, 2, 3]]),
+    ],
+)
+def test_placement_table(counts: list[int], world: int, replicas: int, first_replica: list[list[int]]) -> None:
+    plan = place([spec(i, "replicate", c) for i, c in enumerate(counts)], world)
+    assert plan.num_replicas == replicas
+    assert [list(plan.devices(i, replica=0)) for i in range(len(counts))] == first_replica
+    width = sum(counts)
+    last = replicas - 1
+    assert plan.devices(0, replica=last)[0] == last * width
+    # every device runs exactly one TaskGraph and the table covers the world once
+    assert sorted(d for i in range(len(counts)) for d in plan.devices(i)) == list(range(world))
+
+
+def test_colocated_taskgraphs_share_devices() -> None:
+    plan = place([spec(0, "replicate", 8), spec(1, "split", 8, params=800)], 16, 8, **{"cluster.colocate_split_and_replicate": True})
+    assert (plan.num_replicas, plan.devices_per_replica, plan.num_stages) == (2, 8, 1)
+    assert plan.devices(0, 1) == plan.devices(1, 1) == tuple(range(8, 16))
+    a = plan.assignment(9)
+    assert a.taskgraphs == ((0, 1), (1, 1)) and a.num_parameters == 100 + 100 and a.worker == 1
+
+
+def test_colocated_implicit_taskgraph_widens() -> None:
+    plan = place([spec(0, "replicate", 1, implicit=True), spec(1, "split", 4)], 8, **{"cluster.colocate_split_and_replicate": True})
+    assert plan.taskgraphs[0].device_count == 4 and plan.devices(0, 0) == (0, 1, 2, 3)
+
+
+def test_colocated_unequal_counts_is_an_error() -> None:
+    with pytest.raises(epl.PlacementError, match=r"device_count must be equal; got a: 4, b: 8"):
+        place([spec(0, "replicate", 4, name="a"), spec(1, "split", 8, name="b")], 8, **{"cluster.colocate_split_and_replicate": True})
+
+
+def test_sizes_that_do_not_divide_name_the_numbers() -> None:
+    with pytest.raises(
+        epl.PlacementError,
+        match=r"needs 3 devices per replica \(stage_0: 1 \+ stage_1: 2\), but the world size 8 is not a multiple of 3.*\(3, 6, 9, \.\.\.\)",
+    ):
+        place([spec(0, "replicate", 1, name="stage_0"), spec(1, "replicate", 2, name="stage_1")], 8)
+    with pytest.raises(epl.PlacementError, match="world size 2 is not a multiple of 4"):
+        place([spec(0, "split", 4)], 2)
+    with pytest.raises(epl.PlacementError, match="World size 6 is not a multiple of 4 devices per worker"):
+        place([spec(0, "replicate", 1)], 6, 4)
+
+
+def test_split_parameters_per_device_and_memory() -> None:
+    epl.init()
+    with epl.split(4, name="head"):
+        model = nn.Linear(8, 10)  # 10 rows of 9 (weight + bias): shards of 3, 3, 2, 2 rows
+    plan = epl.plan(model, world_size=8)
+    assert [plan.assignment(d).num_parameters for d in range(4)] == [27, 27, 18, 18]
+    assert plan.assignment(0).parameter_bytes == 27 * 4
+    assert plan.num_replicas == 2
+
+
+def test_notes_for_nodes_and_empty_taskgraphs() -> None:
+    plan = place([spec(0, "replicate", 3, params=0, name="empty")], 12, 4)
+    text = "\n".join(plan.notes)
+    assert "empty (replicate(3)) holds no parameters" in text
+    assert "3 devices per replica do not divide 4 devices per worker" in text
+    assert "splits each replica batch 3 ways" in text
+    wide = place([spec(0, "replicate", 8)], 16, 4)
+    assert any("replicas span nodes" in note for note in wide.notes)
+
+
+def test_plan_round_trips_through_json() -> None:
+    plan = place([spec(0, "replicate", 2), spec(1, "split", 2, params=10)], 8, 4, **{"pipeline.num_micro_batch": 4})
+    again = Plan.from_dict(__import__("json").loads(plan.to_json()))
+    assert again == plan
+    assert str(again) == str(plan)
+
+
+def test_plan_text_for_1024_devices_is_short() -> None:
+    epl.init(epl.Config({"pipeline.num_micro_batch": 4}))
+    model = examples.pipeline()
+    text = str(epl.plan(model, world_size=1024, gpu_per_worker=8))
+    assert "512 replicas x 2 devices per replica, 2 pipeline stages" in text
+    assert "0, 2, 4, ..., 1022 (512 devices)" in text
+    assert "1, 3, 5, ..., 1023 (512 devices)" in text
+    assert "1022 more devices" in text
+    assert len(text.splitlines()) < 30
+
+
+def test_local_plan_checks_annotations_but_runs_everything_here() -> None:
+    epl.init()
+    model = examples.by_hand()
+    plan = epl.plan(model)
+    assert plan.local and plan.world_size == 1 and plan.num_stages == 1 and plan.num_replicas == 1
+    assert plan.assignment(0).num_parameters == sum(p.numel() for p in model.parameters())
+    assert "would run as 4 devices per replica" in plan.notes[0]
+
+
+def test_local_plan_still_rejects_invalid_colocation() -> None:
+    epl.init(epl.Config({"cluster.colocate_split_and_replicate": True}))
+    with epl.replicate(2):
+        a = nn.Linear(2, 2)
+    with epl.split(4):
+        b = nn.Linear(2, 2)
+    with pytest.raises(epl.PlacementError, match="must be equal"):
+        epl.plan(nn.Sequential(a, b))

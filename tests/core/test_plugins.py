@@ -1,0 +1,228 @@
+"""Plugin discovery through entry points, hook validation, and the core's hooks used by plugins."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+import epl
+from epl.cli import make_cli
+from epl.config import ConfigKey
+from epl.plugins import EplPluginManager, get_plugin_manager
+
+FAKE_PLUGIN = '''
+import click
+import epl
+from epl.config import ConfigKey
+
+@epl.hookimpl
+def epl_config_keys():
+    return [ConfigKey(name="fake.level", types=(int,), default=0, minimum=0, doc="A key of the fake plugin.")]
+
+@epl.hookimpl
+def epl_cli_commands(cli):
+    @cli.command("fake")
+    def fake():
+        """Say hello from the fake plugin."""
+        click.echo("hello from fake")
+'''
+
+
+def install_fake_distribution(root: Path, name: str, module: str, source: str) -> None:
+    """A real (unpacked) distribution on sys.path with an ``epl`` entry point."""
+    (root / f"{module}.py").write_text(source)
+    info = root / f"{module}-1.2.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.2.3\n")
+    (info / "entry_points.txt").write_text(f"[epl]\n{name} = {module}\n")
+
+
+@pytest.fixture
+def fake_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    install_fake_distribution(tmp_path, "epl-fake", "epl_fake_plugin", FAKE_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "epl-fake"
+    sys.modules.pop("epl_fake_plugin", None)
+
+
+def test_core_defaults_are_a_plugin() -> None:
+    (info,) = [p for p in get_plugin_manager().plugins() if p.name == "epl-core"]
+    assert info.source == "built in"
+    assert {"epl_config_keys", "epl_make_communicator", "epl_make_step_runner", "epl_cli_commands"} <= set(info.hooks)
+
+
+def test_entry_point_plugin_is_discovered(fake_plugin: str) -> None:
+    manager = get_plugin_manager()
+    assert manager.has_plugin(fake_plugin)
+    (info,) = [p for p in manager.plugins() if p.name == fake_plugin]
+    assert info.source == "epl-fake 1.2.3" and info.hooks == ("epl_cli_commands", "epl_config_keys")
+    assert epl.Config({"fake.level": 3})["fake.level"] == 3
+    result = CliRunner().invoke(make_cli(), ["fake"])
+    assert result.output == "hello from fake\n", (result.output, result.exception)
+    assert "epl-fake (epl-fake 1.2.3)" in CliRunner().invoke(make_cli(), ["plugins"]).output.replace("  ", " ")
+
+
+@pytest.mark.parametrize("setting", ["1", "true", "epl-fake", "other,epl-fake"])
+def test_external_plugins_can_be_disabled(fake_plugin: str, monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
+    monkeypatch.setenv("EPL_DISABLE_EXTERNAL_PLUGINS", setting)
+    manager = EplPluginManager()
+    assert not manager.has_plugin(fake_plugin) and manager.has_plugin("epl-core")
+    assert manager.blocked == (fake_plugin,)
+    with pytest.raises(epl.ConfigError, match="Unknown config key 'fake.level'"):
+        epl.Config({"fake.level": 1}, plugin_manager=manager)
+
+
+def test_plugin_that_fails_to_import_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    install_fake_distribution(tmp_path, "epl-broken", "epl_broken_plugin", "raise ImportError('no torch_xla here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(epl.PluginError, match=r"Plugin 'epl-broken' \(epl-broken 1.2.3.*failed to import.*no torch_xla here.*EPL_DISABLE_EXTERNAL_PLUGINS=epl-broken"):
+        EplPluginManager()
+
+
+def test_implementation_without_spec_is_rejected_with_suggestion() -> None:
+    class Typo:
+        @epl.hookimpl
+        def epl_config_key(self) -> list[ConfigKey]:
+            return []
+
+    manager = EplPluginManager(load_entry_points=False)
+    with pytest.raises(epl.PluginError, match=r"implements 'epl_config_key', which is not an EPL hook. Did you mean 'epl_config_keys'"):
+        manager.register(Typo(), name="typo")
+    assert not manager.has_plugin("typo")
+
+
+def test_implementation_with_wrong_arguments_is_rejected() -> None:
+    class Wrong:
+        @epl.hookimpl
+        def epl_make_communicator(self, cluster, config, extra):  # type: ignore[no-untyped-def]
+            return None
+
+    with pytest.raises(epl.PluginError, match="does not match EPL's hook specs"):
+        EplPluginManager(load_entry_points=False).register(Wrong(), name="wrong")
+
+
+def test_duplicate_config_key_is_an_error() -> None:
+    class Clash:
+        @epl.hookimpl
+        def epl_config_keys(self) -> list[ConfigKey]:
+            return [ConfigKey(name="pipeline.num_micro_batch", types=(int,), default=2, doc="clash")]
+
+    manager = EplPluginManager(load_entry_points=False)
+    manager.register(Clash(), name="clash")
+    with pytest.raises(epl.PluginError, match="'pipeline.num_micro_batch' is declared by both 'epl-core' and 'clash'"):
+        manager.config_schema()
+
+
+def test_providing_plugin_may_refine_its_key_and_satisfies_the_requirement() -> None:
+    class Memory:
+        @epl.hookimpl
+        def epl_config_keys(self) -> list[ConfigKey]:
+            return [ConfigKey(name="zero.level", types=(str,), default="", choices=("", "v1", "v3"), doc="refined")]
+
+    manager = get_plugin_manager()
+    with pytest.raises(epl.MissingPluginError):
+        epl.init(epl.Config({"zero.level": "v1"}))
+    manager.register(Memory(), name="epl-memory")
+    config = epl.Config({"zero.level": "v3"})
+    assert epl.init(config).config["zero.level"] == "v3"
+
+
+def test_registries_reject_duplicates() -> None:
+    def schedule(stages: int, micro_batches: int) -> list[list[None]]:
+        return [[None]] * stages
+
+    class A:
+        @epl.hookimpl
+        def epl_pipeline_schedules(self):  # type: ignore[no-untyped-def]
+            return {"Mine": schedule}
+
+        @epl.hookimpl
+        def epl_split_rules(self):  # type: ignore[no-untyped-def]
+            return {nn.Linear: lambda module, index, count, comm: module}
+
+    class B(A):
+        pass
+
+    manager = EplPluginManager(load_entry_points=False)
+    manager.register(A(), name="a")
+    assert manager.pipeline_schedules() == {"Mine": schedule} and list(manager.split_rules()) == [nn.Linear]
+    manager.register(B(), name="b")
+    with pytest.raises(epl.PluginError, match="pipeline schedule 'Mine' is registered by both"):
+        manager.pipeline_schedules()
+    with pytest.raises(epl.PluginError, match="split rule for 'Linear' is registered by both"):
+        manager.split_rules()
+
+
+def test_model_transforms_and_optimizer_wrappers_run_in_order() -> None:
+    calls: list[str] = []
+
+    class Scale:
+        def __init__(self, name: str, order: int) -> None:
+            self.name, self.order = name, order
+
+        def __call__(self, model: nn.Module, context: object) -> nn.Module:
+            calls.append(self.name)
+            return model
+
+    class Wrap:
+        name, order = "wrap", 0
+
+        def __call__(self, optimizer: torch.optim.Optimizer, context: object) -> torch.optim.Optimizer:
+            calls.append("wrap")
+            assert isinstance(context, epl.engine.ParallelContext) and context.optimizer is optimizer
+            return optimizer
+
+    class Plugin:
+        @epl.hookimpl
+        def epl_model_transforms(self, context):  # type: ignore[no-untyped-def]
+            assert context.plan.local
+            return [Scale("second", 2), Scale("first", 1)]
+
+        @epl.hookimpl
+        def epl_optimizer_wrappers(self, context):  # type: ignore[no-untyped-def]
+            return [Wrap()]
+
+    get_plugin_manager().register(Plugin(), name="ordering")
+    epl.init()
+    epl.parallelize(nn.Linear(2, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert calls == ["first", "second", "wrap"]
+
+
+def test_a_plugin_step_runner_overrides_the_core() -> None:
+    class Runner:
+        def step(self, inputs: object, targets: object = None) -> torch.Tensor:
+            return torch.tensor(42.0)
+
+    class Plugin:
+        @epl.hookimpl
+        def epl_make_step_runner(self, context):  # type: ignore[no-untyped-def]
+            return Runner()
+
+    get_plugin_manager().register(Plugin(), name="runner")
+    epl.init()
+    engine = epl.parallelize(nn.Linear(2, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert engine.step(torch.zeros(1, 2)).item() == 42.0
+
+
+def test_several_processes_without_epl_comm_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(epl.MissingPluginError, match="can join 2 processes.*pip install epl-comm"):
+        epl.init()
+
+
+def test_every_hook_is_documented_and_exercised() -> None:
+    from epl import hookspecs
+
+    hooks = [name for name in dir(hookspecs) if name.startswith("epl_")]
+    assert len(hooks) == 8
+    source = Path(__file__).read_text()
+    for name in hooks:
+        assert (getattr(hookspecs, name).__doc__ or "").strip(), f"{name} has no docstring"
+        assert name in source, f"{name} is not exercised by a test in this file"

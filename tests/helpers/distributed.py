@@ -1,0 +1,203 @@
+"""Run a function on several real processes (one per rank) and collect what each returned.
+
+Each rank is a fresh ``spawn``ed Python process with the environment ``epl launch``
+and torchrun set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT) and ``OMP_NUM_THREADS=1``. Its stdout and stderr (Python and C
+level) go to a log file per rank. When any rank fails, or the ranks do not
+finish within ``timeout`` seconds, every rank is stopped and the error shows
+each rank's exit code, traceback and the end of its log.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: Lines of each rank's log shown in a failure report.
+LOG_TAIL_LINES = 40
+#: Seconds between SIGTERM and SIGKILL when stopping ranks.
+GRACE_SECONDS = 5.0
+
+
+class DistributedTestError(AssertionError):
+    """One or more ranks failed or timed out; the message has every rank's report."""
+
+
+@dataclass
+class RankReport:
+    """What one rank left behind."""
+
+    rank: int
+    exitcode: int | None
+    value: Any = None
+    error: str | None = None
+    failed_at: float = float("inf")
+    log: str = ""
+
+    def describe(self) -> str:
+        """A readable block for failure messages."""
+        status = "still running (killed)" if self.exitcode is None else f"exit code {self.exitcode}"
+        lines = [f"--- rank {self.rank}: {status} ---"]
+        if self.error:
+            lines.append(self.error.rstrip())
+        tail = self.log.rstrip().splitlines()[-LOG_TAIL_LINES:]
+        if tail:
+            lines.append("log (last lines):")
+            lines += [f"  | {line}" for line in tail]
+        return "\n".join(lines)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """Call ``fn(*args)`` on ``world_size`` processes; return each rank's result, by rank.
+
+    ``fn`` must be importable (defined at module level). ``env`` adds environment
+    variables for every rank. Raises :class:`DistributedTestError` when a rank
+    raises, exits non-zero, or the job exceeds ``timeout`` seconds.
+    """
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="epl-ranks-") as folder:
+        workdir = Path(folder)
+        processes = []
+        for rank in range(world_size):
+            process = context.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, port, str(workdir), args, dict(env or {})),
+                name=f"rank{rank}",
+            )
+            process.start()
+            processes.append(process)
+        deadline = time.monotonic() + timeout
+        failed_early = False
+        while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+            if any(p.exitcode not in (None, 0) for p in processes):
+                failed_early = True
+                break
+            time.sleep(0.05)
+        timed_out = not failed_early and any(p.is_alive() for p in processes)
+        running = [rank for rank, p in enumerate(processes) if p.is_alive()]
+        _stop(processes)
+        reports = [_report(rank, p.exitcode if rank not in running else None, workdir) for rank, p in enumerate(processes)]
+    if timed_out:
+        raise DistributedTestError(
+            f"{world_size} ranks did not finish within {timeout:.0f}s; still running: ranks {running}\n"
+            + "\n".join(r.describe() for r in reports)
+        )
+    bad = [r for r in reports if r.error is not None or r.exitcode != 0]
+    if bad:
+        first = min(bad, key=lambda r: r.failed_at)
+        raise DistributedTestError(
+            f"ranks {[r.rank for r in bad]} of {world_size} failed, rank {first.rank} first\n"
+            + "\n".join(r.describe() for r in reports)
+        )
+    return [r.value for r in reports]
+
+
+def init_gloo(timeout_seconds: float = 60.0) -> None:
+    """Join the default torch.distributed process group on gloo, with a collective timeout."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    workdir: str,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+) -> None:
+    log = open(Path(workdir) / f"rank{rank}.log", "w", buffering=1)  # noqa: SIM115 - lives as long as the process
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            **env,
+        }
+    )
+    result: dict[str, Any]
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        result = {"value": fn(*args)}
+    except BaseException:
+        result = {"error": traceback.format_exc(), "failed_at": time.time()}
+    finally:
+        _destroy_process_group()
+    with open(Path(workdir) / f"rank{rank}.pkl", "wb") as file:
+        pickle.dump(result, file)
+    log.flush()
+    sys.exit(1 if "error" in result else 0)
+
+
+def _destroy_process_group() -> None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+
+
+def _stop(processes: list[multiprocessing.process.BaseProcess]) -> None:
+    for process in processes:
+        if process.is_alive() and process.pid is not None:
+            os.kill(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_SECONDS
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _report(rank: int, exitcode: int | None, workdir: Path) -> RankReport:
+    log_file = workdir / f"rank{rank}.log"
+    log = log_file.read_text(errors="replace") if log_file.exists() else ""
+    report = RankReport(rank=rank, exitcode=exitcode, log=log)
+    result_file = workdir / f"rank{rank}.pkl"
+    if result_file.exists():
+        result = pickle.loads(result_file.read_bytes())
+        report.value = result.get("value")
+        report.error = result.get("error")
+        report.failed_at = result.get("failed_at", float("inf"))
+    elif exitcode is not None and exitcode != 0:
+        report.error = f"rank {rank} died without a result (exit code {exitcode})"
+    return report
