@@ -128,7 +128,13 @@ def test_tied_parameter_stays_with_its_first_taskgraph() -> None:
 
 def test_nesting_is_an_error() -> None:
     epl.init()
-    with epl.replicate(1), pytest.raises(epl.AnnotationError, match=r"Nested annotations are not allowed: split\(2\) was opened inside replicate\(1\)"):
+    with (
+        epl.replicate(1),
+        pytest.raises(
+            epl.AnnotationError,
+            match=r"Nested annotations are not allowed: split\(2\) was opened inside replicate\(1\)",
+        ),
+    ):
         with epl.split(2):
             pass
 

@@ -53,7 +53,9 @@ def test_docs_config_page_is_generated_from_the_keys() -> None:
     assert render_markdown(Config()) in page, "docs/config.md is stale: run `epl config --format markdown`"
 
 
-@pytest.mark.parametrize(("world", "expected"), [(8, "4 replicas x 2 devices per replica"), (1024, "512 replicas x 2 devices")])
+@pytest.mark.parametrize(
+    ("world", "expected"), [(8, "4 replicas x 2 devices per replica"), (1024, "512 replicas x 2 devices")]
+)
 def test_plan_of_a_manual_example(world: int, expected: str) -> None:
     result = run("plan", "--world-size", str(world), "--example", "pipeline")
     assert result.exit_code == 0, result.output

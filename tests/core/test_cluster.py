@@ -16,7 +16,14 @@ def test_no_launcher_is_one_local_process() -> None:
 
 
 def test_torchrun_variables() -> None:
-    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    env = {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+    }
     cluster = Cluster.from_environ(env, cuda_available=False)
     assert (cluster.rank, cluster.world_size, cluster.local_rank, cluster.gpu_per_worker) == (5, 8, 1, 4)
     assert (cluster.num_workers, cluster.worker_index, cluster.total_gpu_num) == (2, 1, 8)
@@ -26,7 +33,12 @@ def test_torchrun_variables() -> None:
 @pytest.mark.parametrize(
     "env",
     [
-        {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+        {
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_RANK": "3",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        },
         {"PMI_SIZE": "4", "PMI_RANK": "3", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
         {"PMIX_SIZE": "4", "PMIX_RANK": "3", "PMIX_LOCAL_RANK": "1", "PMIX_LOCAL_SIZE": "2"},
     ],
@@ -34,7 +46,13 @@ def test_torchrun_variables() -> None:
 )
 def test_mpi_variables(env: dict[str, str]) -> None:
     cluster = Cluster.from_environ(env, cuda_available=False)
-    assert (cluster.world_size, cluster.rank, cluster.local_rank, cluster.num_workers, cluster.launcher) == (4, 3, 1, 2, "mpi")
+    assert (cluster.world_size, cluster.rank, cluster.local_rank, cluster.num_workers, cluster.launcher) == (
+        4,
+        3,
+        1,
+        2,
+        "mpi",
+    )
 
 
 def test_cuda_device_follows_local_rank_and_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,7 +68,10 @@ def test_cuda_device_follows_local_rank_and_visible_devices(monkeypatch: pytest.
     ("env", "message"),
     [
         ({"RANK": "4", "WORLD_SIZE": "4"}, r"RANK 4 is outside the world of 4 processes"),
-        ({"RANK": "0", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"}, r"WORLD_SIZE 6 is not a multiple of LOCAL_WORLD_SIZE 4"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"},
+            r"WORLD_SIZE 6 is not a multiple of LOCAL_WORLD_SIZE 4",
+        ),
         ({"RANK": "x", "WORLD_SIZE": "2"}, r"RANK='x' must be an integer"),
         ({"RANK": "0", "WORLD_SIZE": "0"}, r"WORLD_SIZE must be at least 1"),
     ],

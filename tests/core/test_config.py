@@ -61,7 +61,10 @@ def test_attribute_access_reads_sections() -> None:
 
 
 def test_unknown_key_names_the_closest_key() -> None:
-    with pytest.raises(epl.ConfigError, match=r"Unknown config key 'pipeline.num_micro_batches'.*Did you mean 'pipeline.num_micro_batch'"):
+    with pytest.raises(
+        epl.ConfigError,
+        match=r"Unknown config key 'pipeline.num_micro_batches'.*Did you mean 'pipeline.num_micro_batch'",
+    ):
         epl.Config({"pipeline.num_micro_batches": 4})
 
 
@@ -124,7 +127,9 @@ def test_unknown_environment_variable_warns_with_suggestion(monkeypatch: pytest.
 
 def test_file_toml_and_json_with_precedence(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     toml = tmp_path / "epl.toml"
-    toml.write_text('[pipeline]\nnum_micro_batch = 8\nstrategy = "PreferForward"\n[cluster]\ncolocate_split_and_replicate = true\n')
+    toml.write_text(
+        '[pipeline]\nnum_micro_batch = 8\nstrategy = "PreferForward"\n[cluster]\ncolocate_split_and_replicate = true\n'
+    )
     config = epl.Config(file=toml)
     assert config["pipeline.num_micro_batch"] == 8
     assert config.source("pipeline.strategy") == "file"
@@ -146,7 +151,9 @@ def test_file_errors(tmp_path) -> None:
         epl.Config(file=bad)
     typo = tmp_path / "typo.json"
     typo.write_text('{"zero.levle": "v1"}')
-    with pytest.raises(epl.ConfigError, match=r"Unknown config key 'zero.levle' \(in config file .*typo.json\).*'zero.level'"):
+    with pytest.raises(
+        epl.ConfigError, match=r"Unknown config key 'zero.levle' \(in config file .*typo.json\).*'zero.level'"
+    ):
         epl.Config(file=typo)
 
 
@@ -183,7 +190,9 @@ def test_config_pickles_and_compares() -> None:
 )
 def test_key_of_missing_plugin_fails_at_init_naming_the_package(key: str, value: object, package: str) -> None:
     config = epl.Config({key: value})  # building it is fine: the key exists
-    with pytest.raises(epl.MissingPluginError, match=rf"'{key}' = .* needs the package {package}.*pip install {package}"):
+    with pytest.raises(
+        epl.MissingPluginError, match=rf"'{key}' = .* needs the package {package}.*pip install {package}"
+    ):
         epl.init(config)
 
 

@@ -19,10 +19,15 @@ OPTIMIZERS: dict[str, OptimizerFactory] = {
 STEPS = 5
 
 
-def data(steps: int = STEPS, batch: int = 8, dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def data(
+    steps: int = STEPS, batch: int = 8, dtype: torch.dtype = torch.float32
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
     return [
-        (torch.randn(batch, 12, generator=generator, dtype=dtype), torch.randn(batch, 12, generator=generator, dtype=dtype))
+        (
+            torch.randn(batch, 12, generator=generator, dtype=dtype),
+            torch.randn(batch, 12, generator=generator, dtype=dtype),
+        )
         for _ in range(steps)
     ]
 
@@ -43,7 +48,9 @@ def plain_model(dtype: torch.dtype = torch.float32) -> nn.Module:
     return nn.Sequential(stage0, stage1).to(dtype)
 
 
-def plain_run(optimizer: str, micro_batches: int, dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], nn.Module]:
+def plain_run(
+    optimizer: str, micro_batches: int, dtype: torch.dtype = torch.float32
+) -> tuple[list[torch.Tensor], nn.Module]:
     """The loop a user writes without EPL (gradient accumulation written by hand when M > 1)."""
     model = plain_model(dtype)
     opt = OPTIMIZERS[optimizer](model.parameters())
@@ -66,7 +73,9 @@ def plain_run(optimizer: str, micro_batches: int, dtype: torch.dtype = torch.flo
     return losses, model
 
 
-def epl_run(optimizer: str, micro_batches: int, dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], epl.Engine]:
+def epl_run(
+    optimizer: str, micro_batches: int, dtype: torch.dtype = torch.float32
+) -> tuple[list[torch.Tensor], epl.Engine]:
     epl.init(epl.Config({"pipeline.num_micro_batch": micro_batches}))
     engine = epl.parallelize(build(dtype), optimizer=OPTIMIZERS[optimizer], loss_fn=nn.MSELoss())
     return [engine.step(x, y) for x, y in data(dtype=dtype)], engine
@@ -144,7 +153,10 @@ def test_tuple_and_dict_inputs_and_model_computed_loss() -> None:
 def test_batch_that_does_not_divide_into_micro_batches() -> None:
     epl.init(epl.Config({"pipeline.num_micro_batch": 4}))
     engine = epl.parallelize(nn.Linear(2, 2), optimizer=OPTIMIZERS["sgd"], loss_fn=nn.MSELoss())
-    with pytest.raises(epl.BatchError, match=r"batch of 10 samples cannot be split into 4 equal parts for pipeline.num_micro_batch=4.*multiple of 4"):
+    with pytest.raises(
+        epl.BatchError,
+        match=r"batch of 10 samples cannot be split into 4 equal parts for pipeline.num_micro_batch=4.*multiple of 4",
+    ):
         engine.step(torch.randn(10, 2), torch.randn(10, 2))
 
 

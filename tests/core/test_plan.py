@@ -10,11 +10,20 @@ from epl.examples import manual as examples
 from epl.plan import Plan, TaskGraphSpec, build_plan
 
 
-def spec(index: int, strategy: str, count: int, *, params: int = 100, implicit: bool = False, name: str | None = None) -> TaskGraphSpec:
+def spec(
+    index: int, strategy: str, count: int, *, params: int = 100, implicit: bool = False, name: str | None = None
+) -> TaskGraphSpec:
     shards = tuple(params // count for _ in range(count)) if strategy == "split" else ()
     return TaskGraphSpec(
-        index=index, name=name or f"tg{index}", strategy=strategy, device_count=count, implicit=implicit,
-        num_parameters=params, parameter_bytes=4 * params, shard_parameters=shards, shard_bytes=tuple(4 * s for s in shards),
+        index=index,
+        name=name or f"tg{index}",
+        strategy=strategy,
+        device_count=count,
+        implicit=implicit,
+        num_parameters=params,
+        parameter_bytes=4 * params,
+        shard_parameters=shards,
+        shard_bytes=tuple(4 * s for s in shards),
     )
 
 
@@ -31,7 +40,9 @@ def test_two_stages_on_four_devices_is_row_major() -> None:
 
 
 def test_column_major_when_intra_node_is_not_preferred() -> None:
-    plan = place([spec(0, "replicate", 1), spec(1, "replicate", 1)], 4, **{"cluster.device_place_prefer_intra_node": False})
+    plan = place(
+        [spec(0, "replicate", 1), spec(1, "replicate", 1)], 4, **{"cluster.device_place_prefer_intra_node": False}
+    )
     assert plan.devices(0) == (0, 1) and plan.devices(1) == (2, 3)
     assert [plan.replica_of(r) for r in range(4)] == [0, 1, 0, 1]
     assert any("Column-major" in note for note in plan.notes)
@@ -60,7 +71,12 @@ def test_placement_table(counts: list[int], world: int, replicas: int, first_rep
 
 
 def test_colocated_taskgraphs_share_devices() -> None:
-    plan = place([spec(0, "replicate", 8), spec(1, "split", 8, params=800)], 16, 8, **{"cluster.colocate_split_and_replicate": True})
+    plan = place(
+        [spec(0, "replicate", 8), spec(1, "split", 8, params=800)],
+        16,
+        8,
+        **{"cluster.colocate_split_and_replicate": True},
+    )
     assert (plan.num_replicas, plan.devices_per_replica, plan.num_stages) == (2, 8, 1)
     assert plan.devices(0, 1) == plan.devices(1, 1) == tuple(range(8, 16))
     a = plan.assignment(9)
@@ -68,19 +84,28 @@ def test_colocated_taskgraphs_share_devices() -> None:
 
 
 def test_colocated_implicit_taskgraph_widens() -> None:
-    plan = place([spec(0, "replicate", 1, implicit=True), spec(1, "split", 4)], 8, **{"cluster.colocate_split_and_replicate": True})
+    plan = place(
+        [spec(0, "replicate", 1, implicit=True), spec(1, "split", 4)],
+        8,
+        **{"cluster.colocate_split_and_replicate": True},
+    )
     assert plan.taskgraphs[0].device_count == 4 and plan.devices(0, 0) == (0, 1, 2, 3)
 
 
 def test_colocated_unequal_counts_is_an_error() -> None:
     with pytest.raises(epl.PlacementError, match=r"device_count must be equal; got a: 4, b: 8"):
-        place([spec(0, "replicate", 4, name="a"), spec(1, "split", 8, name="b")], 8, **{"cluster.colocate_split_and_replicate": True})
+        place(
+            [spec(0, "replicate", 4, name="a"), spec(1, "split", 8, name="b")],
+            8,
+            **{"cluster.colocate_split_and_replicate": True},
+        )
 
 
 def test_sizes_that_do_not_divide_name_the_numbers() -> None:
     with pytest.raises(
         epl.PlacementError,
-        match=r"needs 3 devices per replica \(stage_0: 1 \+ stage_1: 2\), but the world size 8 is not a multiple of 3.*\(3, 6, 9, \.\.\.\)",
+        match=r"needs 3 devices per replica \(stage_0: 1 \+ stage_1: 2\), but the world size 8 is not a multiple of 3"
+        r".*\(3, 6, 9, \.\.\.\)",
     ):
         place([spec(0, "replicate", 1, name="stage_0"), spec(1, "replicate", 2, name="stage_1")], 8)
     with pytest.raises(epl.PlacementError, match="world size 2 is not a multiple of 4"):

@@ -81,7 +81,11 @@ def test_external_plugins_can_be_disabled(fake_plugin: str, monkeypatch: pytest.
 def test_plugin_that_fails_to_import_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     install_fake_distribution(tmp_path, "epl-broken", "epl_broken_plugin", "raise ImportError('no torch_xla here')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(epl.PluginError, match=r"Plugin 'epl-broken' \(epl-broken 1.2.3.*failed to import.*no torch_xla here.*EPL_DISABLE_EXTERNAL_PLUGINS=epl-broken"):
+    with pytest.raises(
+        epl.PluginError,
+        match=r"Plugin 'epl-broken' \(epl-broken 1.2.3.*failed to import.*no torch_xla here"
+        r".*EPL_DISABLE_EXTERNAL_PLUGINS=epl-broken",
+    ):
         EplPluginManager()
 
 
@@ -92,7 +96,9 @@ def test_implementation_without_spec_is_rejected_with_suggestion() -> None:
             return []
 
     manager = EplPluginManager(load_entry_points=False)
-    with pytest.raises(epl.PluginError, match=r"implements 'epl_config_key', which is not an EPL hook. Did you mean 'epl_config_keys'"):
+    with pytest.raises(
+        epl.PluginError, match=r"implements 'epl_config_key', which is not an EPL hook. Did you mean 'epl_config_keys'"
+    ):
         manager.register(Typo(), name="typo")
     assert not manager.has_plugin("typo")
 

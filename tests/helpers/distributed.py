@@ -102,7 +102,9 @@ def run_ranks(
         timed_out = not failed_early and any(p.is_alive() for p in processes)
         running = [rank for rank, p in enumerate(processes) if p.is_alive()]
         _stop(processes)
-        reports = [_report(rank, p.exitcode if rank not in running else None, workdir) for rank, p in enumerate(processes)]
+        reports = [
+            _report(rank, p.exitcode if rank not in running else None, workdir) for rank, p in enumerate(processes)
+        ]
     if timed_out:
         raise DistributedTestError(
             f"{world_size} ranks did not finish within {timeout:.0f}s; still running: ranks {running}\n"

@@ -41,7 +41,9 @@ class Cluster:
         if self.world_size < 1:
             raise ClusterError(f"WORLD_SIZE must be at least 1, got {self.world_size}.")
         if not 0 <= self.rank < self.world_size:
-            raise ClusterError(f"RANK {self.rank} is outside the world of {self.world_size} processes (0..{self.world_size - 1}).")
+            raise ClusterError(
+                f"RANK {self.rank} is outside the world of {self.world_size} processes (0..{self.world_size - 1})."
+            )
         if not 0 <= self.local_rank < self.local_world_size:
             raise ClusterError(
                 f"LOCAL_RANK {self.local_rank} is outside the {self.local_world_size} processes of this node."

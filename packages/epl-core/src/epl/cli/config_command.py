@@ -13,8 +13,12 @@ from epl.errors import EplError
 
 @click.command("config")
 @click.option(
-    "--format", "output_format", type=click.Choice(["table", "json", "markdown"]), default="table",
-    show_default=True, help="Output format.",
+    "--format",
+    "output_format",
+    type=click.Choice(["table", "json", "markdown"]),
+    default="table",
+    show_default=True,
+    help="Output format.",
 )
 @config_options
 def config_command(output_format: str, config_file: str | None, settings: tuple[str, ...]) -> None:

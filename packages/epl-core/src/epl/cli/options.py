@@ -17,11 +17,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 def config_options(command: F) -> F:
     """Add ``--config-file`` and ``--set`` to ``command``."""
     command = click.option(
-        "--set", "settings", multiple=True, metavar="KEY=VALUE",
+        "--set",
+        "settings",
+        multiple=True,
+        metavar="KEY=VALUE",
         help="Set a config key, e.g. --set pipeline.num_micro_batch=4 (repeatable).",
     )(command)
     return click.option(
-        "--config-file", type=click.Path(exists=True, dir_okay=False), default=None,
+        "--config-file",
+        type=click.Path(exists=True, dir_okay=False),
+        default=None,
         help="A TOML or JSON file of config keys (also EPL_CONFIG_FILE).",
     )(command)
 

@@ -14,9 +14,18 @@ from epl.plan.mode import PlanRequest, plan_example, plan_script
     "plan",
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
-@click.option("--world-size", "-n", type=click.IntRange(min=1), required=True, help="Devices (processes) in the cluster.")
-@click.option("--gpu-per-worker", type=click.IntRange(min=1), default=None, help="Devices per node [default: all on one node].")
-@click.option("--example", type=click.Choice(examples.names()), default=None, help="Plan one of the manual's examples instead of a script.")
+@click.option(
+    "--world-size", "-n", type=click.IntRange(min=1), required=True, help="Devices (processes) in the cluster."
+)
+@click.option(
+    "--gpu-per-worker", type=click.IntRange(min=1), default=None, help="Devices per node [default: all on one node]."
+)
+@click.option(
+    "--example",
+    type=click.Choice(examples.names()),
+    default=None,
+    help="Plan one of the manual's examples instead of a script.",
+)
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="Override a config key (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the Plan as JSON.")
 @click.argument("script", required=False, type=click.Path(exists=True, dir_okay=False))

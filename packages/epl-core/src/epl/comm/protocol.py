@@ -108,5 +108,5 @@ class Communicator(ABC):
     def subgroup(self, ranks: Sequence[int]) -> Communicator:
         """A communicator over the given global ranks (called by every member, in the same order)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: most communicators hold nothing to release
         """Release the communicator's resources. Further use is an error."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import tomllib
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import tomllib
 
 from epl.config.key import ConfigKey
 from epl.errors import ConfigError, MissingPluginError
@@ -87,15 +88,12 @@ class Config:
         if not names:
             sections = sorted({n.split(".", 1)[0] for n in self._schema})
             hint = _closest(section, sections)
-            raise AttributeError(
-                f"Config has no section {section!r}.{hint} Sections: {', '.join(sections)}."
-            )
+            raise AttributeError(f"Config has no section {section!r}.{hint} Sections: {', '.join(sections)}.")
         return _Section(self, section)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(
-            "epl.Config is read-only; build a new one with "
-            "epl.Config({...}) or config.with_overrides({...})"
+            "epl.Config is read-only; build a new one with epl.Config({...}) or config.with_overrides({...})"
         )
 
     def __iter__(self) -> Iterator[str]:
@@ -173,7 +171,7 @@ class _Section:
 
     def __repr__(self) -> str:
         prefix = self._section + "."
-        items = {k[len(prefix):]: v for k, v in self._config.to_dict().items() if k.startswith(prefix)}
+        items = {k[len(prefix) :]: v for k, v in self._config.to_dict().items() if k.startswith(prefix)}
         return f"<epl.Config section {self._section}: {items}>"
 
 
@@ -195,8 +193,7 @@ def _lookup(schema: Mapping[str, ConfigKey], name: str, *, origin: str) -> Confi
     if key is None:
         where = "" if origin in ("lookup", "override") else f" (in {origin})"
         raise ConfigError(
-            f"Unknown config key {name!r}{where}.{_closest(name, list(schema))} "
-            "Run `epl config` to list every key."
+            f"Unknown config key {name!r}{where}.{_closest(name, list(schema))} Run `epl config` to list every key."
         )
     return key
 
@@ -204,9 +201,7 @@ def _lookup(schema: Mapping[str, ConfigKey], name: str, *, origin: str) -> Confi
 def _check(key: ConfigKey, value: Any) -> None:
     problem = key.problem_with(value)
     if problem is not None:
-        raise ConfigError(
-            f"Invalid value for config key {key.name!r}: {problem}. Allowed: {key.allowed()}."
-        )
+        raise ConfigError(f"Invalid value for config key {key.name!r}: {problem}. Allowed: {key.allowed()}.")
 
 
 def _origin(source: str, name: str, file: object) -> str:
@@ -264,7 +259,6 @@ def _from_environ(schema: Mapping[str, ConfigKey], environ: Mapping[str, str]) -
             values[key.name] = key.parse(text)
         except ValueError as exc:
             raise ConfigError(
-                f"Invalid value for config key {key.name!r} from {var}={text!r}: {exc}. "
-                f"Allowed: {key.allowed()}."
+                f"Invalid value for config key {key.name!r} from {var}={text!r}: {exc}. Allowed: {key.allowed()}."
             ) from None
     return values

@@ -96,7 +96,9 @@ class Engine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"Engine state of version {state.get('version')!r}; this EPL reads version {STATE_VERSION}.")
+            raise ValueError(
+                f"Engine state of version {state.get('version')!r}; this EPL reads version {STATE_VERSION}."
+            )
         self.model.load_state_dict(state["model"])
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])

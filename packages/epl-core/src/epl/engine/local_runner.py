@@ -82,7 +82,5 @@ class LocalStepRunner:
             loss = self.loss_fn(outputs, targets) if targets is not None else self.loss_fn(outputs)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise EplError(
-                f"The loss must be a scalar tensor, got {shape}. Reduce it (e.g. reduction='mean')."
-            )
+            raise EplError(f"The loss must be a scalar tensor, got {shape}. Reduce it (e.g. reduction='mean').")
         return loss

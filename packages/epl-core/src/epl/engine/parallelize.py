@@ -84,7 +84,9 @@ def _build_optimizer(optimizer: OptimizerSpec, model: nn.Module) -> torch.optim.
                 )
         return optimizer
     if not callable(optimizer):
-        raise EplError(f"optimizer must be a torch.optim.Optimizer or a factory params -> Optimizer, got {optimizer!r}.")
+        raise EplError(
+            f"optimizer must be a torch.optim.Optimizer or a factory params -> Optimizer, got {optimizer!r}."
+        )
     built = optimizer(model.parameters())
     if not isinstance(built, torch.optim.Optimizer):
         raise EplError(f"The optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer.")

@@ -96,16 +96,26 @@ EXAMPLES: dict[str, ManualExample] = {
     example.name: example
     for example in (
         ManualExample("data_parallel", "replicate(1) over the whole model", data_parallel),
-        ManualExample("pipeline", "two replicate(1) stages, 4 micro-batches", pipeline, {"pipeline.num_micro_batch": 4}),
-        ManualExample("bert_stages", "two stages opened by set_default_strategy", bert_stages, {"pipeline.num_micro_batch": 4}),
         ManualExample(
-            "classification", "replicate(n) features + split(n) classifier, colocated", classification,
+            "pipeline", "two replicate(1) stages, 4 micro-batches", pipeline, {"pipeline.num_micro_batch": 4}
+        ),
+        ManualExample(
+            "bert_stages", "two stages opened by set_default_strategy", bert_stages, {"pipeline.num_micro_batch": 4}
+        ),
+        ManualExample(
+            "classification",
+            "replicate(n) features + split(n) classifier, colocated",
+            classification,
             {"cluster.colocate_split_and_replicate": True},
         ),
         ManualExample(
-            "moe", "replicated attention/gating + split experts, colocated", moe,
+            "moe",
+            "replicated attention/gating + split experts, colocated",
+            moe,
             {"cluster.colocate_split_and_replicate": True},
         ),
-        ManualExample("by_hand", "the eight-layer model as four annotated stages", by_hand, {"pipeline.num_micro_batch": 4}),
+        ManualExample(
+            "by_hand", "the eight-layer model as four annotated stages", by_hand, {"pipeline.num_micro_batch": 4}
+        ),
     )
 }

@@ -162,7 +162,9 @@ class Plan:
     def assignment(self, device: int) -> DeviceAssignment:
         """What ``device`` runs and holds."""
         replica, slot = self.locate(device)
-        held = tuple((tg.index, self.slots[tg.index].index(slot)) for tg in self.taskgraphs if slot in self.slots[tg.index])
+        held = tuple(
+            (tg.index, self.slots[tg.index].index(slot)) for tg in self.taskgraphs if slot in self.slots[tg.index]
+        )
         if self.local:
             sizes = [(tg.num_parameters, tg.parameter_bytes) for tg in self.taskgraphs]
         else:
@@ -222,9 +224,7 @@ def build_plan(
     """Place ``taskgraphs`` on ``world_size`` devices following the placement rules."""
     gpu_per_worker = gpu_per_worker or world_size
     if world_size < 1 or world_size % gpu_per_worker:
-        raise PlacementError(
-            f"World size {world_size} is not a multiple of {gpu_per_worker} devices per worker."
-        )
+        raise PlacementError(f"World size {world_size} is not a multiple of {gpu_per_worker} devices per worker.")
     colocated = bool(config["cluster.colocate_split_and_replicate"])
     row_major = bool(config["cluster.device_place_prefer_intra_node"])
     specs, width, slots = _replica_layout(taskgraphs, colocated)
@@ -307,18 +307,22 @@ def _notes(
         if not tg.implicit and tg.num_parameters == 0:
             notes.append(f"{tg.name} ({tg.label}) holds no parameters of the model.")
         if tg.implicit:
-            notes.append(
-                f"{tg.name} holds modules created outside any annotation; it is replicate({tg.device_count})."
-            )
+            notes.append(f"{tg.name} holds modules created outside any annotation; it is replicate({tg.device_count}).")
         if tg.strategy == "replicate" and tg.device_count > 1:
             notes.append(f"{tg.name} splits each replica batch {tg.device_count} ways.")
     if not row_major and replicas > 1:
-        notes.append("Column-major placement (cluster.device_place_prefer_intra_node=False): a replica's devices are spread over nodes.")
+        notes.append(
+            "Column-major placement (cluster.device_place_prefer_intra_node=False): "
+            "a replica's devices are spread over nodes."
+        )
     elif width > gpu_per_worker:
-        notes.append(f"A replica needs {width} devices, more than the {gpu_per_worker} of one worker: replicas span nodes.")
+        notes.append(
+            f"A replica needs {width} devices, more than the {gpu_per_worker} of one worker: replicas span nodes."
+        )
     elif gpu_per_worker % width:
         notes.append(
-            f"{width} devices per replica do not divide {gpu_per_worker} devices per worker: some replicas span two nodes."
+            f"{width} devices per replica do not divide {gpu_per_worker} devices per worker: "
+            "some replicas span two nodes."
         )
     if colocated and len(specs) > 1:
         notes.append("TaskGraphs are colocated (cluster.colocate_split_and_replicate=True): one stage, no pipeline.")

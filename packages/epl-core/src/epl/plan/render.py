@@ -13,17 +13,19 @@ ALL_DEVICES_UP_TO = 16
 def render_plan(plan: Plan) -> str:
     """The Plan as a human-readable report."""
     lines = [
-        f"EPL plan for {plan.world_size} devices ({plan.num_workers} workers x {plan.gpu_per_worker} devices)",
-        f"  {plan.num_replicas} replicas x {plan.devices_per_replica} devices per replica, "
-        f"{plan.num_stages} pipeline stage{'s' if plan.num_stages != 1 else ''}, "
-        f"{'row' if plan.row_major else 'column'}-major placement",
-        f"  batch: {plan.num_micro_batch} micro-batch{'es' if plan.num_micro_batch != 1 else ''} per replica batch; "
+        f"EPL plan for {_count(plan.world_size, 'device')} "
+        f"({_count(plan.num_workers, 'worker')} x {_count(plan.gpu_per_worker, 'device')})",
+        f"  {_count(plan.num_replicas, 'replica')} x {_count(plan.devices_per_replica, 'device')} per replica, "
+        f"{_count(plan.num_stages, 'pipeline stage')}, {'row' if plan.row_major else 'column'}-major placement",
+        f"  batch: {_count(plan.num_micro_batch, 'micro-batch', 'micro-batches')} per replica batch; "
         f"global batch = {plan.num_replicas} x replica batch",
         "",
     ]
     rows = [["taskgraph", "name", "strategy", "parameters", "devices"]]
     for tg in plan.taskgraphs:
-        rows.append([str(tg.index), tg.name, tg.label, f"{tg.num_parameters:,}", format_devices(plan.devices(tg.index))])
+        rows.append(
+            [str(tg.index), tg.name, tg.label, f"{tg.num_parameters:,}", format_devices(plan.devices(tg.index))]
+        )
     lines += _table(rows)
     lines.append("")
     shown = list(range(plan.world_size) if plan.world_size <= ALL_DEVICES_UP_TO else plan.devices_of_replica(0))
@@ -35,7 +37,9 @@ def render_plan(plan: Plan) -> str:
             plan.taskgraphs[i].name + (f"[shard {pos}]" if plan.taskgraphs[i].strategy == "split" else "")
             for i, pos in a.taskgraphs
         )
-        rows.append([str(device), str(a.worker), str(a.replica), runs, f"{a.num_parameters:,}", format_bytes(a.parameter_bytes)])
+        rows.append(
+            [str(device), str(a.worker), str(a.replica), runs, f"{a.num_parameters:,}", format_bytes(a.parameter_bytes)]
+        )
     lines += _table(rows)
     if plan.world_size > len(shown):
         lines.append(
@@ -67,6 +71,10 @@ def format_bytes(count: int) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def _count(number: int, word: str, plural: str | None = None) -> str:
+    return f"{number} {word if number == 1 else plural or word + 's'}"
 
 
 def _table(rows: list[list[str]]) -> list[str]:

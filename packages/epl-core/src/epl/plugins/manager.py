@@ -91,9 +91,7 @@ class EplPluginManager:
         """Every registered plugin with where it came from and the hooks it implements."""
         infos = []
         for name, plugin in self._pm.list_name_plugin():
-            hooks = tuple(
-                sorted(caller.name for caller in self._pm.get_hookcallers(plugin) or [])
-            )
+            hooks = tuple(sorted(caller.name for caller in self._pm.get_hookcallers(plugin) or []))
             infos.append(PluginInfo(name=name, source=self._sources.get(name, "?"), hooks=hooks))
         return infos
 

@@ -128,7 +128,9 @@ class AnnotationRecorder:
             if recorded.implicit and result and result[-1].implicit:
                 result[-1].tensors.extend(tensors)
                 continue
-            result.append(TaskGraph(index=len(result), strategy=recorded.strategy, implicit=recorded.implicit, tensors=tensors))
+            result.append(
+                TaskGraph(index=len(result), strategy=recorded.strategy, implicit=recorded.implicit, tensors=tensors)
+            )
         if not result:
             result.append(TaskGraph(index=0, strategy=_IMPLICIT, implicit=True))
         _name_modules(model, result)

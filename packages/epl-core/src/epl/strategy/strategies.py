@@ -26,8 +26,7 @@ class Strategy:
     def __post_init__(self) -> None:
         if isinstance(self.device_count, bool) or not isinstance(self.device_count, int) or self.device_count < 1:
             raise AnnotationError(
-                f"epl.{self.kind}(device_count=...) needs a positive integer device count, "
-                f"got {self.device_count!r}."
+                f"epl.{self.kind}(device_count=...) needs a positive integer device count, got {self.device_count!r}."
             )
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
             raise AnnotationError(f"epl.{self.kind}(name=...) must be a non-empty string, got {self.name!r}.")
@@ -72,7 +71,5 @@ def set_default_strategy(strategy: Strategy | None) -> None:
     from epl.env import Env
 
     if strategy is not None and not isinstance(strategy, Strategy):
-        raise AnnotationError(
-            f"set_default_strategy takes epl.replicate(...) or epl.split(...), got {strategy!r}."
-        )
+        raise AnnotationError(f"set_default_strategy takes epl.replicate(...) or epl.split(...), got {strategy!r}.")
     Env.get().annotations.set_default(strategy)

@@ -1,0 +1,82 @@
+"""Timing EPL against PyTorch's own equivalent in the same run, as a ratio.
+
+The two are timed in alternating rounds so that both see the same machine load;
+the reported ratio is the median of the per-round ratios (robust on noisy
+machines). ``EPL_BENCH_SHORT=1`` (CI) runs few rounds: enough to keep the
+benchmark working, not to measure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def short_mode() -> bool:
+    """Whether to run the quick CI version of every benchmark."""
+    return os.environ.get("EPL_BENCH_SHORT", "") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Median seconds per call of the baseline (PyTorch) and of EPL, and EPL / PyTorch."""
+
+    name: str
+    baseline_s: float
+    epl_s: float
+    ratio: float
+    rounds: int
+    calls_per_round: int
+
+    def line(self) -> str:
+        """One human line for logs and READMEs."""
+        return (
+            f"{self.name}: PyTorch {self.baseline_s * 1e3:.3f} ms, EPL {self.epl_s * 1e3:.3f} ms, "
+            f"ratio {self.ratio:.3f} ({self.rounds} rounds x {self.calls_per_round} calls)"
+        )
+
+
+def compare(
+    name: str,
+    baseline: Callable[[], object],
+    candidate: Callable[[], object],
+    *,
+    rounds: int,
+    calls_per_round: int,
+    warmup: int = 5,
+) -> Comparison:
+    """Time ``baseline`` and ``candidate`` in alternating rounds; save and return the comparison."""
+    for _ in range(warmup):
+        baseline()
+        candidate()
+    base_times, epl_times, ratios = [], [], []
+    for index in range(rounds):
+        order = (baseline, candidate) if index % 2 == 0 else (candidate, baseline)
+        measured = {}
+        for fn in order:
+            start = time.perf_counter()
+            for _ in range(calls_per_round):
+                fn()
+            measured[fn] = (time.perf_counter() - start) / calls_per_round
+        base_times.append(measured[baseline])
+        epl_times.append(measured[candidate])
+        ratios.append(measured[candidate] / measured[baseline])
+    result = Comparison(
+        name=name,
+        baseline_s=statistics.median(base_times),
+        epl_s=statistics.median(epl_times),
+        ratio=statistics.median(ratios),
+        rounds=rounds,
+        calls_per_round=calls_per_round,
+    )
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(asdict(result), indent=2))
+    print(result.line())
+    return result

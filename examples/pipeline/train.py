@@ -1,0 +1,39 @@
+"""The manual's two-stage pipeline example (DESIGN.md's contract script).
+
+One process trains it locally (the 4 micro-batches are gradient accumulation);
+launched on 4 devices it is a 2-stage pipeline x 2 replicas. See the Plan with:
+    epl plan --world-size 4 examples/pipeline/train.py
+"""
+
+import argparse
+
+import torch
+from torch import nn
+
+import epl
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=20)
+parser.add_argument("--batch", type=int, default=32)
+args = parser.parse_args()
+
+epl.init(epl.Config({"pipeline.num_micro_batch": 4}))
+torch.manual_seed(0)
+with epl.replicate(device_count=1, name="stage_0"):
+    stage0 = nn.Sequential(nn.Linear(12, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU())
+with epl.replicate(device_count=1, name="stage_1"):
+    stage1 = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 12))
+model = nn.Sequential(stage0, stage1)
+
+engine = epl.parallelize(model, optimizer=lambda params: torch.optim.Adam(params, lr=1e-3), loss_fn=nn.MSELoss())
+print(f"replica {engine.replica_index} of {engine.num_replicas}; {engine.plan.num_stages} stage(s) on this run")
+
+target = nn.Linear(12, 12)  # the function to learn
+generator = torch.Generator().manual_seed(engine.replica_index)
+for step in range(args.steps):
+    x = torch.randn(args.batch, 12, generator=generator)
+    with torch.no_grad():
+        y = target(x)
+    loss = engine.step(x, y)
+    if step % 5 == 4 or step == 0:
+        print(f"step {step + 1:3d}  loss {loss.item():.5f}")

@@ -1,0 +1,66 @@
+"""Sessions for development and CI: tests, lint, bench, demo.
+
+``nox -t ci`` is what CI runs (.ci/run): lint, the tests, and the benchmarks in
+short mode. Each session installs the packages of packages/ in editable mode
+with the pins of constraints.txt (torch==2.13.0, the CPU build).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = sorted(str(p.parent) for p in (ROOT / "packages").glob("*/pyproject.toml"))
+CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
+TEST_TOOLS = ("pytest", "pytest-timeout", "pytest-benchmark", "numpy")
+SINGLE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def install_packages(session: nox.Session, *extra: str) -> None:
+    """Install every package of packages/ (editable) and ``extra``, with the pins."""
+    editable = [arg for package in PACKAGES for arg in ("-e", package)]
+    session.install(*CONSTRAINTS, *editable, *extra)
+
+
+@nox.session(tags=["ci"])
+def lint(session: nox.Session) -> None:
+    """Ruff over the whole repository."""
+    session.install(*CONSTRAINTS, "ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(tags=["ci"])
+def tests(session: nox.Session) -> None:
+    """The test suite (multi-process tests included); extra arguments go to pytest."""
+    install_packages(session, *TEST_TOOLS)
+    session.run("pytest", "tests", *session.posargs, env=SINGLE_THREAD)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Every benchmark, EPL against PyTorch's own equivalent; ratios land in benchmarks/results/."""
+    install_packages(session, *TEST_TOOLS)
+    session.run("pytest", "benchmarks", "-s", *session.posargs, env=SINGLE_THREAD)
+
+
+@nox.session(name="bench-short", tags=["ci"])
+def bench_short(session: nox.Session) -> None:
+    """The benchmarks in short mode, so that they never rot (CI)."""
+    install_packages(session, *TEST_TOOLS)
+    session.run("pytest", "benchmarks", "-s", *session.posargs, env={**SINGLE_THREAD, "EPL_BENCH_SHORT": "1"})
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The demo job: the manual's examples trained locally, then planned for 8 and 1024 devices."""
+    install_packages(session, "numpy")
+    session.run("python", "examples/quickstart/train.py", env=SINGLE_THREAD)
+    session.run("python", "examples/pipeline/train.py", env=SINGLE_THREAD)
+    session.run("epl", "plan", "--world-size", "8", "--gpu-per-worker", "4", "examples/pipeline/train.py")
+    session.run("epl", "plan", "--world-size", "1024", "--gpu-per-worker", "8", "--example", "moe")
