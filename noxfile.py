@@ -14,7 +14,7 @@ import nox
 ROOT = Path(__file__).parent
 PACKAGES = sorted(str(p.parent) for p in (ROOT / "packages").glob("*/pyproject.toml"))
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
-TEST_TOOLS = ("pytest", "pytest-timeout", "pytest-benchmark", "numpy")
+TEST_TOOLS = ("pytest", "pytest-timeout", "pytest-benchmark", "numpy", "mpi4py", "mpich")
 SINGLE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 nox.options.sessions = ["lint", "tests"]

@@ -17,11 +17,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+#: Read once at import: test fixtures clear EPL_* variables before each test.
+_SHORT = os.environ.get("EPL_BENCH_SHORT", "") not in ("", "0")
 
 
 def short_mode() -> bool:
-    """Whether to run the quick CI version of every benchmark."""
-    return os.environ.get("EPL_BENCH_SHORT", "") not in ("", "0")
+    """Whether to run the quick CI version of every benchmark (``EPL_BENCH_SHORT=1``)."""
+    return _SHORT
 
 
 @dataclass(frozen=True)

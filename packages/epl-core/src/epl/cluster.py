@@ -92,7 +92,8 @@ class Cluster:
         """Read the cluster set by ``epl launch``, torchrun or an MPI launcher.
 
         ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` win; otherwise the
-        variables of Open MPI, MPICH (hydra) or PMIx; otherwise one local process.
+        variables of Open MPI, MPICH (hydra) or PMIx, asking mpi4py for the ranks within
+        the node when the launcher does not export them; otherwise one local process.
         ``visible_devices`` is ``cluster.run_visible_devices``: local rank i uses the
         i-th listed CUDA device. Without CUDA every process computes on the CPU.
         """
@@ -107,8 +108,10 @@ class Cluster:
             for size_var, rank_var, local_rank_var, local_size_var in _MPI_VARIABLES:
                 if size_var in environ and rank_var in environ:
                     world, rank = _int(environ, size_var, 1), _int(environ, rank_var, 0)
-                    local_rank = _int(environ, local_rank_var, rank)
-                    local_world = _int(environ, local_size_var, world)
+                    if local_rank_var in environ and local_size_var in environ:
+                        local_rank, local_world = _int(environ, local_rank_var, 0), _int(environ, local_size_var, 1)
+                    else:
+                        local_rank, local_world = _mpi_node_ranks(size_var)
                     launcher = "mpi"
                     break
         port = environ.get("MASTER_PORT")
@@ -133,6 +136,22 @@ class Cluster:
             local_world_size=gpu_per_worker or world_size,
             launcher="plan",
         )
+
+
+def _mpi_node_ranks(size_var: str) -> tuple[int, int]:
+    """(local rank, local size) from mpi4py, for MPI launchers that do not export them."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ClusterError(
+            f"The MPI launcher set {size_var} but not this process's rank within its node, and mpi4py "
+            "is not installed to ask MPI. Install it: pip install mpi4py mpich (or launch with epl launch)."
+        ) from None
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
 
 
 def _int(environ: Mapping[str, str], name: str, default: int) -> int:

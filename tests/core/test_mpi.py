@@ -1,0 +1,63 @@
+"""The cluster as MPI reports it, under a real ``mpiexec`` (the mpich wheel of PyPI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+#: The mpiexec of this environment (the mpich wheel puts it beside python), else the PATH's.
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not installed (pip install mpi4py mpich)"),
+]
+
+SCRIPT = """
+import json, os, sys, epl
+from epl.cluster import Cluster
+exported = Cluster.from_environ(cuda_available=False)
+local_vars = ("MPI_LOCALRANKID", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
+asked = Cluster.from_environ({k: v for k, v in os.environ.items() if k not in local_vars}, cuda_available=False)
+try:
+    epl.init()
+    outcome = "initialised"
+except epl.MissingPluginError as exc:
+    outcome = str(exc)
+row = [exported.rank, exported.world_size, exported.local_rank, exported.launcher,
+       asked.rank, asked.local_rank, asked.local_world_size, outcome]
+with open(os.path.join(sys.argv[1], f"rank{exported.rank}.json"), "w") as file:
+    json.dump(row, file)
+"""
+
+
+def mpiexec(tmp_path: Path, processes: int) -> list[list[object]]:
+    script = tmp_path / "read_cluster.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    done = subprocess.run(
+        [str(MPIEXEC), "-n", str(processes), sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(processes)]
+
+
+def test_ranks_under_mpiexec_from_variables_and_from_mpi4py(tmp_path: Path) -> None:
+    rows = mpiexec(tmp_path, 2)
+    assert [row[:7] for row in rows] == [[0, 2, 0, "mpi", 0, 0, 2], [1, 2, 1, "mpi", 1, 1, 2]]
+    assert all("can join 2 processes" in row[7] for row in rows)
+
+
+def test_single_process_under_mpiexec_is_a_local_run(tmp_path: Path) -> None:
+    (row,) = mpiexec(tmp_path, 1)
+    assert row == [0, 1, 0, "mpi", 0, 0, 1, "initialised"]
