@@ -5,12 +5,11 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import tomllib
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import tomllib
 
 from epl.config.key import ConfigKey
 from epl.errors import ConfigError, MissingPluginError
