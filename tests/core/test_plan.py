@@ -7,7 +7,7 @@ from torch import nn
 
 import epl
 from epl.examples import manual as examples
-from epl.plan import Plan, TaskGraphSpec, build_plan
+from epl.placement import Plan, TaskGraphSpec, build_plan
 
 
 def spec(

@@ -25,7 +25,7 @@ from epl.errors import (
     PlacementError,
     PluginError,
 )
-from epl.plan import Plan
+from epl.placement import Plan
 from epl.plugins import hookimpl
 from epl.strategy import Strategy, TaskGraph, replicate, set_default_strategy, split
 

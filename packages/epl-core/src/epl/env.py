@@ -9,7 +9,7 @@ from epl.cluster import Cluster
 from epl.comm.protocol import Communicator
 from epl.config import Config
 from epl.errors import ConfigError, NotInitializedError
-from epl.plan.mode import current_request
+from epl.placement.mode import current_request
 from epl.plugins import EplPluginManager, get_plugin_manager
 from epl.strategy.capture import AnnotationRecorder
 

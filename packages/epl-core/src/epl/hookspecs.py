@@ -34,7 +34,7 @@ if TYPE_CHECKING:
         ParallelContext,
         StepRunner,
     )
-    from epl.plan.schedule import ScheduleGenerator
+    from epl.schedule import ScheduleGenerator
     from epl.strategy.split_rule import SplitRule
 
 hookspec = pluggy.HookspecMarker("epl")

@@ -7,7 +7,7 @@ import click
 from epl import examples
 from epl.cli.options import parse_settings
 from epl.errors import EplError
-from epl.plan.mode import PlanRequest, plan_example, plan_script
+from epl.placement.mode import PlanRequest, plan_example, plan_script
 
 
 @click.command(

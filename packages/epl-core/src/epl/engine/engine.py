@@ -13,7 +13,7 @@ from torch import nn
 
 from epl.engine.batch import call_model, to_device
 from epl.engine.extensions import ParallelContext, StepRunner
-from epl.plan.plan import Plan
+from epl.placement.plan import Plan
 
 #: Version of the layout of ``Engine.state_dict``.
 STATE_VERSION = 1

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from epl.comm.protocol import Communicator
     from epl.config import Config
     from epl.env import Env
-    from epl.plan.plan import Plan
+    from epl.placement.plan import Plan
     from epl.strategy.taskgraph import TaskGraph
 
 LossFn = Callable[..., torch.Tensor]

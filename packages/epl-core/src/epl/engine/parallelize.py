@@ -12,8 +12,8 @@ from epl.engine.engine import Engine
 from epl.engine.extensions import LossFn, ParallelContext
 from epl.env import Env
 from epl.errors import EplError
-from epl.plan.mode import PlanReady, current_request
-from epl.plan.plan import Plan, TaskGraphSpec, build_local_plan, build_plan
+from epl.placement.mode import PlanReady, current_request
+from epl.placement.plan import Plan, TaskGraphSpec, build_local_plan, build_plan
 from epl.strategy.taskgraph import TaskGraph
 
 OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], None]

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from epl.comm.protocol import Communicator
     from epl.config import Config, ConfigKey
     from epl.engine.extensions import ModelTransform, OptimizerWrapper, ParallelContext, StepRunner
-    from epl.plan.schedule import ScheduleGenerator
+    from epl.schedule import ScheduleGenerator
     from epl.strategy.split_rule import SplitRule
 
 #: Entry-point group that plugins are discovered in.

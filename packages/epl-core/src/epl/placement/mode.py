@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epl.errors import EplError
-from epl.plan.plan import Plan
+from epl.placement.plan import Plan
 
 
 @dataclass(frozen=True)

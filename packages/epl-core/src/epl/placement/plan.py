@@ -209,7 +209,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     def __str__(self) -> str:
-        from epl.plan.render import render_plan
+        from epl.placement.render import render_plan
 
         return render_plan(self)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from epl.plan.plan import Plan
+from epl.placement.plan import Plan
 
 #: The device table lists at most this many devices (all of them in small worlds).
 ALL_DEVICES_UP_TO = 16
