@@ -53,7 +53,7 @@ def test_bert_example_each_set_default_strategy_opens_a_taskgraph() -> None:
 def test_colocated_classification_example() -> None:
     epl.init(epl.Config({"cluster.colocate_split_and_replicate": True}))
     model = examples.classification()
-    assert summary(model) == [("taskgraph_0", "replicate", 1, False), ("taskgraph_1", "split", 1, False)]
+    assert summary(model) == [("features", "replicate", 1, False), ("classifier", "split", 1, False)]
     features, classifier = taskgraphs(model)
     assert owned(classifier) == {id(p) for p in model[1].parameters()}
     # BatchNorm buffers belong to the features TaskGraph too.

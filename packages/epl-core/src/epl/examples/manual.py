@@ -59,9 +59,9 @@ def bert_stages() -> nn.Module:
 def classification() -> nn.Module:
     """Manual 5.3.1: replicated features and a split classifier, colocated on the same devices."""
     devices = epl.Env.get().cluster.total_gpu_num
-    with epl.replicate(devices):
+    with epl.replicate(devices, name="features"):
         features = ConvFeatures(64)
-    with epl.split(devices):
+    with epl.split(devices, name="classifier"):
         classifier = nn.Linear(64, 1000)
     return nn.Sequential(features, classifier)
 
@@ -70,10 +70,10 @@ def moe() -> nn.Module:
     """Manual 5.3.2: attention and gating replicated by default, experts split (expert parallel)."""
     devices = epl.Env.get().cluster.total_gpu_num
     experts = 2 * devices
-    epl.set_default_strategy(epl.replicate(devices))
+    epl.set_default_strategy(epl.replicate(devices, name="attention_and_gating"))
     attention = nn.MultiheadAttention(16, 2, batch_first=True)
     gate = nn.Linear(16, experts)
-    with epl.split(devices):
+    with epl.split(devices, name="experts"):
         expert_weights = Experts(experts, 16, 32)
     return MoEBlock(attention, gate, expert_weights)
 

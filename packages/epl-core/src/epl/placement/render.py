@@ -42,10 +42,9 @@ def render_plan(plan: Plan) -> str:
         )
     lines += _table(rows)
     if plan.world_size > len(shown):
-        lines.append(
-            f"  ... {plan.world_size - len(shown)} more devices; every replica is laid out like replica 0 "
-            "(--json lists them all)"
-        )
+        more = plan.world_size - len(shown)
+        same = "; every replica is laid out like replica 0" if plan.num_replicas > 1 else ""
+        lines.append(f"  ... {more} more devices{same} (Plan.assignment(device) describes any of them)")
     if plan.notes:
         lines += ["", "notes:"] + [f"  - {note}" for note in plan.notes]
     return "\n".join(lines)
