@@ -183,7 +183,7 @@ def test_config_pickles_and_compares() -> None:
         ("offload.level", "v0", "epl-memory"),
         ("optimizer.num_apply_group", 4, "epl-memory"),
         ("communication.fp16", True, "epl-comm"),
-        ("io.slicing", True, "epl-comm"),
+        ("communication.gradients_reduce_method", "sum", "epl-comm"),
         ("pipeline.strategy", "PreferForward", "epl-pipeline"),
         ("auto.auto_parallel", True, "epl-pipeline"),
     ],

@@ -214,3 +214,22 @@ def test_parallelize_rejects_non_modules() -> None:
     epl.init()
     with pytest.raises(epl.EplError, match="takes an nn.Module"):
         epl.parallelize(lambda x: x)  # type: ignore[arg-type]
+
+
+def test_gradient_clipping_matches_plain_clip_grad_norm() -> None:
+    model = plain_model()
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    expected = []
+    for x, y in data():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        opt.step()
+        expected.append(loss.detach())
+    epl.init(epl.Config({"optimizer.max_grad_norm": 0.1}))
+    engine = epl.parallelize(build(), optimizer=OPTIMIZERS["sgd"], loss_fn=nn.MSELoss())
+    losses = [engine.step(x, y) for x, y in data()]
+    assert torch.equal(torch.stack(losses), torch.stack(expected))
+    for ours, theirs in zip(engine.model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(ours, theirs)

@@ -227,8 +227,33 @@ def test_every_hook_is_documented_and_exercised() -> None:
     from epl import hookspecs
 
     hooks = [name for name in dir(hookspecs) if name.startswith("epl_")]
-    assert len(hooks) == 8
+    assert len(hooks) == 9
     source = Path(__file__).read_text()
     for name in hooks:
         assert (getattr(hookspecs, name).__doc__ or "").strip(), f"{name} has no docstring"
         assert name in source, f"{name} is not exercised by a test in this file"
+
+
+def test_gradient_reducer_finishes_every_step_and_receives_the_clip() -> None:
+    calls: list[str] = []
+
+    class Reducer:
+        def finish(self, clip):  # type: ignore[no-untyped-def]
+            calls.append("finish")
+            assert clip is not None
+            clip()
+
+    class Plugin:
+        @epl.hookimpl
+        def epl_make_gradient_reducer(self, context):  # type: ignore[no-untyped-def]
+            return Reducer()
+
+    get_plugin_manager().register(Plugin(), name="reducer")
+    epl.init(epl.Config({"optimizer.max_grad_norm": 0.5}))
+    model = nn.Linear(2, 2)
+    engine = epl.parallelize(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.0), loss_fn=nn.MSELoss())
+    engine.step(torch.full((4, 2), 10.0), torch.zeros(4, 2))
+    engine.step(torch.full((4, 2), 10.0), torch.zeros(4, 2))
+    assert calls == ["finish", "finish"]
+    norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert norm <= 0.5 + 1e-6

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from epl import io
 from epl.cluster import Cluster
 from epl.comm import Communicator, ReduceOp, Work
 from epl.config import Config, ConfigKey
@@ -57,6 +58,7 @@ __all__ = [
     "Work",
     "hookimpl",
     "init",
+    "io",
     "parallelize",
     "plan",
     "replicate",

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from epl.comm.protocol import Communicator
     from epl.config import Config, ConfigKey
     from epl.engine.extensions import (
+        GradientReducer,
         ModelTransform,
         OptimizerWrapper,
         ParallelContext,
@@ -79,7 +80,8 @@ def epl_make_communicator(cluster: Cluster, config: Config) -> Communicator | No
 # Parallelisation: called by epl.parallelize, in this order:
 #   1. epl_model_transforms   (after placement, before the optimizer is built)
 #   2. epl_optimizer_wrappers (after the optimizer is built over local parameters)
-#   3. epl_make_step_runner   (what Engine.step runs)
+#   3. epl_make_gradient_reducer (data-parallel gradient reduction, used by the runner)
+#   4. epl_make_step_runner   (what Engine.step runs)
 # --------------------------------------------------------------------------------
 
 
@@ -104,11 +106,21 @@ def epl_optimizer_wrappers(context: ParallelContext) -> Sequence[OptimizerWrappe
 
 
 @hookspec(firstresult=True)
+def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | None:
+    """Build what reduces gradients over the copies of this rank's parameters.
+
+    Called once per ``epl.parallelize``, after the optimizer wrappers and before the
+    step runner, which calls ``finish`` on it every step. *firstresult*. Return None
+    when nothing needs reducing (the core has no implementation: one process, one copy).
+    """
+
+
+@hookspec(firstresult=True)
 def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     """Build what runs one training step (forward, backward, optimizer) for this rank.
 
-    Called once per ``epl.parallelize``, after the transforms and wrappers.
-    *firstresult*. Return None when the plan is not yours (e.g. a pipeline
+    Called once per ``epl.parallelize``, after the transforms, wrappers and gradient
+    reducer (``context.gradient_reducer``). *firstresult*. Return None when the plan is not yours (e.g. a pipeline
     plugin returns None for a one-stage plan). The core answers last with the
     local runner (micro-batches as gradient accumulation) for one-stage plans.
     """

@@ -118,6 +118,14 @@ MANUAL_KEYS: tuple[ConfigKey, ...] = (
         provided_by=MEMORY,
         doc="Apply the optimizer update in this many groups to lower the peak memory.",
     ),
+    ConfigKey(
+        name="optimizer.max_grad_norm",
+        types=(float, type(None)),
+        default=None,
+        minimum=0,
+        doc="Clip gradients to this total norm before the update (None: no clipping). With data "
+        "parallelism each replica clips before the reduction unless communication.clip_after_allreduce.",
+    ),
     # 6.7 Cluster
     ConfigKey(
         name="cluster.device_place_prefer_intra_node",
@@ -198,21 +206,18 @@ MANUAL_KEYS: tuple[ConfigKey, ...] = (
         name="io.slicing",
         types=(bool,),
         default=False,
-        provided_by=COMM,
         doc="Give each replica its own slice of the data files.",
     ),
     ConfigKey(
         name="io.unbalanced_io_slicing",
         types=(bool,),
         default=False,
-        provided_by=COMM,
         doc="Allow replicas to get different numbers of files when slicing.",
     ),
     ConfigKey(
         name="io.drop_last_files",
         types=(bool,),
         default=False,
-        provided_by=COMM,
         doc="Partition the files evenly and drop the last ones that do not divide.",
     ),
     # 6.10 Auto parallel

@@ -38,6 +38,7 @@ class ParallelContext:
     model: nn.Module
     loss_fn: LossFn | None
     optimizer: torch.optim.Optimizer | None = None
+    gradient_reducer: GradientReducer | None = None
 
     @property
     def config(self) -> Config:
@@ -83,6 +84,18 @@ class OptimizerWrapper(Protocol):
 
     def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
         """Return the wrapped optimizer."""
+        ...
+
+
+class GradientReducer(Protocol):
+    """Combines the gradients of the copies of this rank's parameters (data parallelism).
+
+    It may start reducing during backward (e.g. from gradient hooks). The step runner
+    calls :meth:`finish` once per step, after the last backward and before the update.
+    """
+
+    def finish(self, clip: Callable[[], None] | None) -> None:
+        """Complete this step's reduction; call ``clip`` (local clipping) before or after it, as configured."""
         ...
 
 

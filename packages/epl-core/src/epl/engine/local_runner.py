@@ -8,12 +8,15 @@ import torch
 from torch import nn
 
 from epl.engine.batch import call_model, split_batch, to_device
-from epl.engine.extensions import LossFn, ParallelContext
+from epl.engine.extensions import GradientReducer, LossFn, ParallelContext
 from epl.errors import EplError
 
 
 class LocalStepRunner:
     """Runs a one-stage plan: ``num_micro_batch`` forward/backward passes, then one optimizer step.
+
+    Between the last backward and the update, the gradient reducer (data parallelism)
+    finishes and gradients are clipped to ``optimizer.max_grad_norm`` if set.
 
     Each micro-batch's loss is divided by the number of micro-batches before its
     backward, so the accumulated gradients are those of the mean loss over the
@@ -28,12 +31,16 @@ class LocalStepRunner:
         loss_fn: LossFn | None,
         num_micro_batch: int,
         device: torch.device,
+        gradient_reducer: GradientReducer | None = None,
+        max_grad_norm: float | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.num_micro_batch = num_micro_batch
         self.device = device
+        self.gradient_reducer = gradient_reducer
+        self.max_grad_norm = max_grad_norm
 
     @classmethod
     def from_context(cls, context: ParallelContext) -> LocalStepRunner:
@@ -44,6 +51,8 @@ class LocalStepRunner:
             loss_fn=context.loss_fn,
             num_micro_batch=context.plan.num_micro_batch,
             device=context.cluster.device,
+            gradient_reducer=context.gradient_reducer,
+            max_grad_norm=context.config["optimizer.max_grad_norm"],
         )
 
     def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
@@ -56,6 +65,7 @@ class LocalStepRunner:
         if parts == 1:
             loss = self.loss(inputs, targets)
             loss.backward()
+            self.finish_gradients()
             self.optimizer.step()
             return loss.detach()
         what = f"pipeline.num_micro_batch={parts}"
@@ -68,8 +78,22 @@ class LocalStepRunner:
             loss = self.loss(micro_inputs, micro_targets)
             (loss / parts).backward()
             losses.append(loss.detach())
+        self.finish_gradients()
         self.optimizer.step()
         return torch.stack(losses).mean()
+
+    def finish_gradients(self) -> None:
+        """Reduce gradients over parameter copies (if any) and clip them (if configured)."""
+        clip = self.clip_gradients if self.max_grad_norm is not None else None
+        if self.gradient_reducer is not None:
+            self.gradient_reducer.finish(clip)
+        elif clip is not None:
+            clip()
+
+    def clip_gradients(self) -> None:
+        """Scale this rank's gradients so that their total norm is at most ``optimizer.max_grad_norm``."""
+        assert self.max_grad_norm is not None
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
 
     def loss(self, inputs: Any, targets: Any) -> torch.Tensor:
         """The scalar loss of ``inputs`` against ``targets``."""

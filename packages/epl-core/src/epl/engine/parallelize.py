@@ -45,6 +45,7 @@ def parallelize(model: nn.Module, optimizer: OptimizerSpec = None, loss_fn: Loss
     if context.optimizer is not None:
         for wrapper in env.plugins.optimizer_wrappers(context):
             context.optimizer = wrapper(context.optimizer, context)
+    context.gradient_reducer = env.plugins.make_gradient_reducer(context)
     return Engine(context, env.plugins.make_step_runner(context))
 
 

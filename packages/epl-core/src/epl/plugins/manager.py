@@ -21,7 +21,13 @@ if TYPE_CHECKING:
     from epl.cluster import Cluster
     from epl.comm.protocol import Communicator
     from epl.config import Config, ConfigKey
-    from epl.engine.extensions import ModelTransform, OptimizerWrapper, ParallelContext, StepRunner
+    from epl.engine.extensions import (
+        GradientReducer,
+        ModelTransform,
+        OptimizerWrapper,
+        ParallelContext,
+        StepRunner,
+    )
     from epl.schedule import ScheduleGenerator
     from epl.strategy.split_rule import SplitRule
 
@@ -177,6 +183,10 @@ class EplPluginManager:
     def optimizer_wrappers(self, context: ParallelContext) -> list[OptimizerWrapper]:
         """Every applicable optimizer wrapper, in ascending ``order`` (``epl_optimizer_wrappers``)."""
         return _ordered(self._pm.hook.epl_optimizer_wrappers(context=context))
+
+    def make_gradient_reducer(self, context: ParallelContext) -> GradientReducer | None:
+        """What reduces gradients over parameter copies, or None (``epl_make_gradient_reducer``)."""
+        return self._pm.hook.epl_make_gradient_reducer(context=context)
 
     def make_step_runner(self, context: ParallelContext) -> StepRunner:
         """What ``Engine.step`` runs on this rank (``epl_make_step_runner``)."""
