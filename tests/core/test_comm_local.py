@@ -27,7 +27,7 @@ def test_collectives_over_one_member(dtype: torch.dtype) -> None:
     assert torch.equal(out, tensor)
     comm.broadcast(tensor, src=0).wait()
     comm.barrier().wait()
-    assert comm.subgroup([0]) is comm and (comm.rank, comm.world_size, comm.ranks) == (0, 1, (0,))
+    assert comm.split([[0]]).ranks == (0,) and (comm.rank, comm.world_size, comm.ranks) == (0, 1, (0,))
 
 
 def test_errors_name_the_problem() -> None:
@@ -42,5 +42,5 @@ def test_errors_name_the_problem() -> None:
         comm.recv(torch.empty(1), src=1)
     with pytest.raises(ValueError, match="needs splits \\[6\\]"):
         comm.all_to_all(torch.empty(6), torch.empty(6), [3, 3])
-    with pytest.raises(ValueError, match="subgroup \\[0, 1\\]"):
-        comm.subgroup([0, 1])
+    with pytest.raises(ValueError, match="split \\[\\[1\\]\\]"):
+        comm.split([[1]])

@@ -65,11 +65,11 @@ class LocalCommunicator(Communicator):
         """One member is always all members."""
         return CompletedWork()
 
-    def subgroup(self, ranks: Sequence[int]) -> Communicator:
-        """The only subgroup of one process is itself."""
-        if list(ranks) != [0]:
-            raise ValueError(f"subgroup {list(ranks)} of a single-process job; the only rank is 0")
-        return self
+    def split(self, groups: Sequence[Sequence[int]]) -> Communicator:
+        """The only group of one process is itself."""
+        if [list(group) for group in groups if 0 in group] != [[0]]:
+            raise ValueError(f"split {[list(g) for g in groups]} of a single-process job; the only rank is 0")
+        return LocalCommunicator()
 
 
 def _same_size(operation: str, output: torch.Tensor, input: torch.Tensor) -> None:

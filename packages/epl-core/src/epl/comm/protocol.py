@@ -3,7 +3,7 @@
 Every EPL feature talks to other processes only through this interface, so a
 backend (torch.distributed, CuPy NCCL, ...) is a plugin implementing it.
 Ranks given to a method are ranks *within the communicator* (0..world_size-1),
-except ``subgroup``, which takes global ranks.
+except ``split``, which takes global ranks.
 """
 
 from __future__ import annotations
@@ -105,8 +105,13 @@ class Communicator(ABC):
         """Complete once every member has reached the barrier."""
 
     @abstractmethod
-    def subgroup(self, ranks: Sequence[int]) -> Communicator:
-        """A communicator over the given global ranks (called by every member, in the same order)."""
+    def split(self, groups: Sequence[Sequence[int]]) -> Communicator:
+        """This process's communicator among ``groups`` (lists of global ranks).
+
+        Every member calls it with the same ``groups``, in the same order; each call
+        makes new communicators (so calling it twice with one group gives two
+        independent communicators over the same ranks). A member in no group is an error.
+        """
 
     def close(self) -> None:  # noqa: B027 - optional: most communicators hold nothing to release
         """Release the communicator's resources. Further use is an error."""

@@ -1,4 +1,4 @@
-"""Every key of the manual's configuration chapter, declared by the core.
+"""Every key of the manual's configuration chapter (and EPL for PyTorch's few additions), declared by the core.
 
 Keys that another package implements carry ``provided_by``: ``epl config``
 lists them on any installation, and setting one without its package installed is
@@ -200,6 +200,25 @@ MANUAL_KEYS: tuple[ConfigKey, ...] = (
         choices=("mean", "sum"),
         provided_by=COMM,
         doc="How gradients are reduced over replicas: 'mean' or 'sum'.",
+    ),
+    # Extensions of EPL for PyTorch (not in the manual).
+    ConfigKey(
+        name="communication.backend",
+        types=(str,),
+        default="auto",
+        choices=("auto", "torch", "cupy"),
+        provided_by=COMM,
+        doc="Communication library: 'torch' (torch.distributed: NCCL on CUDA, gloo on CPU), 'cupy' "
+        "(CuPy's NCCL, needs CUDA and the epl-comm[cupy] extra), or 'auto' (= torch).",
+    ),
+    ConfigKey(
+        name="communication.timeout",
+        types=(float, int),
+        default=600,
+        minimum=1,
+        provided_by=COMM,
+        doc="Seconds a collective may take before it fails on every rank still waiting, naming the "
+        "ranks that did not arrive.",
     ),
     # 6.9 IO
     ConfigKey(
