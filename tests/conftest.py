@@ -43,3 +43,10 @@ def clean_epl(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def _close_env() -> None:
     if epl.Env._current is not None:
         epl.Env._current.close()
+
+
+@pytest.fixture
+def core_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block external plugins (epl-comm, ...), as on an installation of epl-core alone."""
+    monkeypatch.setenv("EPL_DISABLE_EXTERNAL_PLUGINS", "1")
+    reset_plugin_manager()

@@ -188,6 +188,7 @@ def test_config_pickles_and_compares() -> None:
         ("auto.auto_parallel", True, "epl-pipeline"),
     ],
 )
+@pytest.mark.usefixtures("core_only")
 def test_key_of_missing_plugin_fails_at_init_naming_the_package(key: str, value: object, package: str) -> None:
     config = epl.Config({key: value})  # building it is fine: the key exists
     with pytest.raises(

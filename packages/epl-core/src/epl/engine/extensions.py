@@ -7,7 +7,7 @@ step-runner hooks; the three protocols are what those hooks return.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -39,6 +39,8 @@ class ParallelContext:
     loss_fn: LossFn | None
     optimizer: torch.optim.Optimizer | None = None
     gradient_reducer: GradientReducer | None = None
+    #: State plugins share between their hooks for this parallelize call, keyed by plugin name.
+    extras: dict[str, Any] = field(default_factory=dict)
 
     @property
     def config(self) -> Config:

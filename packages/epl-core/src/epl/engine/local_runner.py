@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -43,9 +43,10 @@ class LocalStepRunner:
         self.max_grad_norm = max_grad_norm
 
     @classmethod
-    def from_context(cls, context: ParallelContext) -> LocalStepRunner:
-        """The runner for the model, optimizer and loss of ``context``."""
+    def from_context(cls, context: ParallelContext, **extra: Any) -> Self:
+        """The runner for the model, optimizer and loss of ``context`` (``extra``: a subclass's arguments)."""
         return cls(
+            **extra,
             model=context.model,
             optimizer=context.optimizer,
             loss_fn=context.loss_fn,

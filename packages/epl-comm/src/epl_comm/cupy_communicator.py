@@ -1,0 +1,267 @@
+"""The Communicator over CuPy's NCCL bindings (``pip install epl-comm[cupy]``, needs CUDA).
+
+Bootstrapped through the same rendezvous as torch.distributed: rank 0 of each
+group creates an NCCL unique id and shares it through the job's key-value store.
+Operations run on PyTorch's current CUDA stream; a handle waits on a CUDA event.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from epl.cluster import Cluster
+from epl.comm.protocol import Communicator, ReduceOp, Work
+from epl.errors import ClusterError, MissingPluginError
+from epl_comm.diagnostics import CollectiveLog, CollectiveRecord
+
+#: Seconds between two polls of a CUDA event while waiting.
+POLL_SECONDS = 0.001
+
+
+def load_nccl() -> Any:
+    """CuPy's NCCL module, or a clear error saying what is missing."""
+    if not torch.cuda.is_available():
+        raise MissingPluginError(
+            "communication.backend='cupy' needs CUDA, and this machine has no CUDA device. "
+            "Use communication.backend='torch' (gloo on CPU)."
+        )
+    try:
+        from cupy.cuda import nccl
+    except ImportError as exc:
+        raise MissingPluginError(
+            f"communication.backend='cupy' needs CuPy with NCCL ({exc}). Install it: pip install 'epl-comm[cupy]'."
+        ) from None
+    return nccl
+
+
+class CupyWork(Work):
+    """Completion of an NCCL operation, as a CUDA event on its stream."""
+
+    def __init__(
+        self,
+        event: torch.cuda.Event,
+        record: CollectiveRecord,
+        log: CollectiveLog,
+        timeout: float,
+        after: Callable[[], None] | None,
+    ) -> None:
+        self._event = event
+        self._record = record
+        self._log = log
+        self._timeout = timeout
+        self._after = after
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the event; after ``timeout`` seconds raise, naming the ranks that did not arrive."""
+        seconds = self._timeout if timeout is None else timeout
+        deadline = time.monotonic() + seconds
+        while not self._event.query():
+            if time.monotonic() > deadline:
+                raise self._log.timeout_error(self._record, seconds)
+            time.sleep(POLL_SECONDS)
+        if self._after is not None:
+            self._after()
+            self._after = None
+
+    def is_completed(self) -> bool:
+        """Whether the event has been reached."""
+        return bool(self._event.query())
+
+
+class CupyCommunicator(Communicator):
+    """One NCCL communicator (a CuPy ``NcclCommunicator``) over ``ranks``."""
+
+    _names = itertools.count()
+
+    def __init__(self, ranks: Sequence[int], *, store: dist.Store, timeout: float, key: str) -> None:
+        self._nccl = load_nccl()
+        self.ranks = tuple(ranks)
+        self.world_size = len(self.ranks)
+        self.rank = self.ranks.index(dist.get_rank())
+        self.timeout = timeout
+        self._store = store
+        if self.rank == 0:
+            store.set(key, json.dumps(list(self._nccl.get_unique_id())))
+        store.wait([key], datetime.timedelta(seconds=timeout))
+        unique_id = tuple(json.loads(store.get(key).decode()))
+        self._comm = self._nccl.NcclCommunicator(self.world_size, unique_id, self.rank)
+        self.log = CollectiveLog(f"nccl{next(self._names)}", self.rank, tuple(range(self.world_size)), store)
+
+    @classmethod
+    def join(cls, cluster: Cluster, *, timeout: float) -> CupyCommunicator:
+        """Meet the other processes through torch.distributed's rendezvous, then build the NCCL communicator."""
+        load_nccl()
+        if not dist.is_initialized():
+            if cluster.master_addr is None or cluster.master_port is None:
+                raise ClusterError(
+                    f"{cluster.world_size} processes need MASTER_ADDR and MASTER_PORT to meet; launch with "
+                    "`epl launch` or torchrun."
+                )
+            os.environ.setdefault("MASTER_ADDR", cluster.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(cluster.master_port))
+            dist.init_process_group(
+                "gloo",
+                init_method="env://",
+                rank=cluster.rank,
+                world_size=cluster.world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+        torch.cuda.set_device(cluster.device)
+        store = dist.distributed_c10d._get_default_store()
+        return cls(range(cluster.world_size), store=store, timeout=timeout, key="epl/nccl/world")
+
+    # -- collectives ---------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
+        """Reduce ``tensor`` over all members, in place (AVG is a sum divided by the member count)."""
+        after = (lambda: tensor.div_(self.world_size)) if op is ReduceOp.AVG else None
+        return self._run(
+            "all_reduce",
+            tensor,
+            lambda s: self._comm.allReduce(
+                tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor), self._op(op), s
+            ),
+            after,
+        )
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
+        """Reduce ``input`` and give member i chunk i in ``output``."""
+        after = (lambda: output.div_(self.world_size)) if op is ReduceOp.AVG else None
+        return self._run(
+            "reduce_scatter",
+            input,
+            lambda s: self._comm.reduceScatter(
+                input.data_ptr(), output.data_ptr(), output.numel(), self._dtype(input), self._op(op), s
+            ),
+            after,
+        )
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        """Concatenate every member's ``input`` into ``output``."""
+        return self._run(
+            "all_gather",
+            input,
+            lambda s: self._comm.allGather(input.data_ptr(), output.data_ptr(), input.numel(), self._dtype(input), s),
+        )
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+        """Copy member ``src``'s tensor to every member."""
+        return self._run(
+            "broadcast",
+            tensor,
+            lambda s: self._comm.broadcast(
+                tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor), src, s
+            ),
+        )
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: Sequence[int] | None = None,
+        input_splits: Sequence[int] | None = None,
+    ) -> Work:
+        """Grouped NCCL send/recv: chunk j of ``input`` to member j, member j's chunk into ``output``."""
+        ins = list(input_splits) if input_splits is not None else [input.numel() // self.world_size] * self.world_size
+        outs = (
+            list(output_splits) if output_splits is not None else [output.numel() // self.world_size] * self.world_size
+        )
+
+        def launch(stream: int) -> None:
+            dtype = self._dtype(input)
+            size = input.element_size()
+            self._nccl.groupStart()
+            for peer, (in_offset, out_offset) in enumerate(zip(_offsets(ins), _offsets(outs), strict=True)):
+                self._comm.send(input.data_ptr() + in_offset * size, ins[peer], dtype, peer, stream)
+                self._comm.recv(output.data_ptr() + out_offset * size, outs[peer], dtype, peer, stream)
+            self._nccl.groupEnd()
+
+        return self._run("all_to_all", input, launch)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> Work:
+        """Send ``tensor`` to member ``dst``."""
+        return self._run(
+            "send", tensor, lambda s: self._comm.send(tensor.data_ptr(), tensor.numel(), self._dtype(tensor), dst, s)
+        )
+
+    def recv(self, tensor: torch.Tensor, src: int) -> Work:
+        """Receive into ``tensor`` from member ``src``."""
+        return self._run(
+            "recv", tensor, lambda s: self._comm.recv(tensor.data_ptr(), tensor.numel(), self._dtype(tensor), src, s)
+        )
+
+    def barrier(self) -> Work:
+        """An all-reduce of one element: complete once every member has reached it."""
+        flag = torch.zeros(1, device=torch.cuda.current_device())
+        return self._run(
+            "barrier",
+            flag,
+            lambda s: self._comm.allReduce(
+                flag.data_ptr(), flag.data_ptr(), 1, self._nccl.NCCL_FLOAT32, self._nccl.NCCL_SUM, s
+            ),
+        )
+
+    def split(self, groups: Sequence[Sequence[int]]) -> CupyCommunicator:
+        """This process's communicator among ``groups`` (global ranks); every process calls it alike."""
+        call = next(self._names)
+        me = dist.get_rank()
+        for index, ranks in enumerate(groups):
+            if me in ranks:
+                return CupyCommunicator(
+                    sorted(ranks), store=self._store, timeout=self.timeout, key=f"epl/nccl/split{call}/{index}"
+                )
+        raise ValueError(f"rank {me} is in none of the groups {[list(g) for g in groups]}")
+
+    def close(self) -> None:
+        """Destroy the NCCL communicator and stop the heartbeat."""
+        self.log.close()
+        self._comm.destroy()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _run(
+        self, op: str, tensor: torch.Tensor, launch: Callable[[int], None], after: Callable[[], None] | None = None
+    ) -> CupyWork:
+        record = self.log.start(op, tensor)
+        stream = torch.cuda.current_stream()
+        launch(stream.cuda_stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return CupyWork(event, record, self.log, self.timeout, after)
+
+    def _dtype(self, tensor: torch.Tensor) -> int:
+        names = {
+            torch.float32: "NCCL_FLOAT32",
+            torch.float64: "NCCL_FLOAT64",
+            torch.float16: "NCCL_FLOAT16",
+            torch.bfloat16: "NCCL_BFLOAT16",
+            torch.int64: "NCCL_INT64",
+            torch.int32: "NCCL_INT32",
+            torch.int8: "NCCL_INT8",
+            torch.uint8: "NCCL_UINT8",
+        }
+        name = names.get(tensor.dtype)
+        if name is None or not hasattr(self._nccl, name):
+            raise TypeError(f"CuPy's NCCL cannot communicate {tensor.dtype}")
+        return int(getattr(self._nccl, name))
+
+    def _op(self, op: ReduceOp) -> int:
+        names = {
+            ReduceOp.SUM: "NCCL_SUM",
+            ReduceOp.AVG: "NCCL_SUM",
+            ReduceOp.MAX: "NCCL_MAX",
+            ReduceOp.MIN: "NCCL_MIN",
+            ReduceOp.PRODUCT: "NCCL_PROD",
+        }
+        return int(getattr(self._nccl, names[op]))
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    return list(itertools.accumulate([0, *sizes[:-1]]))

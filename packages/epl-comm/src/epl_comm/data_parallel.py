@@ -1,0 +1,210 @@
+"""Data parallelism: start from identical weights, and reduce gradients over every copy of a parameter.
+
+Bucket reductions start during backward: a post-accumulate-grad hook counts each
+parameter's gradients, and once every parameter of a bucket has received its last
+micro-batch's gradient, the bucket is copied into a flat buffer and its all-reduce
+starts, on the communicators in turn. Buckets always start in bucket order, so every
+rank issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from epl.comm.protocol import Communicator, ReduceOp, Work
+from epl_comm.buckets import plan_buckets
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReducePolicy:
+    """How gradients are reduced: the manual's ``communication.*`` keys."""
+
+    copies: int
+    num_micro_batch: int = 1
+    max_splits: int = 5
+    mean: bool = True
+    fp16: bool = False
+    fp16_scale: float = 128.0
+    clip_after_allreduce: bool = False
+    sparse_as_dense: bool = False
+
+
+@dataclass(eq=False)
+class _Bucket:
+    params: list[nn.Parameter]
+    communicator: Communicator
+    waiting: int = 0
+    buffer: torch.Tensor | None = None
+    wire: torch.Tensor | None = None
+    work: Work | None = None
+    started: bool = False
+    sizes: list[int] = field(default_factory=list)
+
+
+def broadcast_from_first(module: nn.Module, communicator: Communicator) -> None:
+    """Give every member member 0's parameters and buffers (one flat broadcast per dtype)."""
+    tensors = [t for t in [*module.parameters(), *module.buffers()] if t.numel()]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    with torch.no_grad():
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            communicator.broadcast(flat, src=0).wait()
+            for tensor, piece in zip(group, flat.split([t.numel() for t in group]), strict=True):
+                tensor.copy_(piece.view_as(tensor))
+
+
+class DataParallelReducer:
+    """Reduces the gradients of ``params`` over ``policy.copies`` copies (implements GradientReducer)."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        communicators: Sequence[Communicator],
+        policy: ReducePolicy,
+        *,
+        sparse: Sequence[nn.Parameter] = (),
+        defer_until_finish: bool = False,
+    ) -> None:
+        self.policy = policy
+        self.communicators = list(communicators)
+        sparse_ids = set() if policy.sparse_as_dense else {id(p) for p in sparse}
+        dense = [p for p in params if p.requires_grad and id(p) not in sparse_ids]
+        self.sparse = [p for p in params if p.requires_grad and id(p) in sparse_ids]
+        self.buckets = [
+            _Bucket(params=group, communicator=self.communicators[i % len(self.communicators)])
+            for i, group in enumerate(plan_buckets(dense, policy.max_splits))
+        ]
+        self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
+        self._arrivals: dict[int, int] = {}
+        self._next = 0
+        self._defer = defer_until_finish
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in dense]
+        self._reset()
+
+    @property
+    def bytes_per_step(self) -> int:
+        """Bytes this rank puts on the wire for the dense buckets of one step."""
+        element = 2 if self.policy.fp16 else None
+        return sum(sum(p.numel() * (element or p.element_size()) for p in b.params) for b in self.buckets)
+
+    # -- GradientReducer -------------------------------------------------------------
+    def finish(self, clip: Callable[[], None] | None) -> None:
+        """Finish this step's reduction; clip before it (per replica) or after it, as configured."""
+        if clip is not None and not self.policy.clip_after_allreduce:
+            clip()
+        while self._next < len(self.buckets):
+            self._start(self.buckets[self._next])
+        sparse_results = [self._reduce_sparse(p) for p in self.sparse]
+        for bucket in self.buckets:
+            self._complete(bucket)
+        for param, grad in zip(self.sparse, sparse_results, strict=True):
+            param.grad = grad
+        if clip is not None and self.policy.clip_after_allreduce:
+            clip()
+        self._reset()
+
+    def remove(self) -> None:
+        """Remove the gradient hooks."""
+        for handle in self._handles:
+            handle.remove()
+
+    # -- during backward ---------------------------------------------------------------
+    def _reset(self) -> None:
+        self._arrivals = {id(p): 0 for b in self.buckets for p in b.params}
+        self._next = 0
+        for bucket in self.buckets:
+            bucket.waiting = len(bucket.params)
+            bucket.started = False
+            bucket.work = None
+
+    def _on_gradient(self, param: nn.Parameter) -> None:
+        key = id(param)
+        self._arrivals[key] += 1
+        if self._arrivals[key] != self.policy.num_micro_batch:
+            return
+        bucket = self._bucket_of[key]
+        bucket.waiting -= 1
+        if self._defer:
+            return
+        while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
+            self._start(self.buckets[self._next])
+
+    def _start(self, bucket: _Bucket) -> None:
+        if bucket.buffer is None:
+            first = bucket.params[0]
+            bucket.sizes = [p.numel() for p in bucket.params]
+            bucket.buffer = torch.empty(sum(bucket.sizes), dtype=first.dtype, device=first.device)
+            if self.policy.fp16:
+                bucket.wire = torch.empty(sum(bucket.sizes), dtype=torch.float16, device=first.device)
+        buffer = bucket.buffer
+        with torch.no_grad():
+            for param, piece in zip(bucket.params, buffer.split(bucket.sizes), strict=True):
+                if param.grad is None:
+                    piece.zero_()
+                else:
+                    grad = param.grad.to_dense() if param.grad.is_sparse else param.grad
+                    piece.copy_(grad.reshape(-1))
+            wire = buffer
+            if self.policy.fp16:
+                assert bucket.wire is not None
+                wire = bucket.wire
+                torch.mul(buffer, self.policy.fp16_scale, out=wire)
+        bucket.work = bucket.communicator.all_reduce(wire, ReduceOp.SUM)
+        bucket.started = True
+        self._next += 1
+
+    def _complete(self, bucket: _Bucket) -> None:
+        assert bucket.work is not None and bucket.buffer is not None
+        bucket.work.wait()
+        buffer = bucket.buffer
+        with torch.no_grad():
+            if self.policy.fp16:
+                assert bucket.wire is not None
+                buffer.copy_(bucket.wire).div_(self.policy.fp16_scale)
+            if self.policy.mean:
+                buffer.div_(self.policy.copies)
+            for param, piece in zip(bucket.params, buffer.split(bucket.sizes), strict=True):
+                if param.grad is None or param.grad.is_sparse:
+                    param.grad = piece.view_as(param).clone()
+                else:
+                    param.grad.copy_(piece.view_as(param))
+
+    def _reduce_sparse(self, param: nn.Parameter) -> torch.Tensor | None:
+        """Gather every copy's sparse gradient as indices and values; sum (or mean) them."""
+        communicator = self.communicators[0]
+        members = communicator.world_size
+        grad = param.grad
+        if grad is None:
+            grad = torch.sparse_coo_tensor(
+                torch.empty(1, 0, dtype=torch.long, device=param.device),
+                torch.empty(0, *param.shape[1:], dtype=param.dtype, device=param.device),
+                param.shape,
+            )
+        grad = grad.coalesce()
+        indices, values = grad.indices()[0], grad.values()
+        row = values[0].numel() if values.dim() > 1 and values.shape[0] else param[0].numel()
+        counts = torch.tensor([indices.numel()], device=param.device)
+        all_counts = torch.empty(members, dtype=counts.dtype, device=param.device)
+        communicator.all_gather(all_counts, counts).wait()
+        longest = int(all_counts.max())
+        padded_indices = torch.zeros(longest, dtype=torch.long, device=param.device)
+        padded_values = torch.zeros(longest * row, dtype=param.dtype, device=param.device)
+        padded_indices[: indices.numel()] = indices
+        padded_values[: values.numel()] = values.reshape(-1)
+        gathered_indices = torch.empty(longest * members, dtype=torch.long, device=param.device)
+        gathered_values = torch.empty(longest * row * members, dtype=param.dtype, device=param.device)
+        communicator.all_gather(gathered_indices, padded_indices).wait()
+        communicator.all_gather(gathered_values, padded_values).wait()
+        keep = [slice(m * longest, m * longest + int(all_counts[m])) for m in range(members)]
+        all_indices = torch.cat([gathered_indices[k] for k in keep])
+        all_values = torch.cat([gathered_values.view(-1, row)[k] for k in keep]).view(-1, *param.shape[1:])
+        total = torch.sparse_coo_tensor(all_indices.unsqueeze(0), all_values, param.shape).coalesce()
+        if total._nnz() == 0 and param.grad is None:
+            return None
+        return total / self.policy.copies if self.policy.mean else total

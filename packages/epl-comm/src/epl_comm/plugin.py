@@ -1,0 +1,91 @@
+"""epl-comm's hook implementations: communicators, initial broadcast, gradient reduction, the DP runner."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from epl.cluster import Cluster
+from epl.comm.protocol import Communicator
+from epl.config import Config
+from epl.engine.extensions import GradientReducer, ModelTransform, ParallelContext, StepRunner
+from epl.plugins import hookimpl
+from epl_comm.cupy_communicator import CupyCommunicator, load_nccl
+from epl_comm.data_parallel import DataParallelReducer, ReducePolicy, broadcast_from_first
+from epl_comm.groups import groups_for
+from epl_comm.runner import DataParallelStepRunner
+from epl_comm.torch_communicator import TorchCommunicator
+
+
+@hookimpl
+def epl_make_communicator(cluster: Cluster, config: Config) -> Communicator | None:
+    """torch.distributed (``auto``/``torch``) or CuPy NCCL (``cupy``) over the job's processes."""
+    backend = config["communication.backend"]
+    if backend == "cupy":
+        load_nccl()  # a clear error on a machine where it cannot work, whatever the world size
+    if cluster.world_size == 1:
+        return None
+    timeout = float(config["communication.timeout"])
+    if backend == "cupy":
+        return CupyCommunicator.join(cluster, timeout=timeout)
+    return TorchCommunicator.join(cluster, timeout=timeout)
+
+
+class BroadcastInitialWeights:
+    """Model transform: every copy starts from the first copy's parameters and buffers."""
+
+    name = "broadcast_initial_weights"
+    order = -100
+
+    def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
+        """Broadcast ``model``'s tensors from the first copy; return it."""
+        groups = groups_for(context)
+        if groups.num_copies > 1:
+            broadcast_from_first(model, groups.copies)
+        return model
+
+
+@hookimpl
+def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | None:
+    """Broadcast the initial weights when the plan has several copies of them."""
+    return None if context.plan.local else [BroadcastInitialWeights()]
+
+
+@hookimpl
+def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | None:
+    """Bucketed, overlapped gradient reduction over every copy of this rank's parameters."""
+    if context.plan.local:
+        return None
+    groups = groups_for(context)
+    if groups.num_copies == 1:
+        return None
+    config = context.config
+    policy = ReducePolicy(
+        copies=groups.num_copies,
+        num_micro_batch=context.plan.num_micro_batch,
+        max_splits=config["communication.max_splits"],
+        mean=config["communication.gradients_reduce_method"] == "mean",
+        fp16=config["communication.fp16"],
+        fp16_scale=float(config["communication.fp16_scale"]),
+        clip_after_allreduce=config["communication.clip_after_allreduce"],
+        sparse_as_dense=config["communication.sparse_as_dense"],
+    )
+    sparse = [
+        module.weight
+        for module in context.model.modules()
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
+    ]
+    clip_first = config["optimizer.max_grad_norm"] is not None and not policy.clip_after_allreduce
+    return DataParallelReducer(
+        list(context.model.parameters()), groups.reducers, policy, sparse=sparse, defer_until_finish=clip_first
+    )
+
+
+@hookimpl
+def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
+    """The data-parallel runner for one-stage plans on several processes."""
+    if context.plan.local or context.plan.num_stages != 1:
+        return None
+    groups = groups_for(context)
+    return DataParallelStepRunner.from_context(
+        context, shard_index=groups.shard_index, num_shards=groups.num_shards, replica=groups.replica
+    )

@@ -1,0 +1,199 @@
+"""The Communicator over torch.distributed (gloo on CPU, NCCL on CUDA)."""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import itertools
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from epl.cluster import Cluster
+from epl.comm.protocol import Communicator, ReduceOp, Work
+from epl.errors import ClusterError
+from epl_comm.diagnostics import CollectiveLog, CollectiveRecord
+
+_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.AVG: dist.ReduceOp.AVG,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+}
+
+
+class TorchWork(Work):
+    """A torch.distributed async handle whose ``wait`` times out with a diagnosis."""
+
+    def __init__(self, work: dist.Work, record: CollectiveRecord, log: CollectiveLog, timeout: float) -> None:
+        self._work = work
+        self._record = record
+        self._log = log
+        self._timeout = timeout
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the operation; after ``timeout`` (default ``communication.timeout``) seconds, raise."""
+        seconds = self._timeout if timeout is None else timeout
+        try:
+            self._work.wait(datetime.timedelta(seconds=seconds))
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                raise self._log.timeout_error(self._record, seconds) from exc
+            raise
+
+    def is_completed(self) -> bool:
+        """Whether the operation has finished."""
+        return bool(self._work.is_completed())
+
+
+class TorchCommunicator(Communicator):
+    """Collectives of one torch.distributed process group, numbered and timed.
+
+    ``group`` None is the default (world) group.
+    """
+
+    _names = itertools.count()
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, ranks: Sequence[int], *, timeout: float, store: dist.Store | None
+    ) -> None:
+        self.group = group
+        self.ranks = tuple(ranks)
+        self.world_size = len(self.ranks)
+        self.rank = self.ranks.index(dist.get_rank())
+        self.timeout = timeout
+        self._store = store
+        self.log = CollectiveLog(f"group{next(self._names)}", self.rank, tuple(range(self.world_size)), store)
+
+    @classmethod
+    def join(cls, cluster: Cluster, *, timeout: float) -> TorchCommunicator:
+        """Join the processes of ``cluster`` (NCCL on CUDA, gloo on CPU) and return the world communicator.
+
+        Uses the process group the script already made, if any; otherwise rendezvous
+        through MASTER_ADDR/MASTER_PORT (set by ``epl launch`` and torchrun).
+        """
+        if not dist.is_initialized():
+            if cluster.master_addr is None or cluster.master_port is None:
+                raise ClusterError(
+                    f"{cluster.world_size} processes need MASTER_ADDR and MASTER_PORT to meet; launch with "
+                    "`epl launch` or torchrun, or set them to rank 0's address and a free port."
+                )
+            backend = "nccl" if cluster.device_type == "cuda" else "gloo"
+            if cluster.device_type == "cuda":
+                torch.cuda.set_device(cluster.device)
+            # env:// (not tcp://) so that under torchrun the agent's store is reused.
+            os.environ.setdefault("MASTER_ADDR", cluster.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(cluster.master_port))
+            dist.init_process_group(
+                backend,
+                init_method="env://",
+                rank=cluster.rank,
+                world_size=cluster.world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+            atexit.register(_destroy_process_group)
+        if dist.get_world_size() != cluster.world_size:
+            raise ClusterError(
+                f"The existing process group has {dist.get_world_size()} processes, the environment says "
+                f"{cluster.world_size}."
+            )
+        return cls(None, range(cluster.world_size), timeout=timeout, store=_default_store())
+
+    # -- collectives ---------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
+        """Reduce ``tensor`` over all members, in place."""
+        return self._start("all_reduce", tensor, lambda: dist.all_reduce(tensor, _OPS[op], self.group, True))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
+        """Reduce ``input`` and give member i its chunk i in ``output``."""
+        _check_multiple("reduce_scatter", input, output, self.world_size)
+        return self._start(
+            "reduce_scatter", input, lambda: dist.reduce_scatter_tensor(output, input, _OPS[op], self.group, True)
+        )
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        """Concatenate every member's ``input`` into ``output``."""
+        _check_multiple("all_gather", output, input, self.world_size)
+        return self._start("all_gather", input, lambda: dist.all_gather_into_tensor(output, input, self.group, True))
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+        """Copy member ``src``'s tensor to every member."""
+        return self._start("broadcast", tensor, lambda: dist.broadcast(tensor, self.ranks[src], self.group, True))
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: Sequence[int] | None = None,
+        input_splits: Sequence[int] | None = None,
+    ) -> Work:
+        """Send chunk j of ``input`` to member j; receive member j's chunk into chunk j of ``output``."""
+        out_splits = list(output_splits) if output_splits is not None else None
+        in_splits = list(input_splits) if input_splits is not None else None
+        return self._start(
+            "all_to_all",
+            input,
+            lambda: dist.all_to_all_single(output, input, out_splits, in_splits, self.group, True),
+        )
+
+    def send(self, tensor: torch.Tensor, dst: int) -> Work:
+        """Send ``tensor`` to member ``dst``."""
+        return self._start("send", tensor, lambda: dist.isend(tensor, self.ranks[dst], self.group))
+
+    def recv(self, tensor: torch.Tensor, src: int) -> Work:
+        """Receive into ``tensor`` from member ``src``."""
+        return self._start("recv", tensor, lambda: dist.irecv(tensor, self.ranks[src], self.group))
+
+    def barrier(self) -> Work:
+        """Complete once every member has reached the barrier."""
+        return self._start("barrier", torch.empty(0), lambda: dist.barrier(self.group, async_op=True))
+
+    def split(self, groups: Sequence[Sequence[int]]) -> TorchCommunicator:
+        """This process's communicator among ``groups`` (global ranks).
+
+        torch.distributed makes groups collectively over the whole job: every process
+        of the job calls this with the same ``groups``, members or not.
+        """
+        me = dist.get_rank()
+        mine = None
+        for ranks in groups:
+            global_ranks = sorted(ranks)
+            group = dist.new_group(global_ranks, timeout=datetime.timedelta(seconds=self.timeout))
+            if me in global_ranks:
+                mine = TorchCommunicator(group, global_ranks, timeout=self.timeout, store=self._store)
+        if mine is None:
+            raise ValueError(f"rank {me} is in none of the groups {[list(g) for g in groups]}")
+        return mine
+
+    def close(self) -> None:
+        """Stop the heartbeat. The process group stays for a later ``epl.init`` and ends with the process."""
+        self.log.close()
+
+    def _start(self, op: str, tensor: torch.Tensor, launch: Callable[[], dist.Work | None]) -> TorchWork:
+        record = self.log.start(op, tensor)
+        work = launch()
+        assert work is not None
+        return TorchWork(work, record, self.log, self.timeout)
+
+
+def _check_multiple(op: str, big: torch.Tensor, small: torch.Tensor, members: int) -> None:
+    if big.numel() != small.numel() * members:
+        raise ValueError(
+            f"{op} over {members} members needs {members} x {small.numel()} = {small.numel() * members} elements "
+            f"in the large tensor, got {big.numel()}"
+        )
+
+
+def _default_store() -> dist.Store | None:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - diagnostics work without it, just with less to say
+        return None
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
