@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
+import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
@@ -200,3 +204,40 @@ def test_second_init_starts_over() -> None:
     with epl.replicate(1, name="old"):  # the old name is free again
         model = nn.Linear(2, 2)
     assert summary(model) == [("old", "replicate", 1, False)]
+
+
+def test_membership_survives_tensor_replacement() -> None:
+    epl.init()
+    with epl.replicate(1, name="s0"):
+        a = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    with epl.replicate(1, name="s1"), torch.device("meta"):
+        b = nn.Linear(3, 3)
+    model = nn.Sequential(a, b)
+    b.to_empty(device="cpu")  # new parameter objects in the same slots
+    a.half()  # new buffer objects
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    s0, s1 = taskgraphs(model)
+    assert (s0.name, s1.name) == ("s0", "s1")
+    assert owned(s0) == {id(t) for t in [*a.parameters(), *a.buffers()]}
+    assert owned(s1) == {id(t) for t in b.parameters()}
+
+
+def test_taskgraphs_of_another_model_are_not_part_of_this_one() -> None:
+    epl.init()
+    with epl.replicate(1, name="teacher"):
+        nn.Linear(4, 4)
+    with epl.replicate(1, name="student"):
+        student = nn.Linear(4, 4)
+    with epl.replicate(1, name="empty"):
+        pass
+    assert [tg.name for tg in taskgraphs(student)] == ["student", "empty"]
+
+
+def test_recorder_keeps_nothing_alive() -> None:
+    epl.init()
+    with epl.replicate(1):
+        throwaway = nn.Linear(64, 64)
+    alive = weakref.ref(throwaway.weight)
+    del throwaway
+    gc.collect()
+    assert alive() is None

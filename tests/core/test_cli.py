@@ -113,3 +113,17 @@ def test_console_script_entry_point() -> None:
 
     (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "epl"]
     assert script.value == "epl.cli:main"
+
+
+def test_plan_of_a_script_that_prints_and_imports_its_neighbours(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "mymodel.py").write_text("from torch import nn\ndef build():\n    return nn.Linear(2, 2)\n")
+    (tmp_path / "train.py").write_text(
+        "import epl\nfrom mymodel import build\nprint('starting')\nepl.init()\nepl.parallelize(build())\n"
+    )
+    monkeypatch.chdir("/")
+    result = CliRunner().invoke(make_cli(), ["plan", "-n", "2", "--json", str(tmp_path / "train.py")])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["num_replicas"] == 2
+    assert "starting" in result.stderr

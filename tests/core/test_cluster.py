@@ -74,6 +74,7 @@ def test_cuda_device_follows_local_rank_and_visible_devices(monkeypatch: pytest.
         ),
         ({"RANK": "x", "WORLD_SIZE": "2"}, r"RANK='x' must be an integer"),
         ({"RANK": "0", "WORLD_SIZE": "0"}, r"WORLD_SIZE must be at least 1"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "abc"}, r"MASTER_PORT='abc' must be an integer"),
     ],
 )
 def test_inconsistent_environment_is_an_error(env: dict[str, str], message: str) -> None:
@@ -91,3 +92,18 @@ def test_env_exposes_cluster_config_and_plugins() -> None:
     assert epl.Env.get() is env
     assert env.cluster.total_gpu_num == 1 and env.config["pipeline.num_micro_batch"] == 1
     assert env.plugins.has_plugin("epl-core") and env.communicator is not None and not env.planning
+
+
+def test_local_rank_defaults_to_rank_within_the_node() -> None:
+    cluster = Cluster.from_environ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, cuda_available=False)
+    assert (cluster.local_rank, cluster.worker_index) == (1, 1)
+
+
+def test_visible_devices_must_be_numbers() -> None:
+    with pytest.raises(epl.ClusterError, match="must be comma-separated device numbers"):
+        Cluster.from_environ({}, cuda_available=True, visible_devices="a,b")
+
+
+def test_virtual_cluster_names_the_options() -> None:
+    with pytest.raises(epl.ClusterError, match="--world-size must be a multiple of --gpu-per-worker"):
+        Cluster.virtual(8, 3)

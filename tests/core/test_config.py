@@ -8,7 +8,9 @@ import pickle
 import pytest
 
 import epl
+import epl.plugins
 from epl.config import MANUAL_KEYS
+from epl.plugins import EplPluginManager
 
 # The manual's configuration chapter (6.1 - 6.10): key -> default.
 MANUAL_DEFAULTS = {
@@ -119,10 +121,33 @@ def test_bad_environment_value_names_the_variable(monkeypatch: pytest.MonkeyPatc
         epl.Config()
 
 
-def test_unknown_environment_variable_warns_with_suggestion(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unknown_environment_variable_is_an_error_with_suggestion(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EPL_PIPELINE_NUM_MICRO_BATCHES", "4")
-    with pytest.warns(UserWarning, match="Did you mean 'EPL_PIPELINE_NUM_MICRO_BATCH'"):
+    with pytest.raises(
+        epl.ConfigError,
+        match="EPL_PIPELINE_NUM_MICRO_BATCHES names no EPL config key.*Did you mean 'EPL_PIPELINE_NUM_MICRO_BATCH'",
+    ):
         epl.Config()
+
+
+def test_invalid_values_from_environment_and_file_name_their_origin(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    file = tmp_path / "epl.toml"
+    file.write_text("[amp]\nloss_scale = 0.5\n")
+    with pytest.raises(epl.ConfigError, match=r"'amp.loss_scale' \(from config file .*epl.toml\): expected str/int"):
+        epl.Config(file=file)
+    monkeypatch.setenv("EPL_PIPELINE_NUM_MICRO_BATCH", "0")
+    with pytest.raises(epl.ConfigError, match=r"'pipeline.num_micro_batch' \(from EPL_PIPELINE_NUM_MICRO_BATCH\)"):
+        epl.Config()
+
+
+def test_blocked_plugin_is_named_as_blocked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EPL_DISABLE_EXTERNAL_PLUGINS", "epl-comm")
+    epl.plugins.reset_plugin_manager()
+    manager = epl.plugins.get_plugin_manager()
+    if "epl-comm" not in manager.blocked:
+        pytest.skip("epl-comm is not installed")
+    with pytest.raises(epl.MissingPluginError, match="installed but blocked by EPL_DISABLE_EXTERNAL_PLUGINS"):
+        epl.init(epl.Config({"communication.fp16": True}))
 
 
 def test_file_toml_and_json_with_precedence(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -188,13 +213,18 @@ def test_config_pickles_and_compares() -> None:
         ("auto.auto_parallel", True, "epl-pipeline"),
     ],
 )
-@pytest.mark.usefixtures("core_only")
-def test_key_of_missing_plugin_fails_at_init_naming_the_package(key: str, value: object, package: str) -> None:
-    config = epl.Config({key: value})  # building it is fine: the key exists
+def test_key_of_missing_plugin_fails_naming_the_package(key: str, value: object, package: str) -> None:
+    core_alone = EplPluginManager(load_entry_points=False)
+    config = epl.Config({key: value}, plugin_manager=core_alone)  # building it is fine: the key exists
     with pytest.raises(
         epl.MissingPluginError, match=rf"'{key}' = .* needs the package {package}.*pip install {package}"
     ):
-        epl.init(config)
+        config.check_plugins(core_alone)
+
+
+def test_epl_init_checks_the_plugins_of_the_config() -> None:
+    with pytest.raises(epl.MissingPluginError, match="'zero.level' = 'v1' needs the package epl-memory"):
+        epl.init(epl.Config({"zero.level": "v1"}))
 
 
 def test_default_values_of_plugin_keys_need_no_plugin() -> None:

@@ -233,3 +233,33 @@ def test_gradient_clipping_matches_plain_clip_grad_norm() -> None:
     assert torch.equal(torch.stack(losses), torch.stack(expected))
     for ours, theirs in zip(engine.model.parameters(), model.parameters(), strict=True):
         assert torch.equal(ours, theirs)
+
+
+def test_namedtuple_and_mapping_batches_keep_their_types() -> None:
+    import collections
+
+    Pair = collections.namedtuple("Pair", "x mask")
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(3, 1)
+
+        def forward(self, pair: Pair) -> torch.Tensor:
+            assert isinstance(pair, Pair)
+            return self.linear(pair.x * pair.mask)
+
+    epl.init(epl.Config({"pipeline.num_micro_batch": 2}))
+    engine = epl.parallelize(Masked(), optimizer=OPTIMIZERS["sgd"], loss_fn=nn.MSELoss())
+    batch = Pair(torch.randn(4, 3), torch.ones(4, 3))
+    assert engine.step(batch, torch.randn(4, 1)).dim() == 0
+    assert engine.predict(batch).shape == (4, 1)
+
+
+def test_lazy_modules_are_planned_with_a_note_and_train() -> None:
+    epl.init()
+    model = nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 2))
+    plan = epl.plan(model)
+    assert any("uninitialised (lazy) parameters" in note for note in plan.notes)
+    engine = epl.parallelize(model, optimizer=OPTIMIZERS["sgd"], loss_fn=nn.MSELoss())
+    assert engine.step(torch.randn(2, 3), torch.randn(2, 2)).dim() == 0

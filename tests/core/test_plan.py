@@ -169,3 +169,23 @@ def test_local_plan_still_rejects_invalid_colocation() -> None:
         b = nn.Linear(2, 2)
     with pytest.raises(epl.PlacementError, match="must be equal"):
         epl.plan(nn.Sequential(a, b))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 0}, r"world_size=...\) takes a positive integer, got 0"),
+        ({"world_size": 8.0}, r"world_size=...\) takes a positive integer, got 8.0"),
+        ({"world_size": 8, "gpu_per_worker": -2}, r"gpu_per_worker=...\) takes a positive integer, got -2"),
+    ],
+)
+def test_plan_arguments_are_checked(kwargs: dict[str, object], message: str) -> None:
+    epl.init()
+    with pytest.raises(epl.PlacementError, match=message):
+        epl.plan(nn.Linear(2, 2), **kwargs)  # type: ignore[arg-type]
+
+
+def test_plan_for_one_device_is_the_local_plan() -> None:
+    epl.init()
+    plan = epl.plan(examples.pipeline(), world_size=1)
+    assert plan.local and plan.num_stages == 1

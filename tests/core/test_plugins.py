@@ -258,3 +258,15 @@ def test_gradient_reducer_finishes_every_step_and_receives_the_clip() -> None:
     assert calls == ["finish", "finish"]
     norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
     assert norm <= 0.5 + 1e-6
+
+
+def test_config_keys_hook_must_return_config_keys() -> None:
+    class Wrong:
+        @epl.hookimpl
+        def epl_config_keys(self):  # type: ignore[no-untyped-def]
+            return ["pipeline.foo"]
+
+    manager = EplPluginManager(load_entry_points=False)
+    manager.register(Wrong(), name="wrong")
+    with pytest.raises(epl.PluginError, match="Plugin 'wrong' returned 'pipeline.foo' from epl_config_keys"):
+        manager.config_schema()

@@ -100,8 +100,8 @@ class Cluster:
         environ = os.environ if environ is None else environ
         if "WORLD_SIZE" in environ or "RANK" in environ:
             world, rank = _int(environ, "WORLD_SIZE", 1), _int(environ, "RANK", 0)
-            local_rank = _int(environ, "LOCAL_RANK", rank)
             local_world = _int(environ, "LOCAL_WORLD_SIZE", world)
+            local_rank = _int(environ, "LOCAL_RANK", rank % local_world if local_world > 0 else rank)
             launcher = environ.get("EPL_LAUNCHER", "torchrun")
         else:
             world, rank, local_rank, local_world, launcher = 1, 0, 0, 1, "none"
@@ -114,7 +114,7 @@ class Cluster:
                         local_rank, local_world = _mpi_node_ranks(size_var)
                     launcher = "mpi"
                     break
-        port = environ.get("MASTER_PORT")
+        port = _int(environ, "MASTER_PORT", 0)
         device_type, device_index = _pick_device(local_rank, visible_devices, cuda_available)
         return cls(
             world_size=world,
@@ -122,7 +122,7 @@ class Cluster:
             local_rank=local_rank,
             local_world_size=local_world,
             master_addr=environ.get("MASTER_ADDR"),
-            master_port=int(port) if port else None,
+            master_port=port or None,
             launcher=launcher,
             device_type=device_type,
             device_index=device_index,
@@ -131,6 +131,11 @@ class Cluster:
     @classmethod
     def virtual(cls, world_size: int, gpu_per_worker: int | None = None) -> Cluster:
         """A cluster of ``world_size`` devices seen from rank 0, for planning without running."""
+        if gpu_per_worker is not None and world_size % gpu_per_worker:
+            raise ClusterError(
+                f"A world of {world_size} devices cannot have {gpu_per_worker} devices on every worker "
+                f"(--world-size must be a multiple of --gpu-per-worker)."
+            )
         return cls(
             world_size=world_size,
             local_world_size=gpu_per_worker or world_size,
@@ -170,7 +175,12 @@ def _pick_device(local_rank: int, visible_devices: str, cuda_available: bool | N
     if not cuda_available:
         return "cpu", None
     if visible_devices:
-        listed = [int(d) for d in visible_devices.split(",") if d.strip()]
+        try:
+            listed = [int(d) for d in visible_devices.split(",") if d.strip()]
+        except ValueError:
+            raise ClusterError(
+                f"cluster.run_visible_devices={visible_devices!r} must be comma-separated device numbers, e.g. '0,1'."
+            ) from None
         if local_rank >= len(listed):
             raise ClusterError(
                 f"cluster.run_visible_devices={visible_devices!r} lists {len(listed)} devices, "

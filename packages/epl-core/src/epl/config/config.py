@@ -6,7 +6,6 @@ import difflib
 import json
 import os
 import tomllib
-import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,8 +62,9 @@ class Config:
             layers.append(("dict", _flatten(param_dict, origin="the Config dict")))
         for source, layer in layers:
             for name, value in layer.items():
-                key = _lookup(schema, name, origin=_origin(source, name, file))
-                _check(key, value)
+                origin = _origin(source, name, file)
+                key = _lookup(schema, name, origin=origin)
+                _check(key, value, origin=origin)
                 values[name] = value
                 sources[name] = source
         object.__setattr__(self, "_schema", schema)
@@ -145,7 +145,12 @@ class Config:
             value = self._values[name]
             if key.provided_by is None or value == key.default:
                 continue
-            if not plugin_manager.has_plugin(key.provided_by):
+            if key.provided_by in plugin_manager.blocked:
+                lines.append(
+                    f"Config key {name!r} = {value!r} needs the plugin {key.provided_by}, which is installed "
+                    "but blocked by EPL_DISABLE_EXTERNAL_PLUGINS. Unblock it, or leave the key at its default."
+                )
+            elif not plugin_manager.has_plugin(key.provided_by):
                 lines.append(
                     f"Config key {name!r} = {value!r} needs the package {key.provided_by}, "
                     f"which is not installed. Install it: pip install {key.provided_by} "
@@ -197,10 +202,11 @@ def _lookup(schema: Mapping[str, ConfigKey], name: str, *, origin: str) -> Confi
     return key
 
 
-def _check(key: ConfigKey, value: Any) -> None:
+def _check(key: ConfigKey, value: Any, *, origin: str = "the Config dict") -> None:
     problem = key.problem_with(value)
     if problem is not None:
-        raise ConfigError(f"Invalid value for config key {key.name!r}: {problem}. Allowed: {key.allowed()}.")
+        where = "" if origin == "the Config dict" else f" (from {origin})"
+        raise ConfigError(f"Invalid value for config key {key.name!r}{where}: {problem}. Allowed: {key.allowed()}.")
 
 
 def _origin(source: str, name: str, file: object) -> str:
@@ -251,9 +257,10 @@ def _from_environ(schema: Mapping[str, ConfigKey], environ: Mapping[str, str]) -
             continue
         key = by_var.get(var)
         if key is None:
-            hint = _closest(var, list(by_var))
-            warnings.warn(f"Environment variable {var} names no EPL config key.{hint}", stacklevel=4)
-            continue
+            raise ConfigError(
+                f"Environment variable {var} names no EPL config key.{_closest(var, list(by_var))} "
+                "Run `epl config` to list every key and its variable."
+            )
         try:
             values[key.name] = key.parse(text)
         except ValueError as exc:

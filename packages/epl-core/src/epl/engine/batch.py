@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -15,10 +15,21 @@ def to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor on ``device`` (tensors already there are not copied)."""
     if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else batch.to(device, non_blocking=True)
+    return _rebuild(batch, lambda item: to_device(item, device))
+
+
+def _rebuild(batch: Any, change: Callable[[Any], Any]) -> Any:
+    """``batch`` with ``change`` applied to each item of a tuple/list/dict, keeping its type."""
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(change(item) for item in batch))
     if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(item, device) for item in batch)
+        return type(batch)(change(item) for item in batch)
     if isinstance(batch, Mapping):
-        return {key: to_device(value, device) for key, value in batch.items()}
+        items = {key: change(value) for key, value in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:
+            return items
     return batch
 
 
@@ -48,8 +59,11 @@ def split_batch(batch: Any, parts: int, *, what: str) -> list[Any]:
 
 
 def call_model(model: nn.Module, inputs: Any) -> Any:
-    """Call ``model`` with ``inputs``: a tuple/list as positional arguments, a dict as keywords."""
-    if isinstance(inputs, (tuple, list)):
+    """Call ``model`` with ``inputs``: a tuple/list as positional arguments, a dict as keywords.
+
+    A namedtuple is one argument (models take it whole), like any other object.
+    """
+    if isinstance(inputs, (tuple, list)) and not hasattr(inputs, "_fields"):
         return model(*inputs)
     if isinstance(inputs, Mapping):
         return model(**inputs)
@@ -59,11 +73,7 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
 def _piece(batch: Any, index: int, length: int) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.narrow(0, index * length, length) if batch.dim() > 0 else batch
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_piece(item, index, length) for item in batch)
-    if isinstance(batch, Mapping):
-        return {key: _piece(value, index, length) for key, value in batch.items()}
-    return batch
+    return _rebuild(batch, lambda item: _piece(item, index, length))
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:

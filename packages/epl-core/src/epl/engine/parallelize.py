@@ -8,10 +8,11 @@ from typing import Union
 import torch
 from torch import nn
 
+from epl.config import Config
 from epl.engine.engine import Engine
 from epl.engine.extensions import LossFn, ParallelContext
 from epl.env import Env
-from epl.errors import EplError
+from epl.errors import EplError, PlacementError
 from epl.placement.mode import PlanReady, current_request
 from epl.placement.plan import Plan, TaskGraphSpec, build_local_plan, build_plan
 from epl.strategy.taskgraph import TaskGraph
@@ -59,17 +60,21 @@ def plan(model: nn.Module, *, world_size: int | None = None, gpu_per_worker: int
     taskgraphs = env.annotations.taskgraphs_for(model)
     if world_size is None:
         return _plan_for(taskgraphs, env)
-    specs = [TaskGraphSpec.from_taskgraph(tg) for tg in taskgraphs]
-    return build_plan(specs, world_size=world_size, gpu_per_worker=gpu_per_worker, config=env.config)
+    for name, value in (("world_size", world_size), ("gpu_per_worker", gpu_per_worker)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise PlacementError(f"epl.plan({name}=...) takes a positive integer, got {value!r}.")
+    return _build(taskgraphs, env.config, world_size, gpu_per_worker)
 
 
 def _plan_for(taskgraphs: list[TaskGraph], env: Env) -> Plan:
+    return _build(taskgraphs, env.config, env.cluster.world_size, env.cluster.gpu_per_worker)
+
+
+def _build(taskgraphs: list[TaskGraph], config: Config, world_size: int, gpu_per_worker: int | None) -> Plan:
     specs = [TaskGraphSpec.from_taskgraph(tg) for tg in taskgraphs]
-    if env.cluster.world_size == 1 and not env.planning:
-        return build_local_plan(specs, config=env.config)
-    return build_plan(
-        specs, world_size=env.cluster.world_size, gpu_per_worker=env.cluster.gpu_per_worker, config=env.config
-    )
+    if world_size == 1:
+        return build_local_plan(specs, config=config)
+    return build_plan(specs, world_size=world_size, gpu_per_worker=gpu_per_worker, config=config)
 
 
 def _build_optimizer(optimizer: OptimizerSpec, model: nn.Module) -> torch.optim.Optimizer | None:

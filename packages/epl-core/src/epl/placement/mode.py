@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import runpy
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -62,17 +64,19 @@ def plan_script(path: str, args: Sequence[str], request: PlanRequest) -> Plan:
     """Run the script at ``path`` up to ``epl.parallelize`` and return the Plan it would run."""
     from epl.env import Env
 
-    saved_argv = sys.argv
+    saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # as `python SCRIPT` would
     try:
-        with planning(request):
+        # The script's own prints go to stderr, so that stdout holds only the Plan.
+        with planning(request), contextlib.redirect_stdout(sys.stderr):
             runpy.run_path(path, run_name="__main__")
     except PlanReady as ready:
         return ready.plan
     except SystemExit as exc:
         raise EplError(f"{path} exited (code {exc.code}) before calling epl.parallelize(); nothing to plan.") from None
     finally:
-        sys.argv = saved_argv
+        sys.argv, sys.path[:] = saved_argv, saved_path
         if Env._current is not None:
             Env._current.close()
     raise EplError(f"{path} finished without calling epl.parallelize(); nothing to plan.")

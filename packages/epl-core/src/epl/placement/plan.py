@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from epl.errors import PlacementError
 
@@ -46,11 +47,13 @@ class TaskGraphSpec:
     shard_parameters: tuple[int, ...] = ()
     shard_bytes: tuple[int, ...] = ()
     modules: tuple[str, ...] = ()
+    #: Parameters of lazy modules not yet materialised (not counted above).
+    lazy_parameters: int = 0
 
     @classmethod
     def from_taskgraph(cls, taskgraph: TaskGraph) -> TaskGraphSpec:
         """Summarise a captured TaskGraph."""
-        params = taskgraph.parameters
+        params = [p for p in taskgraph.parameters if not is_lazy(p)]
         k = taskgraph.strategy.device_count
         shard_numel = [0] * k
         shard_bytes = [0] * k
@@ -70,6 +73,7 @@ class TaskGraphSpec:
             shard_parameters=tuple(shard_numel) if taskgraph.strategy.kind == "split" else (),
             shard_bytes=tuple(shard_bytes) if taskgraph.strategy.kind == "split" else (),
             modules=tuple(taskgraph.modules),
+            lazy_parameters=len(taskgraph.parameters) - len(params),
         )
 
     @property
@@ -273,7 +277,7 @@ def build_local_plan(taskgraphs: Sequence[TaskGraphSpec], *, config: Config) -> 
         row_major=True,
         taskgraphs=tuple(specs),
         slots=((0,),) * len(specs),
-        notes=(note,),
+        notes=(note, *_notes(specs, 1, 1, 1, colocated, True)),
         local=True,
     )
 
@@ -308,6 +312,11 @@ def _notes(
             notes.append(f"{tg.name} ({tg.label}) holds no parameters of the model.")
         if tg.implicit:
             notes.append(f"{tg.name} holds modules created outside any annotation; it is replicate({tg.device_count}).")
+        if tg.lazy_parameters:
+            notes.append(
+                f"{tg.name} has {tg.lazy_parameters} uninitialised (lazy) parameters, not counted: run one "
+                "forward pass before epl.parallelize to materialise them."
+            )
         if tg.strategy == "replicate" and tg.device_count > 1:
             notes.append(f"{tg.name} splits each replica batch {tg.device_count} ways.")
     if not row_major and replicas > 1:

@@ -123,7 +123,7 @@ class EplPluginManager:
                         f"{DISABLE_ENV_VAR}={entry_point.name} to skip it."
                     ) from exc
                 self.register(plugin, name=entry_point.name, source=source)
-        self.blocked = tuple(sorted(blocked))
+        self.blocked = tuple(sorted(set(blocked)))
 
     def _check_specs(self, name: str) -> None:
         plugin = self._pm.get_plugin(name)
@@ -146,6 +146,8 @@ class EplPluginManager:
         return self._schema
 
     def _collect_config_keys(self) -> dict[str, ConfigKey]:
+        from epl.config import ConfigKey
+
         schema: dict[str, ConfigKey] = {}
         owners: dict[str, str] = {}
         # Core first so that a plugin's key can replace the core's placeholder for it.
@@ -155,6 +157,11 @@ class EplPluginManager:
         )
         for impl in impls:
             for key in impl.function() or ():
+                if not isinstance(key, ConfigKey):
+                    raise PluginError(
+                        f"Plugin {impl.plugin_name!r} returned {key!r} from epl_config_keys; "
+                        "it must return epl.ConfigKey objects."
+                    )
                 previous = schema.get(key.name)
                 if previous is not None and previous.provided_by != impl.plugin_name:
                     raise PluginError(

@@ -1,12 +1,19 @@
 """Capture of annotations through PyTorch's global parameter/buffer registration hooks.
 
-While EPL is initialised and not yet parallelized, every parameter or buffer a
-module registers is recorded into the TaskGraph of the innermost annotation:
-the open ``with`` scope, else the current default strategy, else an implicit
-``replicate(1)`` TaskGraph that starts where the unannotated code starts.
+While EPL is initialised and not yet parallelized, every parameter or buffer slot a
+module registers (module, name) is recorded into the TaskGraph of the innermost
+annotation: the open ``with`` scope, else the current default strategy, else an
+implicit ``replicate(1)`` TaskGraph that starts where the unannotated code starts.
+
+Slots, not tensor objects, carry the membership, so ``.half()``, ``to_empty`` or
+``load_state_dict(assign=True)``, which put new tensors into the same slots, keep it.
+A tensor registered into a second slot (weight tying) stays with its first TaskGraph.
+Nothing is kept alive: modules and tensors are referenced weakly.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
@@ -21,14 +28,16 @@ _IMPLICIT = Strategy("replicate", 1)
 
 
 class AnnotationRecorder:
-    """Records which TaskGraph every parameter and buffer created after ``epl.init`` belongs to."""
+    """Records which TaskGraph every parameter and buffer slot created after ``epl.init`` belongs to."""
 
     def __init__(self) -> None:
         self.taskgraphs: list[TaskGraph] = []
         self._scope: TaskGraph | None = None
         self._default: TaskGraph | None = None
         self._gap: TaskGraph | None = None
-        self._owner: dict[int, TaskGraph] = {}
+        self._slots: weakref.WeakKeyDictionary[nn.Module, dict[str, TaskGraph]] = weakref.WeakKeyDictionary()
+        self._tensors: dict[int, tuple[weakref.ref[torch.Tensor], TaskGraph]] = {}
+        self._recorded: dict[int, int] = {}
         self._handles: list[RemovableHandle] = []
         self._names: dict[str, Strategy] = {}
 
@@ -53,13 +62,23 @@ class AnnotationRecorder:
         self._handles = []
 
     def _on_register(self, module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
-        if tensor is None or id(tensor) in self._owner:
+        if tensor is None:
             return
-        owner = self._scope or self._default or self._gap
+        slots = self._slots.setdefault(module, {})
+        if name in slots:
+            return
+        owner = self._owner_of(tensor)
         if owner is None:
-            owner = self._gap = self._open(_IMPLICIT, implicit=True)
-        owner.tensors.append(tensor)
-        self._owner[id(tensor)] = owner
+            owner = self._scope or self._default or self._gap
+            if owner is None:
+                owner = self._gap = self._open(_IMPLICIT, implicit=True)
+            self._tensors[id(tensor)] = (weakref.ref(tensor), owner)
+        slots[name] = owner
+        self._recorded[owner.index] = self._recorded.get(owner.index, 0) + 1
+
+    def _owner_of(self, tensor: torch.Tensor) -> TaskGraph | None:
+        entry = self._tensors.get(id(tensor))
+        return entry[1] if entry is not None and entry[0]() is tensor else None
 
     # -- annotations -----------------------------------------------------------------
     def open_scope(self, strategy: Strategy) -> None:
@@ -113,17 +132,26 @@ class AnnotationRecorder:
         """The TaskGraphs of ``model``, in annotation order, holding only its tensors.
 
         Tensors created before ``epl.init`` form an implicit ``replicate(1)``
-        TaskGraph in front. Implicit TaskGraphs without tensors of ``model`` are
-        dropped; annotated ones are kept even when empty.
+        TaskGraph in front. TaskGraphs that recorded slots, none of them in
+        ``model`` (another model's), are dropped; annotated ones that recorded
+        nothing are kept (the Plan notes them).
         """
-        model_tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+        owners: dict[int, tuple[torch.Tensor, TaskGraph | None]] = {}
+        present: set[int] = set()
+        for module in model.modules():
+            slots = self._slots.get(module, {})
+            present.update(tg.index for tg in slots.values())
+            for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+                if tensor is not None and id(tensor) not in owners:
+                    owners[id(tensor)] = (tensor, self._owner_of(tensor) or slots.get(name))
         result: list[TaskGraph] = []
-        unrecorded = [t for i, t in model_tensors.items() if i not in self._owner]
+        unrecorded = [tensor for tensor, owner in owners.values() if owner is None]
         if unrecorded:
             result.append(TaskGraph(index=0, strategy=_IMPLICIT, implicit=True, tensors=unrecorded))
         for recorded in self.taskgraphs:
-            tensors = [t for t in recorded.tensors if id(t) in model_tensors]
-            if recorded.implicit and not tensors:
+            tensors = [tensor for tensor, owner in owners.values() if owner is recorded]
+            other_model = self._recorded.get(recorded.index) and recorded.index not in present
+            if not tensors and (recorded.implicit or other_model):
                 continue
             if recorded.implicit and result and result[-1].implicit:
                 result[-1].tensors.extend(tensors)
