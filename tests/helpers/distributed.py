@@ -170,6 +170,13 @@ def _rank_main(
 
 def _destroy_process_group() -> None:
     try:
+        import epl
+
+        if epl.Env._current is not None:
+            epl.Env._current.close()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+    try:
         import torch.distributed as dist
 
         if dist.is_initialized():

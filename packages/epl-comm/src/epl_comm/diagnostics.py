@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,15 @@ from epl.errors import EplError
 HEARTBEAT_SECONDS = 0.2
 #: Records kept per communicator (for the report of what this rank did last).
 KEEP_RECORDS = 256
+
+
+_live_logs: weakref.WeakSet[CollectiveLog] = weakref.WeakSet()
+
+
+def stop_all_heartbeats() -> None:
+    """Stop every heartbeat thread (before the process group and its store go away)."""
+    for log in list(_live_logs):
+        log.close()
 
 
 class CollectiveTimeoutError(EplError, TimeoutError):
@@ -61,6 +71,7 @@ class CollectiveLog:
         if store is not None:
             self._thread = threading.Thread(target=self._heartbeat, name=f"epl-heartbeat-{name}", daemon=True)
             self._thread.start()
+            _live_logs.add(self)
 
     def start(self, op: str, tensor: torch.Tensor) -> CollectiveRecord:
         """Number and record a collective that this rank is starting."""

@@ -14,7 +14,11 @@ import torch.distributed as dist
 from epl.cluster import Cluster
 from epl.comm.protocol import Communicator, ReduceOp, Work
 from epl.errors import ClusterError
-from epl_comm.diagnostics import CollectiveLog, CollectiveRecord
+from epl_comm.diagnostics import CollectiveLog, CollectiveRecord, stop_all_heartbeats
+
+# torch 2.13 renamed these; older releases have only the first names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 _OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -111,13 +115,13 @@ class TorchCommunicator(Communicator):
         """Reduce ``input`` and give member i its chunk i in ``output``."""
         _check_multiple("reduce_scatter", input, output, self.world_size)
         return self._start(
-            "reduce_scatter", input, lambda: dist.reduce_scatter_tensor(output, input, _OPS[op], self.group, True)
+            "reduce_scatter", input, lambda: _reduce_scatter(output, input, _OPS[op], self.group, True)
         )
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """Concatenate every member's ``input`` into ``output``."""
         _check_multiple("all_gather", output, input, self.world_size)
-        return self._start("all_gather", input, lambda: dist.all_gather_into_tensor(output, input, self.group, True))
+        return self._start("all_gather", input, lambda: _all_gather(output, input, self.group, True))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
         """Copy member ``src``'s tensor to every member."""
@@ -195,5 +199,6 @@ def _default_store() -> dist.Store | None:
 
 
 def _destroy_process_group() -> None:
+    stop_all_heartbeats()
     if dist.is_initialized():
         dist.destroy_process_group()
