@@ -22,7 +22,9 @@ TIMEOUT = 60.0
 Check = Callable[[Communicator, torch.device], None]
 
 
-def _value(comm: Communicator, size: int, dtype: torch.dtype, device: torch.device, rank: int | None = None) -> torch.Tensor:
+def _value(
+    comm: Communicator, size: int, dtype: torch.dtype, device: torch.device, rank: int | None = None
+) -> torch.Tensor:
     member = comm.rank if rank is None else rank
     return (torch.arange(size, device=device) % 5 + member + 1).to(dtype)
 

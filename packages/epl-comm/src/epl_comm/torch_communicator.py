@@ -114,9 +114,7 @@ class TorchCommunicator(Communicator):
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
         """Reduce ``input`` and give member i its chunk i in ``output``."""
         _check_multiple("reduce_scatter", input, output, self.world_size)
-        return self._start(
-            "reduce_scatter", input, lambda: _reduce_scatter(output, input, _OPS[op], self.group, True)
-        )
+        return self._start("reduce_scatter", input, lambda: _reduce_scatter(output, input, _OPS[op], self.group, True))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """Concatenate every member's ``input`` into ``output``."""
