@@ -53,8 +53,14 @@ def compare(
     rounds: int,
     calls_per_round: int,
     warmup: int = 5,
+    sync: Callable[[], object] | None = None,
+    save: bool = True,
 ) -> Comparison:
-    """Time ``baseline`` and ``candidate`` in alternating rounds; save and return the comparison."""
+    """Time ``baseline`` and ``candidate`` in alternating rounds; save and return the comparison.
+
+    ``sync`` (e.g. a barrier) runs before each timed run, so that several processes
+    time the same thing at the same time; ``save=False`` on all but one of them.
+    """
     for _ in range(warmup):
         baseline()
         candidate()
@@ -63,6 +69,8 @@ def compare(
         order = (baseline, candidate) if index % 2 == 0 else (candidate, baseline)
         measured = {}
         for fn in order:
+            if sync is not None:
+                sync()
             start = time.perf_counter()
             for _ in range(calls_per_round):
                 fn()
@@ -78,7 +86,13 @@ def compare(
         rounds=rounds,
         calls_per_round=calls_per_round,
     )
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(asdict(result), indent=2))
-    print(result.line())
+    if save:
+        save_result(name, asdict(result))
+        print(result.line())
     return result
+
+
+def save_result(name: str, data: dict[str, object]) -> None:
+    """Write ``data`` to benchmarks/results/NAME.json."""
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2))

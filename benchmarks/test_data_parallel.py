@@ -1,0 +1,141 @@
+"""EPL data parallelism against DistributedDataParallel: same model, same backend, 2 processes, same run.
+
+Also the all_reduce of EPL's torch communicator against a bare torch.distributed.all_reduce,
+by message size. Target: EPL/DDP step time <= 1.00.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from tests.helpers.distributed import run_ranks
+
+from benchmarks.harness import save_result, short_mode
+
+pytestmark = pytest.mark.multiprocess
+
+#: Widths of the MLP: about 9.4M parameters.
+WIDTHS = (1024, 2048, 2048, 1024, 1024)
+BATCH = 32
+#: CI (short mode) only catches gross regressions; a full run checks the target with margin for noise.
+MAX_RATIO = 1.5 if short_mode() else 1.10
+
+
+def mlp() -> Any:
+    from torch import nn
+
+    layers: list[nn.Module] = []
+    for a, b in zip(WIDTHS, WIDTHS[1:], strict=False):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def race_against_ddp(rounds: int, steps: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    import epl
+    from benchmarks.harness import compare
+
+    epl.init()
+    torch.manual_seed(0)
+    with epl.replicate(device_count=1):
+        ours = mlp()
+    engine = epl.parallelize(ours, optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), loss_fn=nn.MSELoss())
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(mlp())
+    ddp_optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    x, y = torch.randn(BATCH, WIDTHS[0]), torch.randn(BATCH, WIDTHS[-1])
+
+    def ddp_step() -> None:
+        for _ in range(steps):
+            ddp_optimizer.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            ddp_optimizer.step()
+
+    def epl_step() -> None:
+        for _ in range(steps):
+            engine.step(x, y)
+
+    reducer = engine.context.gradient_reducer
+    result = compare(
+        "data_parallel_vs_ddp",
+        ddp_step,
+        epl_step,
+        rounds=rounds,
+        calls_per_round=1,
+        warmup=2,
+        sync=dist.barrier,
+        save=dist.get_rank() == 0,
+    )
+    params = sum(p.numel() for p in ours.parameters())
+    return {
+        "ratio": result.ratio,
+        "ddp_ms": result.baseline_s * 1e3 / steps,
+        "epl_ms": result.epl_s * 1e3 / steps,
+        "parameters": params,
+        "epl_bytes_per_step": reducer.bytes_per_step,
+        "ddp_bytes_per_step": params * 4,
+    }
+
+
+def all_reduce_bandwidth(sizes: list[int], rounds: int) -> list[dict[str, Any]]:
+    import torch
+    import torch.distributed as dist
+
+    import epl
+    from benchmarks.harness import compare
+
+    env = epl.init()
+    communicator = env.communicator
+    rows = []
+    for numel in sizes:
+        ours, theirs = torch.ones(numel), torch.ones(numel)
+        result = compare(
+            f"all_reduce_{numel * 4}B",
+            lambda t=theirs: dist.all_reduce(t),
+            lambda t=ours: communicator.all_reduce(t).wait(),
+            rounds=rounds,
+            calls_per_round=5,
+            warmup=2,
+            sync=dist.barrier,
+            save=False,
+        )
+        rows.append(
+            {
+                "bytes": numel * 4,
+                "torch_MBps": numel * 4 / result.baseline_s / 1e6,
+                "epl_MBps": numel * 4 / result.epl_s / 1e6,
+                "ratio": result.ratio,
+            }
+        )
+    return rows
+
+
+def test_data_parallel_step_against_ddp() -> None:
+    rounds, steps = (3, 2) if short_mode() else (12, 5)
+    first, _ = run_ranks(race_against_ddp, 2, rounds, steps, timeout=600)
+    save_result("data_parallel_vs_ddp", first)
+    print(
+        f"\nEPL DP {first['epl_ms']:.1f} ms/step, DDP {first['ddp_ms']:.1f} ms/step, ratio {first['ratio']:.3f}; "
+        f"{first['parameters']:,} parameters, bytes/step EPL {first['epl_bytes_per_step']:,} "
+        f"DDP {first['ddp_bytes_per_step']:,}"
+    )
+    assert first["epl_bytes_per_step"] == first["ddp_bytes_per_step"]
+    assert first["ratio"] < MAX_RATIO
+
+
+def test_all_reduce_bandwidth_by_message_size() -> None:
+    sizes = [1 << 10, 1 << 16, 1 << 20] if short_mode() else [1 << 8, 1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22]
+    rows, _ = run_ranks(all_reduce_bandwidth, 2, sizes, 3 if short_mode() else 10, timeout=600)
+    save_result("all_reduce_bandwidth", {"torch_communicator": rows})
+    print()
+    for row in rows:
+        print(
+            f"all_reduce {row['bytes']:>10,} B: torch.distributed {row['torch_MBps']:8.1f} MB/s, "
+            f"EPL {row['epl_MBps']:8.1f} MB/s, ratio {row['ratio']:.3f}"
+        )
+    assert all(row["ratio"] < MAX_RATIO + 0.5 for row in rows)
