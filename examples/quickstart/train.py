@@ -1,7 +1,8 @@
 """The manual's quick start (chapter 3) in PyTorch: a small DNN, data parallel by annotation.
 
-Run it as is (one process), or ask what it would do on 8 devices:
+Run it as is (one process), on 2 processes, or ask what it would do on 8 devices:
     python examples/quickstart/train.py
+    torchrun --nproc-per-node 2 examples/quickstart/train.py
     epl plan --world-size 8 examples/quickstart/train.py
 """
 
@@ -10,7 +11,7 @@ from torch import nn
 
 import epl
 
-epl.init()
+epl.init(epl.Config({"io.slicing": True}))  # each replica reads its own share of the data
 epl.set_default_strategy(epl.replicate(1))
 
 torch.manual_seed(0)
@@ -23,9 +24,10 @@ engine = epl.parallelize(
     optimizer=lambda params: torch.optim.SGD(params, lr=0.001, momentum=0.9),
     loss_fn=nn.CrossEntropyLoss(),
 )
+mine = torch.tensor(epl.io.shard(range(len(features)), engine=engine))
 batch = 10
 for step in range(10):
-    start = step * batch
-    loss = engine.step(features[start : start + batch], labels[start : start + batch])
-    print(f"Iteration {step + 1} , Loss: {loss.item():.4f} .")
+    rows = mine[step * batch : (step + 1) * batch]
+    loss = engine.step(features[rows], labels[rows])
+    print(f"[replica {engine.replica_index}/{engine.num_replicas}] Iteration {step + 1} , Loss: {loss.item():.4f} .")
 print("Train Finished.")
