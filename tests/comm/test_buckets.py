@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from epl_comm.buckets import plan_buckets
 from torch import nn
+
+from epl_comm.buckets import plan_buckets
 
 
 def params(*sizes: int, dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:

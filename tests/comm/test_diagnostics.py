@@ -15,9 +15,9 @@ TIMEOUT = 3
 
 def skip_the_second_collective() -> tuple[str, float]:
     import torch
-    from epl_comm import CollectiveTimeoutError
 
     import epl
+    from epl_comm import CollectiveTimeoutError
 
     env = epl.init(epl.Config({"communication.timeout": TIMEOUT}))
     comm = env.communicator
@@ -47,6 +47,7 @@ def test_skipped_collective_names_the_rank_that_did_not_arrive() -> None:
 
 def test_timeout_error_without_store_still_names_the_operation() -> None:
     import torch
+
     from epl_comm.diagnostics import CollectiveLog
 
     log = CollectiveLog("solo", rank=0, ranks=(0, 1), store=None)
