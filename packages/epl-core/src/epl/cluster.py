@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -93,7 +94,8 @@ class Cluster:
 
         ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` win; otherwise the
         variables of Open MPI, MPICH (hydra) or PMIx, asking mpi4py for the ranks within
-        the node when the launcher does not export them; otherwise one local process.
+        the node when the launcher does not export them, and for rank 0's address and a
+        free port when MASTER_ADDR/MASTER_PORT are not set; otherwise one local process.
         ``visible_devices`` is ``cluster.run_visible_devices``: local rank i uses the
         i-th listed CUDA device. Without CUDA every process computes on the CPU.
         """
@@ -115,13 +117,16 @@ class Cluster:
                     launcher = "mpi"
                     break
         port = _int(environ, "MASTER_PORT", 0)
+        address = environ.get("MASTER_ADDR")
+        if launcher == "mpi" and world > 1 and (address is None or not port):
+            address, port = _mpi_rendezvous(single_node=local_world == world)
         device_type, device_index = _pick_device(local_rank, visible_devices, cuda_available)
         return cls(
             world_size=world,
             rank=rank,
             local_rank=local_rank,
             local_world_size=local_world,
-            master_addr=environ.get("MASTER_ADDR"),
+            master_addr=address,
             master_port=port or None,
             launcher=launcher,
             device_type=device_type,
@@ -157,6 +162,26 @@ def _mpi_node_ranks(size_var: str) -> tuple[int, int]:
         return node.Get_rank(), node.Get_size()
     finally:
         node.Free()
+
+
+def _mpi_rendezvous(*, single_node: bool) -> tuple[str, int]:
+    """Rank 0's address and a free port on it, broadcast over MPI (for jobs started by plain mpiexec)."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ClusterError(
+            "Started by an MPI launcher without MASTER_ADDR/MASTER_PORT, and mpi4py is not installed to share "
+            "them. Install it (pip install mpi4py mpich), set both variables, or use `epl launch --mpi`."
+        ) from None
+    comm = MPI.COMM_WORLD
+    chosen: tuple[str, int] | None = None
+    if comm.Get_rank() == 0:
+        host = "127.0.0.1" if single_node else socket.gethostbyname(socket.gethostname())
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            chosen = (host, int(probe.getsockname()[1]))
+    address, port = comm.bcast(chosen, root=0)
+    return str(address), int(port)
 
 
 def _int(environ: Mapping[str, str], name: str, default: int) -> int:
