@@ -1,0 +1,151 @@
+"""The ``epl launch`` click command: flags (torchrun's kebab-case and the manual's snake_case) to a LaunchConfig."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from epl_launch.config import LaunchConfig, LaunchError, default_nproc_per_node, free_port, machine_from_list
+from epl_launch.local import LocalJob, report
+from epl_launch.mpi import run_mpi
+
+
+def _option(*names: str, env: str, **kwargs: object):  # type: ignore[no-untyped-def]
+    return click.option(*names, envvar=f"EPL_LAUNCH_{env}", show_envvar=True, **kwargs)
+
+
+@click.command(
+    "launch",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+@_option(
+    "--nproc-per-node",
+    "--nproc_per_node",
+    "--gpu-per-worker",
+    "--gpu_per_worker",
+    "nproc_per_node",
+    env="NPROC_PER_NODE",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Processes on this machine, one per device [default: one per GPU, else 1].",
+)
+@_option(
+    "--num-workers",
+    "--num_workers",
+    "--nnodes",
+    "num_workers",
+    env="NUM_WORKERS",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Machines in the job (one launcher on each) [default: 1].",
+)
+@_option(
+    "--machine-rank",
+    "--machine_rank",
+    "--node-rank",
+    "--node_rank",
+    "machine_rank",
+    env="MACHINE_RANK",
+    type=click.IntRange(min=0),
+    default=None,
+    help="This machine's index, 0 .. num-workers - 1 [default: 0].",
+)
+@_option(
+    "--machine-list",
+    "--machine_list",
+    "machine_list",
+    env="MACHINE_LIST",
+    default=None,
+    help="Every machine's address, comma-separated, machine 0 first (sets --num-workers, --master-addr "
+    "and, by matching this machine's names, --machine-rank).",
+)
+@_option(
+    "--master-addr",
+    "--master_addr",
+    "master_addr",
+    env="MASTER_ADDR",
+    default=None,
+    help="Address of machine 0, where the rendezvous listens [default: 127.0.0.1, loopback].",
+)
+@_option(
+    "--master-port",
+    "--master_port",
+    "master_port",
+    env="MASTER_PORT",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Rendezvous port [default on one machine: a free port; required on several].",
+)
+@_option(
+    "--log-dir",
+    "--log_dir",
+    "log_dir",
+    env="LOG_DIR",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Keep each rank's full output in LOG_DIR/rank_N.log.",
+)
+@_option("--mpi", "mpi", env="MPI", is_flag=True, help="Start the processes with mpiexec.")
+@_option(
+    "--grace-period",
+    "--grace_period",
+    "grace_period",
+    env="GRACE_PERIOD",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    show_default=True,
+    help="Seconds between TERM and KILL when stopping ranks.",
+)
+@click.argument("target")
+@click.argument("target_args", nargs=-1, type=click.UNPROCESSED)
+def launch_command(
+    nproc_per_node: int | None,
+    num_workers: int | None,
+    machine_rank: int | None,
+    machine_list: str | None,
+    master_addr: str | None,
+    master_port: int | None,
+    log_dir: Path | None,
+    mpi: bool,
+    grace_period: float,
+    target: str,
+    target_args: tuple[str, ...],
+) -> None:
+    """Start TARGET on every process of the job with what epl.init needs.
+
+    TARGET is a Python file, a shell script (the manual's run.sh) or any command;
+    the arguments after it are passed to it untouched. Each rank's output is shown
+    live with a [rank N] prefix. When a rank fails, the others are stopped and the
+    launcher exits with the failing rank's code.
+
+    \b
+    Examples:
+      epl launch --nproc-per-node 4 train.py --lr 3e-4
+      epl launch --num_workers 1 --gpu_per_worker 2 run.sh
+      epl launch --num-workers 2 --machine-rank 1 --master-addr 10.0.0.1 --master-port 29500 train.py
+    """
+    try:
+        if machine_list is not None:
+            listed_workers, listed_rank, listed_master = machine_from_list(machine_list)
+            num_workers = num_workers or listed_workers
+            machine_rank = listed_rank if machine_rank is None else machine_rank
+            master_addr = master_addr or listed_master
+        config = LaunchConfig(
+            nproc_per_node=nproc_per_node or default_nproc_per_node(),
+            num_workers=num_workers or 1,
+            machine_rank=machine_rank or 0,
+            master_addr=master_addr or "127.0.0.1",
+            master_port=master_port,
+            log_dir=log_dir,
+            mpi=mpi,
+            grace_period=grace_period,
+            target=target,
+            target_args=target_args,
+        )
+        port = config.master_port or free_port(config.master_addr)
+    except (LaunchError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    outcome = run_mpi(config, port) if config.mpi else LocalJob(config, port).run()
+    sys.exit(report(outcome))

@@ -1,0 +1,142 @@
+"""Start this machine's workers, watch them, and end the whole job when one fails."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from epl_launch.config import LaunchConfig, default_omp_threads
+from epl_launch.output import RankOutput
+
+#: Seconds between two looks at the workers.
+POLL_SECONDS = 0.05
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How the job ended: the exit code for the launcher, and a message for the user (or None)."""
+
+    exit_code: int
+    message: str | None = None
+
+
+def worker_environment(config: LaunchConfig, local_rank: int, master_port: int) -> dict[str, str]:
+    """What one worker finds in its environment: everything ``epl.init`` (or torch) needs."""
+    env = dict(os.environ)
+    env.update(
+        RANK=str(config.global_rank(local_rank)),
+        WORLD_SIZE=str(config.world_size),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(config.nproc_per_node),
+        GROUP_RANK=str(config.machine_rank),
+        NODE_RANK=str(config.machine_rank),
+        MASTER_ADDR=config.master_addr,
+        MASTER_PORT=str(master_port),
+        EPL_LAUNCHER="epl",
+        PYTHONUNBUFFERED="1",
+    )
+    env.setdefault("OMP_NUM_THREADS", default_omp_threads(config.nproc_per_node))
+    return env
+
+
+class LocalJob:
+    """This machine's ``nproc_per_node`` workers, each in its own process group."""
+
+    def __init__(self, config: LaunchConfig, master_port: int) -> None:
+        self.config = config
+        self.master_port = master_port
+        self.output = RankOutput(config.log_dir)
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self._readers: list[threading.Thread] = []
+        self._interrupted: int | None = None
+
+    def run(self) -> Outcome:
+        """Start the workers and wait: all succeed (0), one fails (its code), or a signal ends the job."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._start()
+            return self._watch()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self._stop_all()
+            for reader in self._readers:
+                reader.join(timeout=5)
+            self.output.close()
+
+    def _start(self) -> None:
+        for local_rank in range(self.config.nproc_per_node):
+            try:
+                worker = subprocess.Popen(
+                    self.config.command(),
+                    env=worker_environment(self.config, local_rank, self.master_port),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,  # its own process group: ended with all its children
+                )
+            except FileNotFoundError:
+                raise SystemExit(f"epl launch: cannot run {self.config.target!r}: no such file or command") from None
+            self.workers.append(worker)
+            assert worker.stdout is not None
+            self._readers.append(self.output.follow(self.config.global_rank(local_rank), worker.stdout))
+
+    def _watch(self) -> Outcome:
+        while True:
+            if self._interrupted is not None:
+                name = signal.Signals(self._interrupted).name
+                return Outcome(128 + self._interrupted, f"epl launch: {name} received; stopped every rank.")
+            codes = [worker.poll() for worker in self.workers]
+            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                return self._failure(*failed[0])
+            if all(code == 0 for code in codes):
+                return Outcome(0)
+            time.sleep(POLL_SECONDS)
+
+    def _failure(self, local_rank: int, code: int) -> Outcome:
+        rank = self.config.global_rank(local_rank)
+        if code < 0:
+            how, exit_code = f"was killed by {signal.Signals(-code).name}", 128 - code
+        else:
+            how, exit_code = f"exited with code {code}", code
+        log = self.output.log_path(rank)
+        where = f"; its log: {log}" if log is not None else " (use --log-dir to keep each rank's log)"
+        return Outcome(exit_code, f"epl launch: rank {rank} {how}{where}. Stopped the other ranks.")
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._interrupted = signum
+
+    def _stop_all(self) -> None:
+        """TERM every worker's process group, then KILL what is left after the grace period."""
+        alive = [w for w in self.workers if w.poll() is None]
+        for worker in alive:
+            _signal_group(worker, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.grace_period
+        for worker in alive:
+            try:
+                worker.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for worker in self.workers:
+            _signal_group(worker, signal.SIGKILL)  # also any child a finished worker left behind
+            worker.wait()
+
+
+def _signal_group(worker: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(worker.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def report(outcome: Outcome) -> int:
+    """Print the outcome's message (if any) to stderr and return its exit code."""
+    if outcome.message:
+        print(outcome.message, file=sys.stderr, flush=True)
+    return outcome.exit_code

@@ -1,0 +1,95 @@
+"""The program ``epl launch --mpi`` hands to mpiexec: it gives the target its rank, and labels its output.
+
+mpiexec places and numbers the processes; each runs this module, which asks MPI
+(mpi4py) for its rank, starts the target with the variables
+``epl.init`` reads (RANK, WORLD_SIZE, ...), prefixes every line of its output with
+``[rank N]`` and exits with its code; a failure calls MPI_Abort, so mpiexec ends
+every other rank at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any
+
+from epl.cluster import Cluster
+
+#: Folder where each worker writes its target's process group id (set by ``epl launch --mpi``).
+GROUPS_DIR_VARIABLE = "EPL_LAUNCH_GROUPS_DIR"
+#: Variables of the MPI launcher that the target must not see (it is not an MPI process).
+_MPI_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_")
+
+
+def main(argv: list[str]) -> int:
+    """Run ``argv`` as this MPI process's rank; return its exit code (a failure aborts the whole job)."""
+    from mpi4py import MPI
+
+    cluster = Cluster(
+        world_size=MPI.COMM_WORLD.Get_size(),
+        rank=MPI.COMM_WORLD.Get_rank(),
+        **_node_ranks(MPI),
+        launcher="mpi",
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_MPI_PREFIXES) and k != GROUPS_DIR_VARIABLE}
+    env.update(
+        RANK=str(cluster.rank),
+        WORLD_SIZE=str(cluster.world_size),
+        LOCAL_RANK=str(cluster.local_rank),
+        LOCAL_WORLD_SIZE=str(cluster.local_world_size),
+        EPL_LAUNCHER="mpi",
+    )
+    child = subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group, ended with everything it started
+    )
+    groups = os.environ.get(GROUPS_DIR_VARIABLE)
+    if groups:  # tell the launcher, which ends the group even if mpiexec kills this process first
+        with open(os.path.join(groups, f"rank{cluster.rank}.pgid"), "w") as file:
+            file.write(str(child.pid))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: _signal_group(child.pid, signum))
+    reader = threading.Thread(target=_copy_output, args=(child, cluster.rank), daemon=True)
+    reader.start()
+    code = child.wait()
+    _signal_group(child.pid, signal.SIGKILL)  # what the target left running would hold its output open
+    reader.join(timeout=5)
+    code = code if code >= 0 else 128 - code
+    if code != 0:
+        sys.stdout.flush()
+        MPI.COMM_WORLD.Abort(code)  # mpiexec ends every other rank and exits with this code
+    return code
+
+
+def _node_ranks(mpi: Any) -> dict[str, int]:
+    node = mpi.COMM_WORLD.Split_type(mpi.COMM_TYPE_SHARED)
+    try:
+        return {"local_rank": node.Get_rank(), "local_world_size": node.Get_size()}
+    finally:
+        node.Free()
+
+
+def _copy_output(child: subprocess.Popen[bytes], rank: int) -> None:
+    prefix = f"[rank {rank}] ".encode()
+    assert child.stdout is not None
+    for line in iter(child.stdout.readline, b""):
+        sys.stdout.buffer.write(prefix + line)
+        sys.stdout.buffer.flush()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,204 @@
+"""`epl launch` on real processes: environment, arguments, output, failures, signals, MPI, two machines."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from epl.cli import make_cli
+from tests.helpers.distributed import free_port
+from tests.launch.scripts import write
+
+pytestmark = pytest.mark.multiprocess
+
+BIN = Path(sys.executable).parent
+EPL = shutil.which("epl", path=str(BIN)) or "epl"
+
+
+@pytest.fixture
+def out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    folder = tmp_path / "out"
+    folder.mkdir()
+    monkeypatch.setenv("TEST_OUT", str(folder))
+    monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ['PATH']}")  # python3 of run.sh = this Python
+    yield folder
+    for record in folder.glob("rank*.json"):  # no orphans: every worker and grandchild is gone
+        data = json.loads(record.read_text())
+        for pid in (data["pid"], data["child"]):
+            assert pid is None or not _alive(pid), f"process {pid} of {record.name} outlived the launch"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead; on Linux check its state
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split()[2] == "Z")
+
+
+def launch(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [EPL, "launch", *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
+
+
+def records(folder: Path) -> dict[int, dict]:
+    return {int(p.stem[4:].split(".")[0]): json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))}
+
+
+def test_workers_get_the_launch_environment_and_the_arguments_untouched(tmp_path: Path, out: Path) -> None:
+    scripts = write(tmp_path)
+    done = launch("--nproc-per-node", "2", str(scripts["record"]), "--lr", "3e-4", "--name=x y", "-v")
+    assert done.returncode == 0, done.stderr
+    got = records(out)
+    assert sorted(got) == [0, 1]
+    for rank, record in got.items():
+        assert record["argv"] == ["--lr", "3e-4", "--name=x y", "-v"]
+        env = record["env"]
+        assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (
+            str(rank),
+            "2",
+            str(rank),
+            "2",
+        )
+        assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0 and env["EPL_LAUNCHER"] == "epl"
+        assert int(env["OMP_NUM_THREADS"]) >= 1
+    assert "[rank 0] hello from rank 0" in done.stdout and "[rank 1] hello from rank 1" in done.stdout
+
+
+def test_manual_flags_env_vars_shell_scripts_and_commands(tmp_path: Path, out: Path) -> None:
+    scripts = write(tmp_path)
+    assert launch("--num_workers", "1", "--gpu_per_worker", "2", str(scripts["run"]), "a").returncode == 0
+    assert sorted(records(out)) == [0, 1] and records(out)[1]["argv"] == ["a"]
+    for f in out.glob("*"):
+        f.unlink()
+    done = launch(sys.executable, str(scripts["record"]), "b", env={"EPL_LAUNCH_NPROC_PER_NODE": "3"})
+    assert done.returncode == 0, done.stderr
+    assert sorted(records(out)) == [0, 1, 2] and records(out)[2]["argv"] == ["b"]
+
+
+def test_help_shows_every_flag_with_its_environment_variable() -> None:
+    text = CliRunner().invoke(make_cli(), ["launch", "--help"]).output
+    for flag, var in [
+        ("--nproc-per-node", "EPL_LAUNCH_NPROC_PER_NODE"),
+        ("--gpu_per_worker", "EPL_LAUNCH_NPROC_PER_NODE"),
+        ("--num_workers", "EPL_LAUNCH_NUM_WORKERS"),
+        ("--machine_rank", "EPL_LAUNCH_MACHINE_RANK"),
+        ("--machine_list", "EPL_LAUNCH_MACHINE_LIST"),
+        ("--master-addr", "EPL_LAUNCH_MASTER_ADDR"),
+        ("--log-dir", "EPL_LAUNCH_LOG_DIR"),
+    ]:
+        assert flag in text and var in text
+
+
+def test_each_rank_has_a_full_log(tmp_path: Path, out: Path) -> None:
+    scripts = write(tmp_path)
+    done = launch("--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), str(scripts["record"]))
+    assert done.returncode == 0
+    assert (tmp_path / "logs" / "rank_1.log").read_text() == "hello from rank 1\n"
+
+
+def test_a_failing_rank_ends_the_job_with_its_code(tmp_path: Path, out: Path) -> None:
+    scripts = write(tmp_path)
+    started = time.monotonic()
+    done = launch(
+        "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), str(scripts["record"]), env={"TEST_MODE": "fail"}
+    )
+    assert done.returncode == 3
+    assert time.monotonic() - started < 10 + 5  # 10 s for the job, a few for Python to start
+    assert f"rank 1 exited with code 3; its log: {tmp_path / 'logs' / 'rank_1.log'}" in done.stderr
+
+
+def test_a_rank_killed_by_a_signal_ends_the_job(tmp_path: Path, out: Path) -> None:
+    scripts = write(tmp_path)
+    done = launch("--nproc-per-node", "2", "--grace-period", "1", str(scripts["record"]), env={"TEST_MODE": "kill"})
+    assert done.returncode == 128 + signal.SIGKILL
+    assert "rank 1 was killed by SIGKILL" in done.stderr
+
+
+def test_ctrl_c_ends_every_worker(tmp_path: Path, out: Path) -> None:
+    scripts = write(tmp_path)
+    launcher = subprocess.Popen(
+        [EPL, "launch", "--nproc-per-node", "2", str(scripts["record"])],
+        env={**os.environ, "TEST_MODE": "hang"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("rank*.json"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    launcher.send_signal(signal.SIGINT)
+    _, stderr = launcher.communicate(timeout=30)
+    assert launcher.returncode == 130 and "SIGINT received; stopped every rank" in stderr
+
+
+def test_errors_are_clear(tmp_path: Path) -> None:
+    scripts = write(tmp_path)
+    done = launch("--num-workers", "2", "--machine-rank", "2", "--master-port", "1234", str(scripts["record"]))
+    assert done.returncode == 1 and "--machine-rank 2 is not in 0..1" in done.stderr
+    done = launch("--num-workers", "2", str(scripts["record"]))
+    assert done.returncode == 1 and "give every launcher the same --master-addr" in done.stderr
+    done = launch("no-such-command-here")
+    assert done.returncode != 0 and "cannot run 'no-such-command-here'" in done.stderr
+
+
+MPIEXEC = shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not installed (pip install mpi4py mpich)")
+def test_mpi_launch(tmp_path: Path, out: Path) -> None:
+    scripts = write(tmp_path)
+    done = launch("--mpi", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), str(scripts["record"]), "z")
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = records(out)
+    assert sorted(got) == [0, 1] and got[1]["argv"] == ["z"]
+    assert got[1]["env"]["WORLD_SIZE"] == "2" and got[0]["env"]["EPL_LAUNCHER"] == "mpi"
+    assert (tmp_path / "logs" / "rank_0.log").read_text() == "hello from rank 0\n"
+    for f in out.glob("*"):
+        f.unlink()
+    done = launch("--mpi", "--nproc-per-node", "2", str(scripts["record"]), env={"TEST_MODE": "fail"})
+    assert done.returncode == 3 and "MPI job failed with code 3" in done.stderr
+
+
+def test_two_machines_on_loopback_train_together(tmp_path: Path, out: Path) -> None:
+    pytest.importorskip("epl_comm")
+    scripts = write(tmp_path)
+    port = str(free_port())
+    common = ["--num-workers", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
+    machines = [
+        subprocess.Popen(
+            [EPL, "launch", *common, "--machine-rank", str(rank), str(scripts["train"])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    for machine in machines:
+        _, stderr = machine.communicate(timeout=120)
+        assert machine.returncode == 0, stderr
+    assert [(out / f"train{r}.txt").read_text() for r in (0, 1)] == ["2 epl True"] * 2
+
+
+def test_scripts_started_by_torchrun_work(tmp_path: Path, out: Path) -> None:
+    pytest.importorskip("epl_comm")
+    scripts = write(tmp_path)
+    torchrun = shutil.which("torchrun", path=str(BIN)) or "torchrun"
+    done = subprocess.run(
+        [torchrun, "--nproc-per-node", "2", str(scripts["train"])], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert [(out / f"train{r}.txt").read_text() for r in (0, 1)] == ["2 torchrun True"] * 2
