@@ -127,3 +127,10 @@ def test_plan_of_a_script_that_prints_and_imports_its_neighbours(
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["num_replicas"] == 2
     assert "starting" in result.stderr
+
+
+def test_example_names_match_the_examples() -> None:
+    from epl import examples
+    from epl.examples.manual import EXAMPLES
+
+    assert examples.names() == sorted(EXAMPLES)

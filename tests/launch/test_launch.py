@@ -202,3 +202,9 @@ def test_scripts_started_by_torchrun_work(tmp_path: Path, out: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert [(out / f"train{r}.txt").read_text() for r in (0, 1)] == ["2 torchrun True"] * 2
+
+
+def test_the_epl_command_starts_without_importing_pytorch() -> None:
+    probe = "import sys\nfrom epl.cli import make_cli\nmake_cli()\nprint('torch' in sys.modules)\n"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "False", done.stderr

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
 
-from epl.cluster import Cluster
-from epl.comm.protocol import Communicator
-from epl.config import Config
-from epl.engine.extensions import GradientReducer, ModelTransform, ParallelContext, StepRunner
 from epl.plugins import hookimpl
-from epl_comm.cupy_communicator import CupyCommunicator, load_nccl
-from epl_comm.data_parallel import DataParallelReducer, ReducePolicy, broadcast_from_first
-from epl_comm.groups import groups_for
-from epl_comm.runner import DataParallelStepRunner
-from epl_comm.torch_communicator import TorchCommunicator
+
+# Imported inside the hooks: loading this plugin (e.g. for `epl launch`) must not import PyTorch.
+if TYPE_CHECKING:
+    from torch import nn
+
+    from epl.cluster import Cluster
+    from epl.comm.protocol import Communicator
+    from epl.config import Config
+    from epl.engine.extensions import GradientReducer, ModelTransform, ParallelContext, StepRunner
 
 
 @hookimpl
 def epl_make_communicator(cluster: Cluster, config: Config) -> Communicator | None:
     """torch.distributed (``auto``/``torch``) or CuPy NCCL (``cupy``) over the job's processes."""
+    from epl_comm.cupy_communicator import CupyCommunicator, load_nccl
+    from epl_comm.torch_communicator import TorchCommunicator
+
     backend = config["communication.backend"]
     if backend == "cupy":
         load_nccl()  # a clear error on a machine where it cannot work, whatever the world size
@@ -38,6 +41,9 @@ class BroadcastInitialWeights:
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """Broadcast ``model``'s tensors from the first copy; return it."""
+        from epl_comm.data_parallel import broadcast_from_first
+        from epl_comm.groups import groups_for
+
         groups = groups_for(context)
         if groups.num_copies > 1:
             broadcast_from_first(model, groups.copies)
@@ -53,6 +59,11 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
 @hookimpl
 def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | None:
     """Bucketed, overlapped gradient reduction over every copy of this rank's parameters."""
+    from torch import nn
+
+    from epl_comm.data_parallel import DataParallelReducer, ReducePolicy
+    from epl_comm.groups import groups_for
+
     if context.plan.local:
         return None
     groups = groups_for(context)
@@ -83,6 +94,9 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
 @hookimpl
 def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     """The data-parallel runner for one-stage plans on several processes."""
+    from epl_comm.groups import groups_for
+    from epl_comm.runner import DataParallelStepRunner
+
     if context.plan.local or context.plan.num_stages != 1:
         return None
     groups = groups_for(context)

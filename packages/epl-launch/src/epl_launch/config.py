@@ -10,6 +10,9 @@ from pathlib import Path
 
 from epl.errors import EplError
 
+#: Folder where each MPI worker writes its target's process group id (set by ``epl launch --mpi``).
+GROUPS_DIR_VARIABLE = "EPL_LAUNCH_GROUPS_DIR"
+
 
 class LaunchError(EplError):
     """The launch flags do not describe a job that can run."""
@@ -93,13 +96,15 @@ def free_port(address: str) -> int:
 
 
 def default_nproc_per_node() -> int:
-    """One process per visible GPU, or one on a machine without GPUs."""
-    try:
-        import torch
+    """One process per visible GPU (CUDA_VISIBLE_DEVICES, else the NVIDIA driver's list), or 1 without GPUs.
 
-        return torch.cuda.device_count() if torch.cuda.is_available() else 1
-    except ImportError:
-        return 1
+    Read without importing PyTorch, so that the launcher starts fast.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return max(1, len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]))
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return max(1, len(list(gpus.iterdir()))) if gpus.is_dir() else 1
 
 
 def default_omp_threads(nproc_per_node: int) -> str:

@@ -12,9 +12,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from epl_launch.config import LaunchConfig, LaunchError, default_omp_threads
+from epl_launch.config import GROUPS_DIR_VARIABLE, LaunchConfig, LaunchError, default_omp_threads
 from epl_launch.local import Outcome
-from epl_launch.mpi_worker import GROUPS_DIR_VARIABLE
 from epl_launch.output import RankOutput
 
 #: The prefix epl_launch.mpi_worker puts on every line.

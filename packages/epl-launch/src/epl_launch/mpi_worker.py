@@ -16,10 +16,8 @@ import sys
 import threading
 from typing import Any
 
-from epl.cluster import Cluster
+from epl_launch.config import GROUPS_DIR_VARIABLE
 
-#: Folder where each worker writes its target's process group id (set by ``epl launch --mpi``).
-GROUPS_DIR_VARIABLE = "EPL_LAUNCH_GROUPS_DIR"
 #: Variables of the MPI launcher that the target must not see (it is not an MPI process).
 _MPI_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_")
 
@@ -27,6 +25,8 @@ _MPI_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_")
 def main(argv: list[str]) -> int:
     """Run ``argv`` as this MPI process's rank; return its exit code (a failure aborts the whole job)."""
     from mpi4py import MPI
+
+    from epl.cluster import Cluster
 
     cluster = Cluster(
         world_size=MPI.COMM_WORLD.Get_size(),

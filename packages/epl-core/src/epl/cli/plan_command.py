@@ -7,7 +7,6 @@ import click
 from epl import examples
 from epl.cli.options import parse_settings
 from epl.errors import EplError
-from epl.placement.mode import PlanRequest, plan_example, plan_script
 
 
 @click.command(
@@ -47,6 +46,8 @@ def plan_command(
     """
     if (script is None) == (example is None):
         raise click.UsageError("Give a SCRIPT or --example NAME (one of them).")
+    from epl.placement.mode import PlanRequest, plan_example, plan_script  # imports PyTorch: only when planning
+
     try:
         request = PlanRequest(world_size=world_size, gpu_per_worker=gpu_per_worker, overrides=parse_settings(settings))
         plan = plan_script(script, script_args, request) if script else plan_example(example or "", request)

@@ -1,0 +1,42 @@
+"""Time from `epl launch` to every rank joined and through a barrier, against torchrun (same world size).
+
+Target: EPL / torchrun <= 1.0.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.harness import compare, short_mode
+
+pytestmark = pytest.mark.multiprocess
+
+BIN = Path(sys.executable).parent
+READY = "import epl\nenv = epl.init()\nenv.communicator.barrier().wait()\n"
+MAX_RATIO = 1.5 if short_mode() else 1.10
+
+
+def test_launch_to_ready_against_torchrun(tmp_path: Path) -> None:
+    pytest.importorskip("epl_comm")
+    script = tmp_path / "ready.py"
+    script.write_text(READY)
+    epl = shutil.which("epl", path=str(BIN)) or "epl"
+    torchrun = shutil.which("torchrun", path=str(BIN)) or "torchrun"
+
+    def run(command: list[str]) -> None:
+        subprocess.run(command, check=True, capture_output=True, timeout=120)
+
+    result = compare(
+        "launch_to_ready_vs_torchrun",
+        lambda: run([torchrun, "--nproc-per-node", "2", str(script)]),
+        lambda: run([epl, "launch", "--nproc-per-node", "2", str(script)]),
+        rounds=2 if short_mode() else 6,
+        calls_per_round=1,
+        warmup=1,
+    )
+    assert result.ratio < MAX_RATIO, result.line()
