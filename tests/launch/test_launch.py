@@ -208,3 +208,21 @@ def test_the_epl_command_starts_without_importing_pytorch() -> None:
     probe = "import sys\nfrom epl.cli import make_cli\nmake_cli()\nprint('torch' in sys.modules)\n"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_machine_list_gives_workers_rank_and_master() -> None:
+    from epl_launch.config import LaunchError, machine_from_list
+
+    assert machine_from_list("127.0.0.1,203.0.113.7") == (2, 0, "127.0.0.1")
+    assert machine_from_list("203.0.113.7, localhost") == (2, 1, "203.0.113.7")
+    with pytest.raises(LaunchError, match="Cannot tell which of --machine-list"):
+        machine_from_list("203.0.113.7,203.0.113.8")
+    with pytest.raises(LaunchError, match="--machine-list is empty"):
+        machine_from_list(" , ")
+
+
+def test_machine_list_of_one_machine_launches(tmp_path: Path, out: Path) -> None:
+    scripts = write(tmp_path)
+    done = launch("--machine_list", "127.0.0.1", "--nproc-per-node", "2", str(scripts["record"]))
+    assert done.returncode == 0, done.stderr
+    assert sorted(records(out)) == [0, 1] and records(out)[0]["env"]["MASTER_ADDR"] == "127.0.0.1"
