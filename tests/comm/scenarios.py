@@ -5,7 +5,8 @@ A scenario is a dict: ``optimizer`` (a name of OPTIMIZERS), ``dtype``, optional
 ("mlp" or "embedding", whose embedding has sparse gradients), ``reference``
 ("global": the local run on the global batch; "clip_per_replica": each replica's
 gradients clipped before they are averaged, as the manual's default clip order)
-and ``reference_optimizer`` (another optimizer for the local run).
+``reference_optimizer`` (another optimizer for the local run) and ``probe`` (run a stray
+backward outside ``engine.step`` before each step).
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ def train_on_ranks(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
         losses = []
         for x, y in global_batches(scenario, engine.num_replicas):
             share = slice(engine.replica_index * REPLICA_BATCH, (engine.replica_index + 1) * REPLICA_BATCH)
+            if scenario.get("probe"):  # a stray backward before the step must not leak into it
+                engine.model(x[share]).sum().backward()
             losses.append(float(engine.step(x[share], y[share])))
         result: dict[str, Any] = {
             "losses": losses,

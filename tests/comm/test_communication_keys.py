@@ -41,6 +41,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "dtype": F64,
         "config": {"optimizer.max_grad_norm": 0.05, "communication.clip_after_allreduce": True},
     },
+    "probe_backward": {"optimizer": "adam", "dtype": F64, "probe": True},
     "sum": {
         "optimizer": "plain_sgd",
         "dtype": F64,
@@ -101,3 +102,7 @@ def test_clip_order() -> None:
 
 def test_sum_reduces_without_dividing() -> None:
     equal_to_reference("sum")
+
+
+def test_a_backward_outside_engine_step_does_not_leak_into_the_next_step() -> None:
+    equal_to_reference("probe_backward")

@@ -45,6 +45,37 @@ def test_skipped_collective_names_the_rank_that_did_not_arrive() -> None:
         assert waited < TIMEOUT + 2
 
 
+def skip_in_a_split_group() -> str:
+    import torch
+
+    import epl
+    from epl_comm import CollectiveTimeoutError
+
+    env = epl.init(epl.Config({"communication.timeout": TIMEOUT}))
+    world = env.communicator
+    group = world.split([[0], [1, 2]])
+    tensor = torch.ones(8)
+    if world.rank == 0:
+        group.all_reduce(tensor).wait()  # alone in its group
+    if world.rank == 2:
+        time.sleep(TIMEOUT + 3)  # skips the group's first collective
+        return "skipped"
+    if world.rank == 0:
+        time.sleep(TIMEOUT + 3)  # keep the job's store (hosted by rank 0) up for the others' diagnosis
+        return "completed"
+    try:
+        group.all_reduce(tensor).wait()
+    except CollectiveTimeoutError as exc:
+        return str(exc)
+    return "completed"
+
+
+def test_split_groups_report_global_ranks() -> None:
+    results = run_ranks(skip_in_a_split_group, 3, timeout=120)
+    assert results[0] == "completed" and results[2] == "skipped"
+    assert "(ranks [1, 2])" in results[1] and "on rank 1: ranks [2] did not arrive" in results[1], results[1]
+
+
 def test_timeout_error_without_store_still_names_the_operation() -> None:
     import torch
 

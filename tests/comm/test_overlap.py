@@ -19,6 +19,7 @@ def model_and_reducer(**policy: object) -> tuple[nn.Sequential, DataParallelRedu
         ReducePolicy(copies=1, max_splits=3, **policy),  # type: ignore[arg-type]
         defer_until_finish=defer,
     )
+    reducer.start()
     seen: list[bool] = []
     # The first layer's weight is the last gradient of backward: what had started by then?
     model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(reducer.buckets[0].started))
@@ -57,3 +58,16 @@ def test_reduced_gradients_are_the_local_gradients_for_one_copy() -> None:
     before = [p.grad.clone() for p in model.parameters()]
     reducer.finish(None)
     assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_a_backward_outside_a_step_is_not_reduced() -> None:
+    model, reducer, seen = model_and_reducer()
+    reducer.finish(None)  # the step ends; the next backward is outside any step
+    model(torch.randn(3, 4)).sum().backward()
+    assert seen == [False]
+    assert all(bucket.work is None for bucket in reducer.buckets)
+    model.zero_grad()
+    reducer.start()
+    model(torch.randn(3, 4)).sum().backward()
+    assert seen == [False, True]
+    reducer.finish(None)

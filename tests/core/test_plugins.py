@@ -239,6 +239,9 @@ def test_gradient_reducer_finishes_every_step_and_receives_the_clip() -> None:
     calls: list[str] = []
 
     class Reducer:
+        def start(self) -> None:
+            calls.append("start")
+
         def finish(self, clip):  # type: ignore[no-untyped-def]
             calls.append("finish")
             assert clip is not None
@@ -255,7 +258,7 @@ def test_gradient_reducer_finishes_every_step_and_receives_the_clip() -> None:
     engine = epl.parallelize(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.0), loss_fn=nn.MSELoss())
     engine.step(torch.full((4, 2), 10.0), torch.zeros(4, 2))
     engine.step(torch.full((4, 2), 10.0), torch.zeros(4, 2))
-    assert calls == ["finish", "finish"]
+    assert calls == ["start", "finish", "start", "finish"]
     norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
     assert norm <= 0.5 + 1e-6
 

@@ -81,6 +81,7 @@ class CupyCommunicator(Communicator):
     """One NCCL communicator (a CuPy ``NcclCommunicator``) over ``ranks``."""
 
     _names = itertools.count()
+    _joins = itertools.count()
 
     def __init__(self, ranks: Sequence[int], *, store: dist.Store, timeout: float, key: str) -> None:
         self._nccl = load_nccl()
@@ -94,7 +95,8 @@ class CupyCommunicator(Communicator):
         store.wait([key], datetime.timedelta(seconds=timeout))
         unique_id = tuple(json.loads(store.get(key).decode()))
         self._comm = self._nccl.NcclCommunicator(self.world_size, unique_id, self.rank)
-        self.log = CollectiveLog(f"nccl{next(self._names)}", self.rank, tuple(range(self.world_size)), store)
+        name = f"nccl{next(self._names)}-" + ".".join(map(str, self.ranks))
+        self.log = CollectiveLog(name, dist.get_rank(), self.ranks, store)
 
     @classmethod
     def join(cls, cluster: Cluster, *, timeout: float) -> CupyCommunicator:
@@ -117,7 +119,8 @@ class CupyCommunicator(Communicator):
             )
         torch.cuda.set_device(cluster.device)
         store = dist.distributed_c10d._get_default_store()
-        return cls(range(cluster.world_size), store=store, timeout=timeout, key="epl/nccl/world")
+        key = f"epl/nccl/world/{next(cls._joins)}"  # a second epl.init must not read the first one's id
+        return cls(range(cluster.world_size), store=store, timeout=timeout, key=key)
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
@@ -246,6 +249,7 @@ class CupyCommunicator(Communicator):
             torch.int32: "NCCL_INT32",
             torch.int8: "NCCL_INT8",
             torch.uint8: "NCCL_UINT8",
+            torch.bool: "NCCL_UINT8",
         }
         name = names.get(tensor.dtype)
         if name is None or not hasattr(self._nccl, name):

@@ -1,6 +1,7 @@
 """Data parallelism: start from identical weights, and reduce gradients over every copy of a parameter.
 
-Bucket reductions start during backward: a post-accumulate-grad hook counts each
+Inside ``Engine.step`` (between ``start`` and ``finish``), bucket reductions start
+during backward: a post-accumulate-grad hook counts each
 parameter's gradients, and once every parameter of a bucket has received its last
 micro-batch's gradient, the bucket is copied into a flat buffer and its all-reduce
 starts, on the communicators in turn. Buckets always start in bucket order, so every
@@ -84,6 +85,7 @@ class DataParallelReducer:
         self._arrivals: dict[int, int] = {}
         self._next = 0
         self._defer = defer_until_finish
+        self._armed = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in dense]
         self._reset()
 
@@ -94,6 +96,14 @@ class DataParallelReducer:
         return sum(sum(p.numel() * (element or p.element_size()) for p in b.params) for b in self.buckets)
 
     # -- GradientReducer -------------------------------------------------------------
+    def start(self) -> None:
+        """Arm the gradient hooks for one step (after completing what an aborted step started)."""
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+        self._reset()
+        self._armed = True
+
     def finish(self, clip: Callable[[], None] | None) -> None:
         """Finish this step's reduction; clip before it (per replica) or after it, as configured."""
         if clip is not None and not self.policy.clip_after_allreduce:
@@ -108,6 +118,7 @@ class DataParallelReducer:
         if clip is not None and self.policy.clip_after_allreduce:
             clip()
         self._reset()
+        self._armed = False
 
     def remove(self) -> None:
         """Remove the gradient hooks."""
@@ -124,6 +135,8 @@ class DataParallelReducer:
             bucket.work = None
 
     def _on_gradient(self, param: nn.Parameter) -> None:
+        if not self._armed:  # a backward outside Engine.step: plain local gradients
+            return
         key = id(param)
         self._arrivals[key] += 1
         if self._arrivals[key] != self.policy.num_micro_batch:

@@ -58,6 +58,7 @@ class CollectiveLog:
     """The numbered collectives of one communicator on this rank, published for diagnostics."""
 
     def __init__(self, name: str, rank: int, ranks: tuple[int, ...], store: dist.Store | None) -> None:
+        """``rank`` is this process's global rank; ``ranks`` the members' global ranks."""
         self.name = name
         self.rank = rank
         self.ranks = ranks
@@ -95,7 +96,9 @@ class CollectiveLog:
         elif progress:
             detail = "every rank started it; a rank may have died or the network stalled"
         else:
-            detail = "no progress could be read from the other ranks"
+            detail = (
+                "no progress could be read from the other ranks (the job's store is unreachable: rank 0 may be gone)"
+            )
         return CollectiveTimeoutError(
             f"{record.describe()} on communicator {self.name!r} (ranks {list(self.ranks)}) did not complete "
             f"within {waited:.0f}s on rank {self.rank}: {detail}. Every rank must run the same collectives in the "
@@ -129,7 +132,10 @@ class CollectiveLog:
     def _progress(self) -> dict[int, tuple[int, str] | None]:
         if self._store is None:
             return {}
-        self._publish()
+        try:
+            self._publish()
+        except Exception:  # noqa: BLE001 - the store's host (rank 0) may be gone
+            return {}
         progress: dict[int, tuple[int, str] | None] = {}
         for rank in self.ranks:
             key = self._key(rank)

@@ -70,7 +70,9 @@ class TorchCommunicator(Communicator):
         self.rank = self.ranks.index(dist.get_rank())
         self.timeout = timeout
         self._store = store
-        self.log = CollectiveLog(f"group{next(self._names)}", self.rank, tuple(range(self.world_size)), store)
+        # Same name on every member, different for disjoint groups made by one split.
+        name = f"group{next(self._names)}-" + ".".join(map(str, self.ranks))
+        self.log = CollectiveLog(name, dist.get_rank(), self.ranks, store)
 
     @classmethod
     def join(cls, cluster: Cluster, *, timeout: float) -> TorchCommunicator:

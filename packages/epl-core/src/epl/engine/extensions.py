@@ -93,8 +93,13 @@ class GradientReducer(Protocol):
     """Combines the gradients of the copies of this rank's parameters (data parallelism).
 
     It may start reducing during backward (e.g. from gradient hooks). The step runner
-    calls :meth:`finish` once per step, after the last backward and before the update.
+    calls :meth:`start` at the beginning of every step and :meth:`finish` after its
+    last backward, before the update; a backward outside a step is not reduced.
     """
+
+    def start(self) -> None:
+        """A step begins: forget whatever an earlier, unfinished step or a stray backward left."""
+        ...
 
     def finish(self, clip: Callable[[], None] | None) -> None:
         """Complete this step's reduction; call ``clip`` (local clipping) before or after it, as configured."""

@@ -62,6 +62,8 @@ class LocalStepRunner:
             raise EplError("Engine.step needs an optimizer: pass optimizer=... to epl.parallelize().")
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.gradient_reducer is not None:
+            self.gradient_reducer.start()
         parts = self.num_micro_batch
         if parts == 1:
             loss = self.loss(inputs, targets)
