@@ -13,7 +13,7 @@ keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "
         "OMP_NUM_THREADS", "EPL_LAUNCHER", "GROUP_RANK")
 mode = os.environ.get("TEST_MODE", "ok")
 child = None
-if mode in ("hang", "fail"):
+if mode in ("hang", "fail", "ignore_term"):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # a grandchild
 record = {"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}, "pid": os.getpid(),
           "child": child.pid if child else None}
@@ -26,7 +26,17 @@ if mode == "fail" and rank == "1":
     sys.exit(3)
 if mode == "kill" and rank == "1":
     os.kill(os.getpid(), signal.SIGKILL)
-if mode in ("hang", "fail"):
+if mode == "ignore_term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if mode == "peer_lost":
+    import datetime
+    import torch.distributed as dist
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.barrier()
+    if rank == "1":
+        os._exit(3)  # leaves without a word; rank 0 then fails on the lost connection
+    dist.barrier()
+if mode in ("hang", "fail", "ignore_term"):
     time.sleep(120)
 """
 

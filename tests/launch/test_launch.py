@@ -170,7 +170,7 @@ def test_mpi_launch(tmp_path: Path, out: Path) -> None:
     for f in out.glob("*"):
         f.unlink()
     done = launch("--mpi", "--nproc-per-node", "2", str(scripts["record"]), env={"TEST_MODE": "fail"})
-    assert done.returncode == 3 and "MPI job failed with code 3" in done.stderr
+    assert done.returncode == 3 and "rank 1 exited with code 3" in done.stderr
 
 
 def test_two_machines_on_loopback_train_together(tmp_path: Path, out: Path) -> None:
@@ -226,3 +226,69 @@ def test_machine_list_of_one_machine_launches(tmp_path: Path, out: Path) -> None
     done = launch("--machine_list", "127.0.0.1", "--nproc-per-node", "2", str(scripts["record"]))
     assert done.returncode == 0, done.stderr
     assert sorted(records(out)) == [0, 1] and records(out)[0]["env"]["MASTER_ADDR"] == "127.0.0.1"
+
+
+def test_the_rank_that_caused_a_failure_is_named_not_its_victim(tmp_path: Path, out: Path) -> None:
+    scripts = write(tmp_path)
+    logs = tmp_path / "logs"
+    done = launch(
+        "--nproc-per-node", "2", "--log-dir", str(logs), str(scripts["record"]), env={"TEST_MODE": "peer_lost"}
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert f"rank 1 exited with code 3; its log: {logs / 'rank_1.log'}" in done.stderr
+    assert (logs / "rank_1.log").exists()
+
+
+def _start_hanging(scripts: dict[str, Path], out: Path, mode: str, *flags: str) -> subprocess.Popen[str]:
+    launcher = subprocess.Popen(
+        [EPL, "launch", "--nproc-per-node", "2", *flags, str(scripts["record"])],
+        env={**os.environ, "TEST_MODE": mode},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("rank*.json"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return launcher
+
+
+def test_a_second_ctrl_c_during_the_grace_period_still_ends_every_worker(tmp_path: Path, out: Path) -> None:
+    launcher = _start_hanging(write(tmp_path), out, "ignore_term", "--grace-period", "3")
+    launcher.send_signal(signal.SIGINT)
+    time.sleep(1)
+    launcher.send_signal(signal.SIGINT)
+    launcher.communicate(timeout=30)
+    assert launcher.returncode == 130
+
+
+def test_hangup_ends_every_worker(tmp_path: Path, out: Path) -> None:
+    launcher = _start_hanging(write(tmp_path), out, "hang")
+    launcher.send_signal(signal.SIGHUP)
+    _, stderr = launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + signal.SIGHUP and "SIGHUP received" in stderr
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not installed (pip install mpi4py mpich)")
+def test_mpi_launch_stops_on_ctrl_c_even_when_ranks_ignore_term(tmp_path: Path, out: Path) -> None:
+    launcher = _start_hanging(write(tmp_path), out, "ignore_term", "--mpi", "--grace-period", "2")
+    started = time.monotonic()
+    launcher.send_signal(signal.SIGINT)
+    _, stderr = launcher.communicate(timeout=60)
+    assert launcher.returncode == 130 and "SIGINT received" in stderr
+    assert time.monotonic() - started < 20
+
+
+def test_logs_start_fresh_for_every_launch(tmp_path: Path, out: Path) -> None:
+    scripts = write(tmp_path)
+    for _ in range(2):
+        done = launch("--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), str(scripts["record"]))
+        assert done.returncode == 0
+    assert (tmp_path / "logs" / "rank_0.log").read_text() == "hello from rank 0\n"
+
+
+def test_a_target_that_cannot_be_executed_is_a_clear_error(tmp_path: Path) -> None:
+    target = tmp_path / "not-executable"
+    target.write_text("echo hi\n")
+    done = launch(str(target))
+    assert done.returncode != 0 and "not executable" in done.stderr and "Traceback" not in done.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,15 @@ from epl_launch.output import RankOutput
 
 #: Seconds between two looks at the workers.
 POLL_SECONDS = 0.05
+#: Seconds to let other ranks fail after the first failure, to tell the cause from its consequences.
+SETTLE_SECONDS = 1.0
+#: Output of a rank that failed because a peer went away.
+PEER_LOST = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|did not arrive|CollectiveTimeoutError|"
+    r"NCCL communicator was aborted|ProcessGroupGloo|DistNetworkError|DistBackendError"
+)
+#: Signals that end the whole job (HUP: the terminal or ssh session went away).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -50,21 +60,23 @@ class LocalJob:
     def __init__(self, config: LaunchConfig, master_port: int) -> None:
         self.config = config
         self.master_port = master_port
-        self.output = RankOutput(config.log_dir)
+        first = config.global_rank(0)
+        self.output = RankOutput(config.log_dir, range(first, first + config.nproc_per_node))
         self.workers: list[subprocess.Popen[bytes]] = []
         self._readers: list[threading.Thread] = []
         self._interrupted: int | None = None
 
     def run(self) -> Outcome:
         """Start the workers and wait: all succeed (0), one fails (its code), or a signal ends the job."""
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # Handled until every worker is gone: a second Ctrl-C must not cut the shutdown short.
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         try:
             self._start()
             return self._watch()
         finally:
+            self._stop_all()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            self._stop_all()
             for reader in self._readers:
                 reader.join(timeout=5)
             self.output.close()
@@ -82,6 +94,11 @@ class LocalJob:
                 )
             except FileNotFoundError:
                 raise SystemExit(f"epl launch: cannot run {self.config.target!r}: no such file or command") from None
+            except PermissionError:
+                raise SystemExit(
+                    f"epl launch: cannot run {self.config.target!r}: not executable (a Python file needs the .py "
+                    "suffix, a shell script .sh; otherwise chmod +x it)"
+                ) from None
             self.workers.append(worker)
             assert worker.stdout is not None
             self._readers.append(self.output.follow(self.config.global_rank(local_rank), worker.stdout))
@@ -92,14 +109,30 @@ class LocalJob:
                 name = signal.Signals(self._interrupted).name
                 return Outcome(128 + self._interrupted, f"epl launch: {name} received; stopped every rank.")
             codes = [worker.poll() for worker in self.workers]
-            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
-            if failed:
-                return self._failure(*failed[0])
+            if any(code not in (None, 0) for code in codes):
+                return self._failure()
             if all(code == 0 for code in codes):
                 return Outcome(0)
             time.sleep(POLL_SECONDS)
 
-    def _failure(self, local_rank: int, code: int) -> Outcome:
+    def _failure(self) -> Outcome:
+        """Name the rank that caused the failure, not one that failed because a peer went away.
+
+        Ranks whose peer died fail too, sometimes first. Wait a moment for the failures
+        to settle, then prefer a failed rank whose last output is not a lost-connection error.
+        """
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while time.monotonic() < deadline and any(w.poll() is None for w in self.workers):
+            time.sleep(POLL_SECONDS)
+        failed = [(i, w.returncode) for i, w in enumerate(self.workers) if w.returncode not in (None, 0)]
+        causes = [(i, code) for i, code in failed if not self._peer_lost(i)]
+        return self._describe(*(causes or failed)[0])
+
+    def _peer_lost(self, local_rank: int) -> bool:
+        recent = "".join(self.output.recent.get(self.config.global_rank(local_rank), ()))
+        return PEER_LOST.search(recent) is not None
+
+    def _describe(self, local_rank: int, code: int) -> Outcome:
         rank = self.config.global_rank(local_rank)
         if code < 0:
             how, exit_code = f"was killed by {signal.Signals(-code).name}", 128 - code

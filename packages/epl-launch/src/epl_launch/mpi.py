@@ -10,10 +10,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from epl_launch.config import GROUPS_DIR_VARIABLE, LaunchConfig, LaunchError, default_omp_threads
-from epl_launch.local import Outcome
+from epl_launch.local import POLL_SECONDS, STOP_SIGNALS, Outcome
 from epl_launch.output import RankOutput
 
 #: The prefix epl_launch.mpi_worker puts on every line.
@@ -58,7 +60,9 @@ def run_mpi(config: LaunchConfig, master_port: int) -> Outcome:
         env.pop(name, None)  # MPI gives each process its own
     groups = Path(tempfile.mkdtemp(prefix="epl-launch-"))
     env[GROUPS_DIR_VARIABLE] = str(groups)
-    output = RankOutput(config.log_dir)
+    output = RankOutput(config.log_dir, range(config.world_size))
+    stop: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum)) for sig in STOP_SIGNALS}
     job = subprocess.Popen(
         mpi_command(config, mpiexec),
         env=env,
@@ -66,26 +70,58 @@ def run_mpi(config: LaunchConfig, master_port: int) -> Outcome:
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
     )
-    assert job.stdout is not None
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: job.terminate())
+    reader = threading.Thread(target=_copy_output, args=(job, output), daemon=True)
+    reader.start()
     try:
-        for data in iter(job.stdout.readline, b""):
-            match = _PREFIX.match(data)
-            if match:
-                output.line(int(match.group(1)), data[match.end() :])
-            else:
-                sys.stdout.write(data.decode(errors="replace"))
-                sys.stdout.flush()
-        code = job.wait()
-    except KeyboardInterrupt:
-        job.terminate()
-        code = job.wait()
-        return Outcome(130, "epl launch: SIGINT received; mpiexec stopped every rank.")
+        while job.poll() is None and not stop:
+            time.sleep(POLL_SECONDS)
+        if stop:
+            _stop(job, config.grace_period)
+            name = signal.Signals(stop[0]).name
+            return Outcome(128 + stop[0], f"epl launch: {name} received; mpiexec stopped every rank.")
+        reader.join(timeout=5)
+        return _mpi_outcome(job.returncode, groups, output)
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        output.close()
         _end_groups(groups)
-    if code != 0:
-        where = f" Logs: {config.log_dir}." if config.log_dir is not None else ""
-        return Outcome(code if code > 0 else 128 - code, f"epl launch: the MPI job failed with code {code}.{where}")
-    return Outcome(0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        output.close()
+
+
+def _copy_output(job: subprocess.Popen[bytes], output: RankOutput) -> None:
+    assert job.stdout is not None
+    for data in iter(job.stdout.readline, b""):
+        match = _PREFIX.match(data)
+        if match:
+            output.line(int(match.group(1)), data[match.end() :])
+        else:
+            sys.stdout.write(data.decode(errors="replace"))
+            sys.stdout.flush()
+
+
+def _stop(job: subprocess.Popen[bytes], grace_period: float) -> None:
+    job.terminate()
+    try:
+        job.wait(timeout=grace_period)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.wait()
+
+
+def _mpi_outcome(code: int, groups: Path, output: RankOutput) -> Outcome:
+    if code == 0:
+        return Outcome(0)
+    failures = sorted(
+        (float(when), int(rank_code), int(path.stem[4:]))
+        for path in groups.glob("rank*.failed")
+        for when, rank_code in [path.read_text().split()]
+    )
+    exit_code = code if code > 0 else 128 - code
+    if not failures:
+        return Outcome(exit_code, f"epl launch: the MPI job failed with code {code}.")
+    _, rank_code, rank = failures[0]
+    log = output.log_path(rank)
+    where = f"; its log: {log}" if log is not None else " (use --log-dir to keep each rank's log)"
+    return Outcome(
+        rank_code, f"epl launch: rank {rank} exited with code {rank_code}{where}. mpiexec stopped the other ranks."
+    )

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 from epl_launch.config import GROUPS_DIR_VARIABLE
@@ -64,6 +65,9 @@ def main(argv: list[str]) -> int:
     code = code if code >= 0 else 128 - code
     if code != 0:
         sys.stdout.flush()
+        if groups:  # tell the launcher which rank failed first, and how
+            with open(os.path.join(groups, f"rank{cluster.rank}.failed"), "w") as file:
+                file.write(f"{time.time()} {code}")
         MPI.COMM_WORLD.Abort(code)  # mpiexec ends every other rank and exits with this code
     return code
 
