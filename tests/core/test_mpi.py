@@ -63,35 +63,18 @@ def test_single_process_under_mpiexec_is_a_local_run(tmp_path: Path) -> None:
     assert row == [0, 1, 0, "mpi", 0, 0, 1, "initialised"]
 
 
-TRAIN = """
-import sys, torch, epl
-from torch import nn
-env = epl.init()
-with epl.replicate(device_count=1):
-    model = nn.Linear(4, 1)
-engine = epl.parallelize(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.MSELoss())
-torch.manual_seed(engine.replica_index)
-loss = engine.step(torch.randn(8, 4), torch.randn(8, 1))
-weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-gathered = torch.empty(weights.numel() * env.cluster.world_size)
-env.communicator.all_gather(gathered, weights).wait()
-copies = gathered.view(env.cluster.world_size, -1)
-with open(f"{sys.argv[1]}/rank{env.cluster.rank}.txt", "w") as out:
-    out.write(f"{env.cluster.master_addr} {engine.num_replicas} {bool((copies == copies[0]).all())}")
-"""
-
-
 def test_plain_mpiexec_job_trains_data_parallel_with_the_address_shared_over_mpi(tmp_path: Path) -> None:
     pytest.importorskip("epl_comm")
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN)
+    from tests.launch.scripts import write
+
+    scripts = write(tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     done = subprocess.run(
-        [str(MPIEXEC), "-n", "2", sys.executable, str(script), str(tmp_path)],
+        [str(MPIEXEC), "-n", "2", sys.executable, str(scripts["train"])],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**env, "OMP_NUM_THREADS": "1"},
+        env={**env, "OMP_NUM_THREADS": "1", "TEST_OUT": str(tmp_path)},
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["127.0.0.1 2 True"] * 2
+    assert [(tmp_path / f"train{r}.txt").read_text() for r in range(2)] == ["2 mpi True"] * 2

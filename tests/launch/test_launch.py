@@ -129,17 +129,7 @@ def test_a_rank_killed_by_a_signal_ends_the_job(tmp_path: Path, out: Path) -> No
 
 
 def test_ctrl_c_ends_every_worker(tmp_path: Path, out: Path) -> None:
-    scripts = write(tmp_path)
-    launcher = subprocess.Popen(
-        [EPL, "launch", "--nproc-per-node", "2", str(scripts["record"])],
-        env={**os.environ, "TEST_MODE": "hang"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 60
-    while len(list(out.glob("rank*.json"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    launcher = _start_hanging(write(tmp_path), out, "hang")
     launcher.send_signal(signal.SIGINT)
     _, stderr = launcher.communicate(timeout=30)
     assert launcher.returncode == 130 and "SIGINT received; stopped every rank" in stderr

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,8 +19,9 @@ import torch.distributed as dist
 
 from epl.cluster import Cluster
 from epl.comm.protocol import Communicator, ReduceOp, Work
-from epl.errors import ClusterError, MissingPluginError
+from epl.errors import MissingPluginError
 from epl_comm.diagnostics import CollectiveLog, CollectiveRecord
+from epl_comm.rendezvous import join_process_group
 
 #: Seconds between two polls of a CUDA event while waiting.
 POLL_SECONDS = 0.001
@@ -102,21 +102,7 @@ class CupyCommunicator(Communicator):
     def join(cls, cluster: Cluster, *, timeout: float) -> CupyCommunicator:
         """Meet the other processes through torch.distributed's rendezvous, then build the NCCL communicator."""
         load_nccl()
-        if not dist.is_initialized():
-            if cluster.master_addr is None or cluster.master_port is None:
-                raise ClusterError(
-                    f"{cluster.world_size} processes need MASTER_ADDR and MASTER_PORT to meet; launch with "
-                    "`epl launch` or torchrun."
-                )
-            os.environ.setdefault("MASTER_ADDR", cluster.master_addr)
-            os.environ.setdefault("MASTER_PORT", str(cluster.master_port))
-            dist.init_process_group(
-                "gloo",
-                init_method="env://",
-                rank=cluster.rank,
-                world_size=cluster.world_size,
-                timeout=datetime.timedelta(seconds=timeout),
-            )
+        join_process_group(cluster, "gloo", timeout=timeout)  # the control group: rendezvous and store
         torch.cuda.set_device(cluster.device)
         store = dist.distributed_c10d._get_default_store()
         key = f"epl/nccl/world/{next(cls._joins)}"  # a second epl.init must not read the first one's id

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import itertools
-import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -13,8 +11,8 @@ import torch.distributed as dist
 
 from epl.cluster import Cluster
 from epl.comm.protocol import Communicator, ReduceOp, Work
-from epl.errors import ClusterError
-from epl_comm.diagnostics import CollectiveLog, CollectiveRecord, stop_all_heartbeats
+from epl_comm.diagnostics import CollectiveLog, CollectiveRecord
+from epl_comm.rendezvous import default_store, join_process_group
 
 # torch 2.13 renamed these; older releases have only the first names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -76,37 +74,11 @@ class TorchCommunicator(Communicator):
 
     @classmethod
     def join(cls, cluster: Cluster, *, timeout: float) -> TorchCommunicator:
-        """Join the processes of ``cluster`` (NCCL on CUDA, gloo on CPU) and return the world communicator.
-
-        Uses the process group the script already made, if any; otherwise rendezvous
-        through MASTER_ADDR/MASTER_PORT (set by ``epl launch`` and torchrun).
-        """
-        if not dist.is_initialized():
-            if cluster.master_addr is None or cluster.master_port is None:
-                raise ClusterError(
-                    f"{cluster.world_size} processes need MASTER_ADDR and MASTER_PORT to meet; launch with "
-                    "`epl launch` or torchrun, or set them to rank 0's address and a free port."
-                )
-            backend = "nccl" if cluster.device_type == "cuda" else "gloo"
-            if cluster.device_type == "cuda":
-                torch.cuda.set_device(cluster.device)
-            # env:// (not tcp://) so that under torchrun the agent's store is reused.
-            os.environ.setdefault("MASTER_ADDR", cluster.master_addr)
-            os.environ.setdefault("MASTER_PORT", str(cluster.master_port))
-            dist.init_process_group(
-                backend,
-                init_method="env://",
-                rank=cluster.rank,
-                world_size=cluster.world_size,
-                timeout=datetime.timedelta(seconds=timeout),
-            )
-            atexit.register(_destroy_process_group)
-        if dist.get_world_size() != cluster.world_size:
-            raise ClusterError(
-                f"The existing process group has {dist.get_world_size()} processes, the environment says "
-                f"{cluster.world_size}."
-            )
-        return cls(None, range(cluster.world_size), timeout=timeout, store=_default_store())
+        """Join the processes of ``cluster`` (NCCL on CUDA, gloo on CPU) and return the world communicator."""
+        if cluster.device_type == "cuda":
+            torch.cuda.set_device(cluster.device)
+        join_process_group(cluster, "nccl" if cluster.device_type == "cuda" else "gloo", timeout=timeout)
+        return cls(None, range(cluster.world_size), timeout=timeout, store=default_store())
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
@@ -189,16 +161,3 @@ def _check_multiple(op: str, big: torch.Tensor, small: torch.Tensor, members: in
             f"{op} over {members} members needs {members} x {small.numel()} = {small.numel() * members} elements "
             f"in the large tensor, got {big.numel()}"
         )
-
-
-def _default_store() -> dist.Store | None:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - diagnostics work without it, just with less to say
-        return None
-
-
-def _destroy_process_group() -> None:
-    stop_all_heartbeats()
-    if dist.is_initialized():
-        dist.destroy_process_group()
