@@ -20,7 +20,7 @@ import torch.distributed as dist
 from epl.cluster import Cluster
 from epl.comm.protocol import Communicator, ReduceOp, Work
 from epl.errors import MissingPluginError
-from epl_comm.diagnostics import CollectiveLog, CollectiveRecord
+from epl_comm.diagnostics import CollectiveLog, CollectiveRecord, DiagnosedWork
 from epl_comm.rendezvous import join_process_group
 
 #: Seconds between two polls of a CUDA event while waiting.
@@ -43,7 +43,7 @@ def load_nccl() -> Any:
     return nccl
 
 
-class CupyWork(Work):
+class CupyWork(DiagnosedWork):
     """Completion of an NCCL operation, as a CUDA event on its stream."""
 
     def __init__(
@@ -54,19 +54,17 @@ class CupyWork(Work):
         timeout: float,
         after: Callable[[], None] | None,
     ) -> None:
+        super().__init__(record, log, timeout)
         self._event = event
-        self._record = record
-        self._log = log
-        self._timeout = timeout
         self._after = after
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the event; after ``timeout`` seconds raise, naming the ranks that did not arrive."""
-        seconds = self._timeout if timeout is None else timeout
+        seconds = self.seconds(timeout)
         deadline = time.monotonic() + seconds
         while not self._event.query():
             if time.monotonic() > deadline:
-                raise self._log.timeout_error(self._record, seconds)
+                raise self.timed_out(seconds)
             time.sleep(POLL_SECONDS)
         if self._after is not None:
             self._after()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from epl.comm.protocol import Work
 from epl.errors import EplError
 
 #: Seconds between two publications of this rank's progress.
@@ -148,3 +149,20 @@ class CollectiveLog:
             except Exception:  # noqa: BLE001 - report what can be read
                 progress[rank] = None
         return progress
+
+
+class DiagnosedWork(Work):
+    """A handle that knows its collective's record, so that a timeout can say who did not arrive."""
+
+    def __init__(self, record: CollectiveRecord, log: CollectiveLog, timeout: float) -> None:
+        self._record = record
+        self._log = log
+        self._timeout = timeout
+
+    def seconds(self, timeout: float | None) -> float:
+        """The wait's limit: ``timeout``, or the communicator's (``communication.timeout``)."""
+        return self._timeout if timeout is None else timeout
+
+    def timed_out(self, seconds: float) -> CollectiveTimeoutError:
+        """The error for not completing within ``seconds``."""
+        return self._log.timeout_error(self._record, seconds)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from epl.cluster import Cluster
 from epl.comm.protocol import Communicator, ReduceOp, Work
-from epl_comm.diagnostics import CollectiveLog, CollectiveRecord
+from epl_comm.diagnostics import CollectiveLog, CollectiveRecord, DiagnosedWork
 from epl_comm.rendezvous import default_store, join_process_group
 
 # torch 2.13 renamed these; older releases have only the first names.
@@ -27,23 +27,21 @@ _OPS = {
 }
 
 
-class TorchWork(Work):
+class TorchWork(DiagnosedWork):
     """A torch.distributed async handle whose ``wait`` times out with a diagnosis."""
 
     def __init__(self, work: dist.Work, record: CollectiveRecord, log: CollectiveLog, timeout: float) -> None:
+        super().__init__(record, log, timeout)
         self._work = work
-        self._record = record
-        self._log = log
-        self._timeout = timeout
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the operation; after ``timeout`` (default ``communication.timeout``) seconds, raise."""
-        seconds = self._timeout if timeout is None else timeout
+        seconds = self.seconds(timeout)
         try:
             self._work.wait(datetime.timedelta(seconds=seconds))
         except RuntimeError as exc:
             if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-                raise self._log.timeout_error(self._record, seconds) from exc
+                raise self.timed_out(seconds) from exc
             raise
 
     def is_completed(self) -> bool:
