@@ -58,10 +58,10 @@ def bench_short(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The demo job: the quick start on 2 processes (epl launch), the pipeline example locally,
-    then the pipeline planned for 8 devices and the MoE example for 1024."""
+    """The demo job: the quick start data parallel and the two-stage pipeline on 2 processes
+    (epl launch), then the pipeline planned for 8 devices and the MoE example for 1024."""
     install_packages(session, "numpy")
     session.run("epl", "launch", "--nproc-per-node", "2", "examples/quickstart/train.py", env=SINGLE_THREAD)
-    session.run("python", "examples/pipeline/train.py", env=SINGLE_THREAD)
+    session.run("epl", "launch", "--nproc-per-node", "2", "examples/pipeline/train.py", env=SINGLE_THREAD)
     session.run("epl", "plan", "--world-size", "8", "--gpu-per-worker", "4", "examples/pipeline/train.py")
     session.run("epl", "plan", "--world-size", "1024", "--gpu-per-worker", "8", "--example", "moe")

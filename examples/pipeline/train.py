@@ -1,7 +1,9 @@
 """The manual's two-stage pipeline example (DESIGN.md's contract script).
 
 One process trains it locally (the 4 micro-batches are gradient accumulation);
-launched on 4 devices it is a 2-stage pipeline x 2 replicas. See the Plan with:
+on 2 processes it is a 2-stage pipeline, on 4 a 2-stage pipeline x 2 replicas:
+    python examples/pipeline/train.py
+    epl launch --nproc-per-node 4 examples/pipeline/train.py
     epl plan --world-size 4 examples/pipeline/train.py
 """
 

@@ -1,0 +1,1 @@
+"""epl-pipeline: pipeline parallelism for EPL (first cut: schedules, stage proxies, one executor)."""

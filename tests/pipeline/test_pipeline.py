@@ -1,0 +1,91 @@
+"""The manual's two-stage pipeline on real processes equals the local run on the same global batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers.distributed import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+MICRO, REPLICA_BATCH, STEPS = 4, 8, 3
+
+
+def build() -> nn.Module:
+    import epl
+
+    torch.manual_seed(0)
+    with epl.replicate(device_count=1, name="stage_0"):
+        stage0 = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU())
+    with epl.replicate(device_count=1, name="stage_1"):
+        stage1 = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 12))
+    return nn.Sequential(stage0, stage1).double()
+
+
+def batches(replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    size = replicas * REPLICA_BATCH
+    return [
+        (
+            torch.randn(size, 12, generator=generator, dtype=torch.float64),
+            torch.randn(size, 12, generator=generator, dtype=torch.float64),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def train(strategy: str) -> dict[str, Any]:
+    import epl
+
+    epl.init(epl.Config({"pipeline.num_micro_batch": MICRO, "pipeline.strategy": strategy}))
+    engine = epl.parallelize(build(), optimizer=lambda p: torch.optim.Adam(p, lr=1e-2), loss_fn=nn.MSELoss())
+    losses = []
+    for x, y in batches(engine.num_replicas):
+        share = slice(engine.replica_index * REPLICA_BATCH, (engine.replica_index + 1) * REPLICA_BATCH)
+        losses.append(float(engine.step(x[share], y[share])))
+    return {
+        "losses": losses,
+        "replica": engine.replica_index,
+        "replicas": engine.num_replicas,
+        "state": {k: v.clone() for k, v in engine.model.state_dict().items()},
+    }
+
+
+def reference(replicas: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    import epl
+
+    epl.init()
+    model = build()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for x, y in batches(replicas):
+        optimizer.zero_grad()
+        parts = []
+        for xm, ym in zip(x.chunk(MICRO * replicas), y.chunk(MICRO * replicas), strict=True):
+            loss = nn.functional.mse_loss(model(xm), ym)
+            (loss / (MICRO * replicas)).backward()
+            parts.append(loss.detach())
+        optimizer.step()
+        losses.append(float(torch.stack(parts).mean()))
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("strategy", ["PreferForward", "PreferBackward"])
+def test_pipeline_equals_the_local_run(world_size: int, strategy: str) -> None:
+    ranks = run_ranks(train, world_size, strategy, timeout=180)
+    replicas = ranks[0]["replicas"]
+    assert replicas == world_size // 2
+    expected_losses, expected_state = reference(replicas)
+    per_replica = {r["replica"]: r["losses"] for r in ranks}
+    mean = torch.tensor([per_replica[i] for i in range(replicas)], dtype=torch.float64).mean(0)
+    torch.testing.assert_close(mean, torch.tensor(expected_losses, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    for rank, result in enumerate(ranks):
+        assert result["losses"] == per_replica[result["replica"]]  # every stage returns the replica's loss
+        for name, value in result["state"].items():
+            torch.testing.assert_close(value, expected_state[name], rtol=1e-12, atol=1e-12, msg=f"rank {rank} {name}")
+        assert len(result["state"]) == 4  # only this stage's two Linear layers are kept
