@@ -89,3 +89,42 @@ def test_pipeline_equals_the_local_run(world_size: int, strategy: str) -> None:
         for name, value in result["state"].items():
             torch.testing.assert_close(value, expected_state[name], rtol=1e-12, atol=1e-12, msg=f"rank {rank} {name}")
         assert len(result["state"]) == 4  # only this stage's two Linear layers are kept
+
+
+def train_by_hand() -> dict[str, Any]:
+    """The eight-layer model of pytorch_model_parallel_by_hand.md, four stages, no .to(device)."""
+    import epl
+    from epl.examples.manual import by_hand
+
+    epl.init(epl.Config({"pipeline.num_micro_batch": MICRO}))
+    torch.manual_seed(0)
+    engine = epl.parallelize(by_hand().double(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.MSELoss())
+    losses = [float(engine.step(x, y)) for x, y in batches(1)]
+    return {"losses": losses, "state": {k: v.clone() for k, v in engine.model.state_dict().items()}}
+
+
+def test_four_stages_of_the_by_hand_model() -> None:
+    import epl
+    from epl.examples.manual import by_hand
+
+    ranks = run_ranks(train_by_hand, 4, timeout=180)
+    epl.init()
+    torch.manual_seed(0)
+    model = by_hand().double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected = []
+    for x, y in batches(1):
+        optimizer.zero_grad()
+        parts = []
+        for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO), strict=True):
+            loss = nn.functional.mse_loss(model(xm), ym)
+            (loss / MICRO).backward()
+            parts.append(loss.detach())
+        optimizer.step()
+        expected.append(float(torch.stack(parts).mean()))
+    full = model.state_dict()
+    for result in ranks:
+        torch.testing.assert_close(result["losses"], expected, rtol=1e-12, atol=1e-12)
+        assert len(result["state"]) == 4  # two Linear layers per stage
+        for name, value in result["state"].items():
+            torch.testing.assert_close(value, full[name], rtol=1e-12, atol=1e-12)
