@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from epl.plugins import hookimpl
 
 if TYPE_CHECKING:
+    import click
     from torch import nn
 
     from epl.engine.extensions import ModelTransform, ParallelContext, StepRunner
@@ -21,6 +22,14 @@ def epl_pipeline_schedules() -> dict[str, ScheduleGenerator]:
     from epl_pipeline.schedules import SCHEDULES
 
     return dict(SCHEDULES)
+
+
+@hookimpl
+def epl_cli_commands(cli: click.Group) -> None:
+    """Add ``epl schedule``."""
+    from epl_pipeline.command import schedule_command
+
+    cli.add_command(schedule_command)
 
 
 def _pipelined(context: ParallelContext) -> bool:

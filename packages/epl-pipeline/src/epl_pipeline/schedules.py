@@ -6,6 +6,8 @@ micro-batches; the executor adds the sends and receives between stages.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from epl.schedule import Action, ActionKind, Schedule
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
@@ -60,13 +62,23 @@ def check(schedule: Schedule, num_stages: int, num_micro_batches: int) -> None:
     simulate(schedule)
 
 
-def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 2.0) -> tuple[float, float]:
-    """(makespan, bubble fraction) of ``schedule`` with the given costs per action; a deadlock raises."""
+@dataclass(frozen=True)
+class Event:
+    """One action placed in time by the simulator."""
+
+    action: Action
+    start: float
+    end: float
+
+
+def timeline(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 2.0) -> list[Event]:
+    """When every action of ``schedule`` runs, given its cost and what it waits for; a deadlock raises."""
     stages = len(schedule)
     done: dict[tuple[int, ActionKind, int], float] = {}
     position = [0] * stages
     clock = [0.0] * stages
     queues = [[a for a in actions if a is not None] for actions in schedule]
+    events = []
     while any(position[s] < len(queues[s]) for s in range(stages)):
         progressed = False
         for s in range(stages):
@@ -80,14 +92,21 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float
                 needed = (s + 1, B, m) if s < stages - 1 else (s, F, m)
             if needed is not None and needed not in done:
                 continue
-            start = max(clock[s], done.get(needed, 0.0) if needed else 0.0)
+            start = max(clock[s], done[needed] if needed is not None else 0.0)
             clock[s] = start + (forward_cost if action.kind is F else backward_cost)
             done[(s, action.kind, m)] = clock[s]
+            events.append(Event(action, start, clock[s]))
             position[s] += 1
             progressed = True
         if not progressed:
             stuck = {s: str(queues[s][position[s]]) for s in range(stages) if position[s] < len(queues[s])}
             raise ValueError(f"schedule deadlocks: stages wait on each other at {stuck}")
-    makespan = max(clock)
-    busy = sum(forward_cost if a.kind is F else backward_cost for q in queues for a in q)
-    return makespan, 1.0 - busy / (stages * makespan)
+    return events
+
+
+def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 2.0) -> tuple[float, float]:
+    """(makespan, bubble fraction) of ``schedule`` with the given costs per action; a deadlock raises."""
+    events = timeline(schedule, forward_cost, backward_cost)
+    makespan = max(event.end for event in events)
+    busy = sum(event.end - event.start for event in events)
+    return makespan, 1.0 - busy / (len(schedule) * makespan)
