@@ -15,7 +15,6 @@ import multiprocessing
 import os
 import pickle
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -24,6 +23,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from epl.ports import free_port
 
 #: Lines of each rank's log shown in a failure report.
 LOG_TAIL_LINES = 40
@@ -57,13 +58,6 @@ class RankReport:
             lines.append("log (last lines):")
             lines += [f"  | {line}" for line in tail]
         return "\n".join(lines)
-
-
-def free_port() -> int:
-    """A TCP port on localhost that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run_ranks(

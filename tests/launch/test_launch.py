@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from epl.cli import make_cli
-from tests.helpers.distributed import free_port
+from epl.ports import free_port
 from tests.launch.scripts import write
 
 pytestmark = pytest.mark.multiprocess

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from epl.errors import ClusterError
+from epl.ports import free_port
 
 #: (world size, rank, local rank, local world size) variables of each MPI flavour.
 _MPI_VARIABLES = (
@@ -177,9 +178,7 @@ def _mpi_rendezvous(*, single_node: bool) -> tuple[str, int]:
     chosen: tuple[str, int] | None = None
     if comm.Get_rank() == 0:
         host = "127.0.0.1" if single_node else socket.gethostbyname(socket.gethostname())
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            chosen = (host, int(probe.getsockname()[1]))
+        chosen = (host, free_port(host))
     address, port = comm.bcast(chosen, root=0)
     return str(address), int(port)
 

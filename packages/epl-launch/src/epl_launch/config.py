@@ -88,13 +88,6 @@ def machine_from_list(machine_list: str) -> tuple[int, int, str]:
     return len(hosts), mine[0], hosts[0]
 
 
-def free_port(address: str) -> int:
-    """A TCP port free on ``address`` right now, found by binding to port 0."""
-    with socket.socket() as probe:
-        probe.bind((address, 0))
-        return int(probe.getsockname()[1])
-
-
 def default_nproc_per_node() -> int:
     """One process per visible GPU (CUDA_VISIBLE_DEVICES, else the NVIDIA driver's list), or 1 without GPUs.
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from epl_launch.config import LaunchConfig, default_omp_threads
 from epl_launch.output import RankOutput
+from epl_launch.processes import signal_group
 
 #: Seconds between two looks at the workers.
 POLL_SECONDS = 0.05
@@ -149,7 +150,7 @@ class LocalJob:
         """TERM every worker's process group, then KILL what is left after the grace period."""
         alive = [w for w in self.workers if w.poll() is None]
         for worker in alive:
-            _signal_group(worker, signal.SIGTERM)
+            signal_group(worker.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.config.grace_period
         for worker in alive:
             try:
@@ -157,15 +158,8 @@ class LocalJob:
             except subprocess.TimeoutExpired:
                 pass
         for worker in self.workers:
-            _signal_group(worker, signal.SIGKILL)  # also any child a finished worker left behind
+            signal_group(worker.pid, signal.SIGKILL)  # also any child a finished worker left behind
             worker.wait()
-
-
-def _signal_group(worker: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    try:
-        os.killpg(worker.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def report(outcome: Outcome) -> int:

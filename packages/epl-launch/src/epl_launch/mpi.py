@@ -17,6 +17,7 @@ from pathlib import Path
 from epl_launch.config import GROUPS_DIR_VARIABLE, LaunchConfig, LaunchError, default_omp_threads
 from epl_launch.local import POLL_SECONDS, STOP_SIGNALS, Outcome
 from epl_launch.output import RankOutput
+from epl_launch.processes import signal_group
 
 #: The prefix epl_launch.mpi_worker puts on every line.
 _PREFIX = re.compile(rb"^\[rank (\d+)\] ")
@@ -25,10 +26,9 @@ _PREFIX = re.compile(rb"^\[rank (\d+)\] ")
 def _end_groups(folder: Path) -> None:
     """Kill what the targets left (mpiexec may kill a worker before it could), then forget the folder."""
     for record in folder.glob("*.pgid"):
-        try:
-            os.killpg(int(record.read_text()), signal.SIGKILL)
-        except (ProcessLookupError, PermissionError, ValueError):
-            pass
+        text = record.read_text().strip()
+        if text.isdigit():  # a worker killed while writing it leaves it empty
+            signal_group(int(text), signal.SIGKILL)
     shutil.rmtree(folder, ignore_errors=True)
 
 

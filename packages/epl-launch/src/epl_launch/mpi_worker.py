@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from epl_launch.config import GROUPS_DIR_VARIABLE
+from epl_launch.processes import signal_group
 
 #: Variables of the MPI launcher that the target must not see (it is not an MPI process).
 _MPI_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_")
@@ -56,11 +57,11 @@ def main(argv: list[str]) -> int:
         with open(os.path.join(groups, f"rank{cluster.rank}.pgid"), "w") as file:
             file.write(str(child.pid))
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: _signal_group(child.pid, signum))
+        signal.signal(sig, lambda signum, frame: signal_group(child.pid, signum))
     reader = threading.Thread(target=_copy_output, args=(child, cluster.rank), daemon=True)
     reader.start()
     code = child.wait()
-    _signal_group(child.pid, signal.SIGKILL)  # what the target left running would hold its output open
+    signal_group(child.pid, signal.SIGKILL)  # what the target left running would hold its output open
     reader.join(timeout=5)
     code = code if code >= 0 else 128 - code
     if code != 0:
@@ -86,13 +87,6 @@ def _copy_output(child: subprocess.Popen[bytes], rank: int) -> None:
     for line in iter(child.stdout.readline, b""):
         sys.stdout.buffer.write(prefix + line)
         sys.stdout.buffer.flush()
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 if __name__ == "__main__":
