@@ -86,7 +86,8 @@ class DataParallelReducer:
         self._next = 0
         self._defer = defer_until_finish
         self._armed = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in dense]
+        for param in dense:
+            param.register_post_accumulate_grad_hook(self._on_gradient)
         self._reset()
 
     @property
@@ -119,11 +120,6 @@ class DataParallelReducer:
             clip()
         self._reset()
         self._armed = False
-
-    def remove(self) -> None:
-        """Remove the gradient hooks."""
-        for handle in self._handles:
-            handle.remove()
 
     # -- during backward ---------------------------------------------------------------
     def _reset(self) -> None:

@@ -187,10 +187,6 @@ class Plan:
         """Indices of the TaskGraphs that ``rank`` runs."""
         return tuple(index for index, _ in self.assignment(rank).taskgraphs)
 
-    def global_batch(self, replica_batch: int) -> int:
-        """Samples per step over all replicas."""
-        return self.num_replicas * replica_batch
-
     # -- serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists and dicts) that :meth:`from_dict` reads back."""
