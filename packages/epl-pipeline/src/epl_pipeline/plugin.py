@@ -11,14 +11,14 @@ if TYPE_CHECKING:
     from torch import nn
 
     from epl.engine.extensions import ModelTransform, ParallelContext, StepRunner
-    from epl.schedule import ScheduleGenerator
+    from epl.schedule import Schedule, ScheduleGenerator
 
 PLUGIN = "epl-pipeline"
 
 
 @hookimpl
 def epl_pipeline_schedules() -> dict[str, ScheduleGenerator]:
-    """``PreferForward`` (GPipe) and ``PreferBackward`` (1F1B)."""
+    """``PreferForward`` (GPipe), ``PreferBackward`` (1F1B) and ``ZeroBubble`` (ZB-H1)."""
     from epl_pipeline.schedules import SCHEDULES
 
     return dict(SCHEDULES)
@@ -37,28 +37,28 @@ def _pipelined(context: ParallelContext) -> bool:
 
 
 class KeepLocalStage:
-    """Model transform: replace the other stages' modules by proxies (this rank keeps only its stage)."""
+    """Model transform: trace the model into stages, then keep only this rank's stage modules."""
 
     name = "keep_local_stage"
     order = -200  # before the initial broadcast and the optimizer: only local tensors remain
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
-        """Swap remote stage roots for proxies wired to this rank's runner."""
+        """Trace ``model`` into stages, then swap the other stages' root modules for placeholders."""
         from epl.errors import PlacementError
-        from epl_pipeline.stages import StageProxy, replace_module, stage_roots
+        from epl_pipeline.partition import trace_stages
+        from epl_pipeline.stages import RemoteStage, replace_module, stage_roots
 
         plan = context.plan
         if any(tg.device_count != 1 or tg.strategy != "replicate" for tg in plan.taskgraphs):
             raise PlacementError("This version pipelines replicate(device_count=1) stages only.")
         stage = plan.taskgraphs_on(context.cluster.rank)[0]
-        wiring = context.extras.setdefault(PLUGIN, {})
-        wiring["stage"] = stage
-        for name, owner in stage_roots(model, context.taskgraphs).items():
-            if owner != stage:
-                proxy = StageProxy(
-                    owner, lambda s: wiring["runner"].receive(s), lambda x: wiring["runner"].send(x), stage
-                )
-                replace_module(model, name, proxy)
+        roots = stage_roots(model, context.taskgraphs)
+        owner = {id(t): tg.index for tg in context.taskgraphs for t in tg.tensors}
+        staged = trace_stages(model, roots, plan.num_stages, owner)
+        context.extras[PLUGIN] = {"stage": stage, "staged": staged}
+        for name, owner_stage in roots.items():
+            if owner_stage != stage:
+                replace_module(model, name, RemoteStage(owner_stage, type(model.get_submodule(name)).__name__))
         return model
 
 
@@ -75,7 +75,6 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
         return None
     from epl.errors import EplError
     from epl_pipeline.runner import PipelineStepRunner
-    from epl_pipeline.schedules import SCHEDULES
 
     if context.config["optimizer.max_grad_norm"] is not None:
         raise EplError(
@@ -92,9 +91,9 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
         model=context.model,
         optimizer=context.optimizer,
         loss_fn=context.loss_fn,
-        schedule=SCHEDULES[context.config["pipeline.strategy"]](stages, plan.num_micro_batch),
+        staged=context.extras[PLUGIN]["staged"],
+        schedule=_schedule(context, stages, plan.num_micro_batch),
         stage=stage,
-        num_stages=stages,
         num_micro_batch=plan.num_micro_batch,
         world=world,
         previous_rank=plan.devices(stage - 1, replica)[0] if stage > 0 else None,
@@ -106,3 +105,27 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     )
     context.extras[PLUGIN]["runner"] = runner
     return runner
+
+
+def _schedule(context: ParallelContext, stages: int, micro_batches: int) -> Schedule:
+    """The schedule named by ``pipeline.strategy``, among every plugin's, checked before use."""
+    import difflib
+
+    from epl.errors import EplError
+    from epl_pipeline.schedules import check
+
+    name = context.config["pipeline.strategy"]
+    schedules = context.env.plugins.pipeline_schedules()
+    if name not in schedules:
+        close = difflib.get_close_matches(name, schedules, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise EplError(
+            f"pipeline.strategy={name!r} is not a registered schedule; registered: {', '.join(sorted(schedules))}."
+            f"{hint} A plugin adds one through the epl_pipeline_schedules hook."
+        )
+    schedule = schedules[name](stages, micro_batches)
+    try:
+        check(schedule, stages, micro_batches)
+    except ValueError as error:
+        raise EplError(f"Schedule {name!r} is invalid for {stages} stages x {micro_batches} micro-batches: {error}")
+    return schedule

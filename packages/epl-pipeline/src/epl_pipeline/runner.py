@@ -1,22 +1,32 @@
-"""The pipeline executor: runs any schedule of forwards and backwards, with the sends and receives between stages."""
+"""The pipeline executor: runs any schedule of forwards and backwards, with the transfers between stages."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
-from epl.comm.protocol import Communicator, Work
-from epl.engine.batch import call_model, split_batch, to_device
+from epl.comm.protocol import Communicator
+from epl.engine.batch import split_batch, to_device
 from epl.engine.extensions import GradientReducer, LossFn
 from epl.errors import EplError
-from epl.schedule import ActionKind, Schedule
-from epl_pipeline.stages import StageDone
+from epl.schedule import Action, ActionKind, Schedule
+from epl_pipeline.channel import Channel
+from epl_pipeline.partition import StagedGraph, bind_inputs, output_value, run_nodes
+from epl_pipeline.schedules import Event
+from epl_pipeline.split_backward import PendingWeights, backward_input, backward_weight
 
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-#: Header of an activation: dtype code, number of dimensions, then the sizes.
-_HEADER = 8
+
+@dataclass
+class _InFlight:
+    """One micro-batch between its forward and its backward on this stage."""
+
+    outputs: list[torch.Tensor]  # what the backward starts from (sent tensors needing a gradient, or the loss)
+    inputs: list[torch.Tensor] = field(default_factory=list)  # received tensors that collect a gradient
+    pending: PendingWeights | None = None  # between I and W
 
 
 class PipelineStepRunner:
@@ -28,9 +38,9 @@ class PipelineStepRunner:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         loss_fn: LossFn | None,
+        staged: StagedGraph,
         schedule: Schedule,
         stage: int,
-        num_stages: int,
         num_micro_batch: int,
         world: Communicator,
         previous_rank: int | None,
@@ -41,54 +51,28 @@ class PipelineStepRunner:
         gradient_reducer: GradientReducer | None,
     ) -> None:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.staged, self.stage, self.num_micro_batch = staged, stage, num_micro_batch
         self.actions = schedule[stage]
-        self.stage, self.num_stages, self.num_micro_batch = stage, num_stages, num_micro_batch
-        self.world, self.previous_rank, self.next_rank = world, previous_rank, next_rank
+        self.nodes: list[fx.Node] = staged.nodes_of(stage)
         self.replica, self.last_stage_member = replica, last_stage_member
         self.device, self.gradient_reducer = device, gradient_reducer
-        self._inputs: dict[int, torch.Tensor] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self.inbound = Channel(world, previous_rank, device, f"The values stage {stage - 1} sends") if stage else None
+        self.outbound = (
+            Channel(world, next_rank, device, f"The values stage {stage} sends") if next_rank is not None else None
+        )
+        self._in_flight: dict[int, _InFlight] = {}
         self._losses: dict[int, torch.Tensor] = {}
-        self._sends: list[tuple[Work, torch.Tensor]] = []
-        self._micro_batch = 0
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        #: The actions of the last step with their start and end (``time.perf_counter`` seconds).
+        self.last_timeline: list[Event] = []
+        #: Most micro-batches whose activations this stage held at once, in the last step.
+        self.peak_in_flight = 0
 
     @property
     def last(self) -> bool:
         """Whether this rank runs the last stage (which computes the loss)."""
-        return self.stage == self.num_stages - 1
+        return self.stage == self.staged.num_stages - 1
 
-    # -- called by the stage proxies -----------------------------------------------------
-    def receive(self, stage: int) -> torch.Tensor:
-        """This micro-batch's input from the previous stage, as a leaf that collects its gradient."""
-        assert self.previous_rank is not None
-        header = torch.empty(_HEADER, dtype=torch.int64)
-        self.world.recv(header, self.previous_rank).wait()
-        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-        tensor = torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=dtype, device=self.device)
-        self.world.recv(tensor, self.previous_rank).wait()
-        tensor.requires_grad_(True)
-        self._inputs[self._micro_batch] = tensor
-        return tensor
-
-    def send(self, output: torch.Tensor) -> None:
-        """Send this micro-batch's output to the next stage (kept for its backward)."""
-        assert self.next_rank is not None
-        if output.dtype not in _DTYPES or output.dim() > _HEADER - 2:
-            raise EplError(
-                f"Pipeline stages pass floating tensors of at most {_HEADER - 2} dimensions, "
-                f"got {output.dtype} {list(output.shape)}."
-            )
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0], header[1] = _DTYPES.index(output.dtype), output.dim()
-        header[2 : 2 + output.dim()] = torch.tensor(output.shape)
-        data = output.detach().contiguous()
-        self._sends += [
-            (self.world.send(header, self.next_rank), header),
-            (self.world.send(data, self.next_rank), data),
-        ]
-        self._outputs[self._micro_batch] = output
-
-    # -- one step ------------------------------------------------------------------------
     def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """Train on one replica batch; return the replica's mean loss (the same on every stage)."""
         if self.optimizer is None:
@@ -100,16 +84,18 @@ class PipelineStepRunner:
         self.optimizer.zero_grad(set_to_none=True)
         if self.gradient_reducer is not None:
             self.gradient_reducer.start()
+        timeline, self.peak_in_flight = [], 0
         for action in self.actions:
             if action is None:
                 continue
-            if action.kind is ActionKind.FORWARD:
-                self._forward(action.micro_batch, micro_inputs, micro_targets)
-            else:
-                self._backward(action.micro_batch)
-        for work, _ in self._sends:
-            work.wait()
-        self._sends.clear()
+            start = time.perf_counter()
+            self._run(action, micro_inputs, micro_targets)
+            timeline.append(Event(action, start, time.perf_counter()))
+            self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
+        for channel in (self.inbound, self.outbound):
+            if channel is not None:
+                channel.flush()
+        self.last_timeline = timeline
         if self.gradient_reducer is not None:
             self.gradient_reducer.finish(None)
         self.optimizer.step()
@@ -121,31 +107,64 @@ class PipelineStepRunner:
         self.replica.broadcast(loss, self.last_stage_member).wait()
         return loss
 
-    def _forward(self, m: int, micro_inputs: list[Any], micro_targets: list[Any] | None) -> None:
-        self._micro_batch = m
-        try:
-            output = call_model(self.model, micro_inputs[m])
-        except StageDone:
-            return
-        if self.loss_fn is None:
-            loss = output
+    def _run(self, action: Action, micro_inputs: list[Any], micro_targets: list[Any] | None) -> None:
+        m = action.micro_batch
+        if action.kind is ActionKind.FORWARD:
+            self._forward(m, micro_inputs[m], micro_targets[m] if micro_targets is not None else None)
+        elif action.kind is ActionKind.BACKWARD:
+            self._backward(m, split=False)
+        elif action.kind is ActionKind.BACKWARD_INPUT:
+            self._backward(m, split=True)
+        elif action.kind is ActionKind.BACKWARD_WEIGHT:
+            flight = self._in_flight.pop(m)
+            assert flight.pending is not None
+            backward_weight(flight.pending)
         else:
-            loss = self.loss_fn(output, micro_targets[m]) if micro_targets is not None else self.loss_fn(output)
-        self._losses[m] = loss
-        self._outputs[m] = loss
+            raise EplError(f"The pipeline executor runs F, B, I and W actions, not {action.kind.name}.")
 
-    def _backward(self, m: int) -> None:
-        output = self._outputs.pop(m)
-        if self.last:
-            (output / self.num_micro_batch).backward()
-            self._losses[m] = self._losses[m].detach()
+    def _forward(self, m: int, inputs: Any, targets: Any) -> None:
+        received: list[torch.Tensor] = []
+        if self.inbound is None:
+            env = bind_inputs(self.staged, inputs)
         else:
-            assert self.next_rank is not None
-            grad = torch.empty_like(output)
-            self.world.recv(grad, self.next_rank).wait()
-            output.backward(grad)
-        if self.stage > 0:
-            assert self.previous_rank is not None
-            received = self._inputs.pop(m)
-            grad_in = received.grad if received.grad is not None else torch.zeros_like(received)
-            self._sends.append((self.world.send(grad_in, self.previous_rank), grad_in))
+            values, received = self.inbound.receive()
+            env = dict(zip(self.staged.boundaries[self.stage - 1], values, strict=True))
+        run_nodes(self.model, self.nodes, env)
+        if self.outbound is not None:
+            boundary = self.staged.boundaries[self.stage]
+            sent = self.outbound.send([env[n] for n in boundary])
+            assert self.outbound.description is not None
+            specs = self.outbound.description.tensor_specs
+            outputs = [t for t, spec in zip(sent, specs, strict=True) if spec.requires_grad]
+        else:
+            output = output_value(self.staged, env)
+            if self.loss_fn is None:
+                loss = output
+            else:
+                loss = self.loss_fn(output, targets) if targets is not None else self.loss_fn(output)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise EplError("The last pipeline stage must produce a scalar loss: pass loss_fn=... to parallelize.")
+            self._losses[m] = loss.detach()
+            outputs = [loss / self.num_micro_batch]
+        self._in_flight[m] = _InFlight(outputs, received)
+
+    def _backward(self, m: int, *, split: bool) -> None:
+        flight = self._in_flight[m] if split else self._in_flight.pop(m)
+        grads: list[torch.Tensor | None]
+        if self.outbound is None:
+            grads = [None]
+        else:
+            grads = list(self.outbound.receive_gradients())
+        if split:
+            input_grads, flight.pending = backward_input(flight.outputs, grads, flight.inputs, self._params)
+            input_grads = input_grads or [None] * len(flight.inputs)
+        else:
+            if flight.outputs:
+                torch.autograd.backward(flight.outputs, grads)
+            input_grads = [t.grad for t in flight.inputs]
+        flight.outputs = []
+        if self.inbound is not None:
+            self.inbound.send_gradients(
+                [g if g is not None else torch.zeros_like(t) for g, t in zip(input_grads, flight.inputs, strict=True)]
+            )
+        flight.inputs = []

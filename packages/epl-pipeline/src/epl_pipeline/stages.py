@@ -1,23 +1,16 @@
-"""Which submodules make each pipeline stage, and the proxies that stand in for other ranks' stages.
+"""Which submodules make each pipeline stage, and what stands in for other ranks' stages.
 
-Every rank runs the model's own ``forward``; the modules of other stages are replaced by
-proxies. The proxy of the previous stage receives this stage's input; the proxy of the
-next stage sends this stage's output and ends this rank's part of the forward.
+Each rank keeps its own stage's modules; the others are replaced by ``RemoteStage``
+placeholders, so the rank holds (and its optimizer updates) only its stage's tensors,
+under their original names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
 from torch import nn
 
 from epl.errors import PlacementError
 from epl.strategy.taskgraph import TaskGraph
-
-
-class StageDone(Exception):  # noqa: N818 - control flow, not an error
-    """Raised by the next stage's proxy: this rank's part of the forward is over."""
 
 
 def stage_roots(model: nn.Module, taskgraphs: list[TaskGraph]) -> dict[str, int]:
@@ -45,34 +38,20 @@ def stage_roots(model: nn.Module, taskgraphs: list[TaskGraph]) -> dict[str, int]
     return roots
 
 
-class StageProxy(nn.Module):
-    """Stands in for stage ``stage`` of another rank (see the module docstring)."""
+class RemoteStage(nn.Module):
+    """Stands where another rank's stage module was: holds no tensors, and is never called."""
 
-    def __init__(
-        self, stage: int, receive: Callable[[int], torch.Tensor], send: Callable[[torch.Tensor], None], mine: int
-    ) -> None:
+    def __init__(self, stage: int, kind: str) -> None:
         super().__init__()
-        self.stage = stage
-        self._receive = receive
-        self._send = send
-        self._mine = mine
+        self.stage, self.kind = stage, kind
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Receive (previous stage), stand aside (earlier stages), or send and stop (next stage)."""
-        if self.stage == self._mine - 1:
-            return self._receive(self.stage)
-        if self.stage < self._mine:
-            return torch.empty(0)
-        if not isinstance(x, torch.Tensor):
-            raise PlacementError(
-                f"Stage {self._mine} passes a {type(x).__name__} to stage {self.stage}; this version passes one tensor."
-            )
-        self._send(x)
-        raise StageDone
+    def forward(self, *args: object, **kwargs: object) -> None:
+        """Calling it is a bug: the pipeline runs only this rank's stage."""
+        raise PlacementError(f"{self.kind} belongs to pipeline stage {self.stage}, which runs on another rank.")
 
     def extra_repr(self) -> str:
         """Shown by ``print(model)``."""
-        return f"stage={self.stage} (on another rank)"
+        return f"{self.kind}, stage={self.stage} (on another rank)"
 
 
 def replace_module(model: nn.Module, qualified_name: str, replacement: nn.Module) -> None:

@@ -36,9 +36,9 @@ MANUAL_KEYS: tuple[ConfigKey, ...] = (
         name="pipeline.strategy",
         types=(str,),
         default="PreferBackward",
-        choices=("PreferBackward", "PreferForward"),
         provided_by=PIPELINE,
-        doc="Pipeline schedule: PreferBackward (1F1B, like PipeDream) or PreferForward (GPipe).",
+        doc="Pipeline schedule, by name: PreferBackward (1F1B, like PipeDream), PreferForward (GPipe), "
+        "ZeroBubble (ZB-H1: backward split into input and weight gradients), or one a plugin registers.",
     ),
     # 6.2 Gradient checkpoint
     ConfigKey(

@@ -1,0 +1,173 @@
+"""Point-to-point transfer of Python values between neighbouring stages, describing them only once.
+
+The first time a stage sends, it sends a description (the value's structure, and per
+tensor its shape, dtype and whether it needs a gradient; non-tensor leaves as constants);
+from then on only the tensors travel, and the receiver allocates them from the
+description. Gradients travel back with the shapes both sides already know.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from epl.comm.protocol import Communicator, Work
+from epl.errors import EplError
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class Description:
+    """The structure of the values a stage sends: tensor specs and constants, in flattened order."""
+
+    structure: str
+    leaves: tuple[_TensorSpec | Any, ...]
+
+    @staticmethod
+    def of(values: list[Any]) -> tuple[Description, list[torch.Tensor]]:
+        """Describe ``values``; also return their tensors in order."""
+        leaves, spec = pytree.tree_flatten(values)
+        described = tuple(
+            _TensorSpec(tuple(v.shape), v.dtype, v.requires_grad and v.dtype.is_floating_point)
+            if isinstance(v, torch.Tensor)
+            else v
+            for v in leaves
+        )
+        return Description(pytree.treespec_dumps(spec), described), [v for v in leaves if isinstance(v, torch.Tensor)]
+
+    def encode(self) -> torch.Tensor:
+        """As bytes in a uint8 tensor."""
+        leaves = [
+            {"shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."), "grad": s.requires_grad}
+            if isinstance(s, _TensorSpec)
+            else {"constant": s}
+            for s in self.leaves
+        ]
+        try:
+            text = json.dumps({"structure": self.structure, "leaves": leaves})
+        except TypeError as error:
+            raise EplError(
+                f"Pipeline stages pass tensors and plain Python values (numbers, strings, None, lists, tuples, "
+                f"dicts) between them; {error}."
+            ) from None
+        return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+
+    @staticmethod
+    def decode(data: torch.Tensor) -> Description:
+        """Inverse of ``encode``."""
+        raw = json.loads(bytes(data.tolist()).decode())
+        leaves = tuple(
+            _TensorSpec(tuple(leaf["shape"]), getattr(torch, leaf["dtype"]), leaf["grad"])
+            if "shape" in leaf
+            else leaf["constant"]
+            for leaf in raw["leaves"]
+        )
+        return Description(raw["structure"], leaves)
+
+    @property
+    def tensor_specs(self) -> list[_TensorSpec]:
+        """The specs of the tensor leaves, in order."""
+        return [s for s in self.leaves if isinstance(s, _TensorSpec)]
+
+
+class Channel:
+    """One direction of values between this stage and a neighbour, with the matching gradients."""
+
+    def __init__(self, world: Communicator, peer: int, device: torch.device, what: str) -> None:
+        self.world, self.peer, self.device, self.what = world, peer, device, what
+        self.description: Description | None = None
+        self._pending: list[tuple[Work, torch.Tensor]] = []
+
+    # -- forward: values ---------------------------------------------------------------
+    def send(self, values: list[Any]) -> list[torch.Tensor]:
+        """Send ``values`` (their description the first time); return the tensors sent."""
+        description, tensors = Description.of(values)
+        if self.description is None:
+            encoded = description.encode()
+            length = torch.tensor([encoded.numel()], dtype=torch.int64)
+            self._post(self.world.send(length, self.peer), length)
+            self._post(self.world.send(encoded, self.peer), encoded)
+            self.description = description
+        elif description != self.description:
+            raise EplError(
+                f"{self.what} changed between micro-batches: first {self._summary(self.description)}, now "
+                f"{self._summary(description)}. Pipelines need the same shapes every step: give every "
+                "batch the same size (drop_last=True) and keep the same structure."
+            )
+        for tensor in tensors:
+            data = tensor.detach().contiguous()
+            self._post(self.world.send(data, self.peer), data)
+        return tensors
+
+    def receive(self) -> tuple[list[Any], list[torch.Tensor]]:
+        """Receive values; the tensors that need a gradient come as leaves that collect it."""
+        if self.description is None:
+            length = torch.empty(1, dtype=torch.int64)
+            self.world.recv(length, self.peer).wait()
+            encoded = torch.empty(int(length), dtype=torch.uint8)
+            self.world.recv(encoded, self.peer).wait()
+            self.description = Description.decode(encoded)
+        leaves, tensors, works = [], [], []
+        for spec in self.description.leaves:
+            if isinstance(spec, _TensorSpec):
+                tensor = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+                works.append(self.world.recv(tensor, self.peer))
+                tensors.append(tensor)
+                leaves.append(tensor)
+            else:
+                leaves.append(spec)
+        for work in works:
+            work.wait()
+        needs_grad = []
+        for tensor, spec in zip(tensors, self.description.tensor_specs, strict=True):
+            if spec.requires_grad:
+                tensor.requires_grad_(True)
+                needs_grad.append(tensor)
+        return pytree.tree_unflatten(leaves, pytree.treespec_loads(self.description.structure)), needs_grad
+
+    # -- backward: gradients -----------------------------------------------------------
+    def send_gradients(self, grads: list[torch.Tensor]) -> None:
+        """Send the gradients of the received tensors that need one, in order."""
+        for grad in grads:
+            data = grad.detach().contiguous()
+            self._post(self.world.send(data, self.peer), data)
+
+    def receive_gradients(self) -> list[torch.Tensor]:
+        """Receive the gradients of the sent tensors that need one, in order."""
+        assert self.description is not None
+        grads = [
+            torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+            for spec in self.description.tensor_specs
+            if spec.requires_grad
+        ]
+        works = [self.world.recv(grad, self.peer) for grad in grads]
+        for work in works:
+            work.wait()
+        return grads
+
+    def flush(self) -> None:
+        """Wait for every send started so far."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+    def _post(self, work: Work, keep: torch.Tensor) -> None:
+        """Track a started send; ``keep`` holds its buffer alive until it completes."""
+        self._pending.append((work, keep))
+
+    @staticmethod
+    def _summary(description: Description) -> str:
+        return ", ".join(
+            f"{str(s.dtype).removeprefix('torch.')}{list(s.shape)}" if isinstance(s, _TensorSpec) else repr(s)
+            for s in description.leaves
+        )
