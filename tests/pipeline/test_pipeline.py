@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from epl.plugins import hookimpl
 from tests.helpers.distributed import run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -38,9 +39,23 @@ def batches(replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+class ThirdPartySchedules:
+    """A plugin that adds a schedule through the hook (GPipe under another name)."""
+
+    @hookimpl
+    def epl_pipeline_schedules(self) -> dict[str, Any]:
+        """Register ``MySchedule``."""
+        from epl_pipeline.schedules import gpipe
+
+        return {"MySchedule": gpipe}
+
+
 def train(strategy: str) -> dict[str, Any]:
     import epl
+    from epl.plugins import get_plugin_manager
 
+    if strategy == "MySchedule":
+        get_plugin_manager().register(ThirdPartySchedules(), name="third-party-schedules")
     epl.init(epl.Config({"pipeline.num_micro_batch": MICRO, "pipeline.strategy": strategy}))
     engine = epl.parallelize(build(), optimizer=lambda p: torch.optim.Adam(p, lr=1e-2), loss_fn=nn.MSELoss())
     losses = []
@@ -75,7 +90,7 @@ def reference(replicas: int) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("strategy", ["PreferForward", "PreferBackward"])
+@pytest.mark.parametrize("strategy", ["PreferForward", "PreferBackward", "ZeroBubble", "MySchedule"])
 def test_pipeline_equals_the_local_run(world_size: int, strategy: str) -> None:
     ranks = run_ranks(train, world_size, strategy, timeout=180)
     replicas = ranks[0]["replicas"]
