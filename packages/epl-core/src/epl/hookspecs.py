@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     )
     from epl.schedule import ScheduleGenerator
     from epl.strategy.split_rule import SplitRule
+    from epl.strategy.taskgraph import TaskGraph
 
 hookspec = pluggy.HookspecMarker("epl")
 
@@ -102,6 +103,15 @@ def epl_optimizer_wrappers(context: ParallelContext) -> Sequence[OptimizerWrappe
     Called once per ``epl.parallelize`` after the optimizer is built over the
     parameters this rank holds. Return the wrappers that apply, or None. They
     run in ascending ``order``, each wrapping the previous result.
+    """
+
+
+@hookspec(firstresult=True)
+def epl_partition_model(model: nn.Module, taskgraphs: list[TaskGraph], config: Config) -> list[TaskGraph] | None:
+    """Replace the annotated TaskGraphs of ``model`` by an automatic partition (``auto.auto_parallel``).
+
+    Called by ``epl.parallelize`` and ``epl.plan`` before the Plan is built, with the
+    TaskGraphs the annotations captured. *firstresult*. Return None to keep them.
     """
 
 

@@ -10,7 +10,7 @@ values the model passes: tensors, tuples, dicts, lists, numbers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from epl.errors import PlacementError
 class _StageTracer(fx.Tracer):
     """Traces through everything but the stage roots (and the modules fx keeps whole anyway)."""
 
-    def __init__(self, roots: Mapping[str, int]) -> None:
+    def __init__(self, roots: Collection[str]) -> None:
         super().__init__()
         self.roots = roots
 
@@ -67,15 +67,7 @@ def trace_stages(model: nn.Module, roots: Mapping[str, int], num_stages: int, ow
     ``roots`` maps each stage root's qualified name to its stage; ``owner`` maps ``id`` of
     an annotated parameter or buffer to its stage (for tensors the ``forward`` reads directly).
     """
-    try:
-        graph = _StageTracer(roots).trace(model)
-    except Exception as error:  # noqa: BLE001 - every tracing failure gets the same explanation
-        raise PlacementError(
-            f"Cannot split {type(model).__name__} into pipeline stages: torch.fx could not trace its forward "
-            f"({type(error).__name__}: {error}). The code between stage modules must not branch on tensor "
-            "values or call untraceable functions; move such code inside one stage's module, or wrap it in a "
-            "function marked with torch.fx.wrap."
-        ) from error
+    graph = trace_module(model, roots)
     stage_of: dict[fx.Node, int] = {}
     for node in graph.nodes:
         inputs = [stage_of[i] for i in node.all_input_nodes]
@@ -101,6 +93,20 @@ def trace_stages(model: nn.Module, roots: Mapping[str, int], num_stages: int, ow
         for s in range(num_stages - 1)
     ]
     return StagedGraph(graph, num_stages, stage_of, boundaries)
+
+
+def trace_module(model: nn.Module, leaves: Collection[str]) -> fx.Graph:
+    """The graph of ``model``'s forward, calling the modules named in ``leaves`` whole."""
+    try:
+        graph = _StageTracer(leaves).trace(model)
+    except Exception as error:  # noqa: BLE001 - every tracing failure gets the same explanation
+        raise PlacementError(
+            f"Cannot split {type(model).__name__} into pipeline stages: torch.fx could not trace its forward "
+            f"({type(error).__name__}: {error}). The code between stage modules must not branch on tensor "
+            "values or call untraceable functions; move such code inside one stage's module, or wrap it in a "
+            "function marked with torch.fx.wrap."
+        ) from error
+    return graph
 
 
 def _attribute(model: nn.Module, qualified_name: str) -> Any:

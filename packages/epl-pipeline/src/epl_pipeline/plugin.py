@@ -11,7 +11,9 @@ if TYPE_CHECKING:
     from torch import nn
 
     from epl.engine.extensions import ModelTransform, ParallelContext, StepRunner
+    from epl.config import Config
     from epl.schedule import Schedule, ScheduleGenerator
+    from epl.strategy.taskgraph import TaskGraph
 
 PLUGIN = "epl-pipeline"
 
@@ -60,6 +62,20 @@ class KeepLocalStage:
             if owner_stage != stage:
                 replace_module(model, name, RemoteStage(owner_stage, type(model.get_submodule(name)).__name__))
         return model
+
+
+@hookimpl
+def epl_partition_model(model: nn.Module, taskgraphs: list[TaskGraph], config: Config) -> list[TaskGraph] | None:
+    """With ``auto.auto_parallel``, cut the model into ``pipeline.num_stages`` balanced stages."""
+    if not config["auto.auto_parallel"]:
+        return None
+    from epl.errors import ConfigError
+    from epl_pipeline.auto import partition
+
+    stages = config["pipeline.num_stages"]
+    if stages is None:
+        raise ConfigError("auto.auto_parallel needs pipeline.num_stages: how many stages to cut the model into.")
+    return partition(model, taskgraphs, stages) if stages > 1 else None
 
 
 @hookimpl

@@ -245,6 +245,7 @@ MANUAL_KEYS: tuple[ConfigKey, ...] = (
         types=(bool,),
         default=False,
         provided_by=PIPELINE,
-        doc="Partition an unannotated model automatically (experimental).",
+        doc="Cut an unannotated model into pipeline.num_stages balanced stages (between blocks such as "
+        "transformer layers, in forward's call order, cost estimated by parameter count).",
     ),
 )

@@ -33,7 +33,7 @@ def parallelize(model: nn.Module, optimizer: OptimizerSpec = None, loss_fn: Loss
     env = Env.get()
     if not isinstance(model, nn.Module):
         raise EplError(f"epl.parallelize takes an nn.Module, got {type(model).__name__}.")
-    taskgraphs = env.annotations.taskgraphs_for(model)
+    taskgraphs = _taskgraphs(model, env)
     plan = _plan_for(taskgraphs, env)
     env.annotations.remove()
     if current_request() is not None:
@@ -57,13 +57,18 @@ def plan(model: nn.Module, *, world_size: int | None = None, gpu_per_worker: int
     before ``epl.parallelize``.
     """
     env = Env.get()
-    taskgraphs = env.annotations.taskgraphs_for(model)
+    taskgraphs = _taskgraphs(model, env)
     if world_size is None:
         return _plan_for(taskgraphs, env)
     for name, value in (("world_size", world_size), ("gpu_per_worker", gpu_per_worker)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise PlacementError(f"epl.plan({name}=...) takes a positive integer, got {value!r}.")
     return _build(taskgraphs, env.config, world_size, gpu_per_worker)
+
+
+def _taskgraphs(model: nn.Module, env: Env) -> list[TaskGraph]:
+    """The annotated TaskGraphs of ``model``, or a plugin's automatic partition of it."""
+    return env.plugins.partition_model(model, env.annotations.taskgraphs_for(model), env.config)
 
 
 def _plan_for(taskgraphs: list[TaskGraph], env: Env) -> Plan:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     )
     from epl.schedule import ScheduleGenerator
     from epl.strategy.split_rule import SplitRule
+    from epl.strategy.taskgraph import TaskGraph
 
 #: Entry-point group that plugins are discovered in.
 ENTRY_POINT_GROUP = "epl"
@@ -190,6 +191,11 @@ class EplPluginManager:
     def optimizer_wrappers(self, context: ParallelContext) -> list[OptimizerWrapper]:
         """Every applicable optimizer wrapper, in ascending ``order`` (``epl_optimizer_wrappers``)."""
         return _ordered(self._pm.hook.epl_optimizer_wrappers(context=context))
+
+    def partition_model(self, model: nn.Module, taskgraphs: list[TaskGraph], config: Config) -> list[TaskGraph]:
+        """The TaskGraphs to plan with: a plugin's automatic partition, or the annotated ones."""
+        partitioned = self._pm.hook.epl_partition_model(model=model, taskgraphs=taskgraphs, config=config)
+        return taskgraphs if partitioned is None else partitioned
 
     def make_gradient_reducer(self, context: ParallelContext) -> GradientReducer | None:
         """What reduces gradients over parameter copies, or None (``epl_make_gradient_reducer``)."""

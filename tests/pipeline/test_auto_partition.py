@@ -1,0 +1,127 @@
+"""auto.auto_parallel: an unannotated model cut into balanced stages between its repeated blocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers.distributed import run_ranks
+
+MICRO, BATCH, STEPS = 2, 8, 3
+
+
+class Block(nn.Module):
+    """A residual MLP block (the repeated unit, like a transformer layer)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.up(self.norm(x)).relu())
+
+
+class Tower(nn.Module):
+    """Embedding, six blocks in a ModuleList, head; no annotations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(5, 16)
+        self.blocks = nn.ModuleList(Block(16) for _ in range(6))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def config(stages: int) -> Any:
+    import epl
+
+    return epl.Config({"auto.auto_parallel": True, "pipeline.num_stages": stages, "pipeline.num_micro_batch": MICRO})
+
+
+def test_cuts_fall_between_blocks_and_balance_the_parameters() -> None:
+    import epl
+    from epl_pipeline.auto import balanced_cuts
+
+    epl.init(config(2))
+    torch.manual_seed(0)
+    plan = epl.plan(Tower(), world_size=4)
+    assert plan.num_stages == 2 and plan.num_replicas == 2
+    assert [list(tg.modules) for tg in plan.taskgraphs] == [
+        ["embed", "blocks.0", "blocks.1", "blocks.2"],
+        ["blocks.3", "blocks.4", "blocks.5", "head"],
+    ]
+    assert balanced_cuts([5, 1, 1, 1, 1, 5], 3) == [1, 5]
+    assert balanced_cuts([1, 1, 1, 1], 4) == [1, 2, 3]
+
+
+def test_errors_name_the_problem() -> None:
+    import epl
+    from epl.errors import ConfigError, PlacementError
+
+    epl.init(config(21))
+    with pytest.raises(PlacementError, match=r"Cannot cut Tower into 21 pipeline stages: it has only 20 blocks"):
+        epl.plan(Tower(), world_size=21)
+    epl.init(epl.Config({"auto.auto_parallel": True}))
+    with pytest.raises(ConfigError, match="auto.auto_parallel needs pipeline.num_stages"):
+        epl.plan(Tower(), world_size=2)
+    epl.init(config(2))
+    with epl.replicate(1, name="mine"):
+        annotated = Tower()
+    with pytest.raises(PlacementError, match=r"partitions unannotated models, but this one has annotations \(\['mine'\]\)"):
+        epl.plan(annotated, world_size=2)
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(9)
+    return [
+        (
+            torch.randn(BATCH, 5, generator=generator, dtype=torch.float64),
+            torch.randn(BATCH, 3, generator=generator, dtype=torch.float64),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def train() -> dict[str, Any]:
+    import epl
+
+    epl.init(config(2))
+    torch.manual_seed(0)
+    engine = epl.parallelize(Tower().double(), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), loss_fn=nn.MSELoss())
+    losses = [float(engine.step(x, y)) for x, y in batches()]
+    return {"losses": losses, "state": {k: v.clone() for k, v in engine.model.state_dict().items()}}
+
+
+@pytest.mark.multiprocess
+def test_auto_partitioned_pipeline_equals_the_local_run() -> None:
+    import epl
+
+    ranks = run_ranks(train, 2, timeout=180)
+    epl.init()
+    torch.manual_seed(0)
+    model = Tower().double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    expected = []
+    for x, y in batches():
+        optimizer.zero_grad()
+        parts = []
+        for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO), strict=True):
+            loss = nn.functional.mse_loss(model(xm), ym)
+            (loss / MICRO).backward()
+            parts.append(loss.detach())
+        optimizer.step()
+        expected.append(float(torch.stack(parts).mean()))
+    full = model.state_dict()
+    assert sum(len(r["state"]) for r in ranks) == len(full)
+    for result in ranks:
+        torch.testing.assert_close(result["losses"], expected, rtol=1e-12, atol=1e-12)
+        for name, value in result["state"].items():
+            torch.testing.assert_close(value, full[name], rtol=1e-12, atol=1e-12, msg=name)
