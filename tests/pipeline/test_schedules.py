@@ -8,7 +8,7 @@ from epl.schedule import Action, ActionKind
 from epl_pipeline.schedules import SCHEDULES, check, gpipe, one_f_one_b, peak_in_flight, simulate, zero_bubble
 
 GRID = [(stages, micro) for stages in range(1, 9) for micro in range(1, 17)]
-F, B, I, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
+F, B, I, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT  # noqa: E741
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))

@@ -46,9 +46,7 @@ class StagedGraph:
 
     def nodes_of(self, stage: int) -> list[fx.Node]:
         """The operations stage ``stage`` runs, in program order (placeholders and output excluded)."""
-        return [
-            n for n in self.graph.nodes if self.stage_of.get(n) == stage and n.op not in ("placeholder", "output")
-        ]
+        return [n for n in self.graph.nodes if self.stage_of.get(n) == stage and n.op not in ("placeholder", "output")]
 
     @property
     def placeholders(self) -> list[fx.Node]:

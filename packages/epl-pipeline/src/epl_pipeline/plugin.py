@@ -10,8 +10,8 @@ if TYPE_CHECKING:
     import click
     from torch import nn
 
-    from epl.engine.extensions import ModelTransform, ParallelContext, StepRunner
     from epl.config import Config
+    from epl.engine.extensions import ModelTransform, ParallelContext, StepRunner
     from epl.schedule import Schedule, ScheduleGenerator
     from epl.strategy.taskgraph import TaskGraph
 
@@ -143,5 +143,7 @@ def _schedule(context: ParallelContext, stages: int, micro_batches: int) -> Sche
     try:
         check(schedule, stages, micro_batches)
     except ValueError as error:
-        raise EplError(f"Schedule {name!r} is invalid for {stages} stages x {micro_batches} micro-batches: {error}")
+        raise EplError(
+            f"Schedule {name!r} is invalid for {stages} stages x {micro_batches} micro-batches: {error}"
+        ) from None
     return schedule

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from epl.schedule import Action, ActionKind, Schedule
 
-F, B, I, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
+F, B, I, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT  # noqa: E741
 #: Kinds whose end sends the input gradient to the previous stage.
 GRADIENT_KINDS = (B, I)
 
@@ -66,15 +66,11 @@ def zero_bubble(num_stages: int, num_micro_batches: int) -> Schedule:
     while any(weights_done[s] < micro for s in range(stages)):
         for s in range(stages):
 
-            def ready(key: tuple[int, ActionKind, int]) -> bool:
-                return finished.get(key, time + 1) <= time
+            def ready(key: tuple[int, ActionKind, int], now: int = time) -> bool:
+                return finished.get(key, now + 1) <= now
 
             m = next_input[s]
-            input_ready = (
-                m < next_forward[s]
-                and ready((s, F, m))
-                and (s == stages - 1 or ready((s + 1, I, m)))
-            )
+            input_ready = m < next_forward[s] and ready((s, F, m)) and (s == stages - 1 or ready((s + 1, I, m)))
             forward_ready = (
                 next_forward[s] < micro
                 and next_forward[s] - weights_done[s] < limit[s]
