@@ -4,6 +4,7 @@ One process trains it locally (the 4 micro-batches are gradient accumulation);
 on 2 processes it is a 2-stage pipeline, on 4 a 2-stage pipeline x 2 replicas:
     python examples/pipeline/train.py
     epl launch --nproc-per-node 4 examples/pipeline/train.py
+    epl launch --nproc-per-node 2 examples/pipeline/train.py --strategy ZeroBubble --timeline out/zb
     epl plan --world-size 4 examples/pipeline/train.py
 """
 
@@ -17,9 +18,11 @@ import epl
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--batch", type=int, default=32)
+parser.add_argument("--strategy", default="PreferBackward", help="PreferForward, PreferBackward or ZeroBubble")
+parser.add_argument("--timeline", help="write the last step's measured timeline to TIMELINE.json and TIMELINE.png")
 args = parser.parse_args()
 
-epl.init(epl.Config({"pipeline.num_micro_batch": 4}))
+epl.init(epl.Config({"pipeline.num_micro_batch": 4, "pipeline.strategy": args.strategy}))
 torch.manual_seed(0)
 with epl.replicate(device_count=1, name="stage_0"):
     stage0 = nn.Sequential(nn.Linear(12, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU())
@@ -39,3 +42,9 @@ for step in range(args.steps):
     loss = engine.step(x, y)
     if step % 5 == 4 or step == 0:
         print(f"step {step + 1:3d}  loss {loss.item():.5f}")
+
+if args.timeline and engine.plan.num_stages > 1:
+    from epl_pipeline.recording import save_timeline
+
+    bubble = save_timeline(engine, args.timeline)
+    print(f"measured bubble of the last step: {bubble:.3f}; timeline in {args.timeline}.png and .json")

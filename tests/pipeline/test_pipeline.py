@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -106,7 +108,7 @@ def test_pipeline_equals_the_local_run(world_size: int, strategy: str) -> None:
         assert len(result["state"]) == 4  # only this stage's two Linear layers are kept
 
 
-def train_by_hand() -> dict[str, Any]:
+def train_by_hand(out: str) -> dict[str, Any]:
     """The eight-layer model of pytorch_model_parallel_by_hand.md, four stages, no .to(device)."""
     import epl
     from epl.examples.manual import by_hand
@@ -115,14 +117,24 @@ def train_by_hand() -> dict[str, Any]:
     torch.manual_seed(0)
     engine = epl.parallelize(by_hand().double(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.MSELoss())
     losses = [float(engine.step(x, y)) for x, y in batches(1)]
-    return {"losses": losses, "state": {k: v.clone() for k, v in engine.model.state_dict().items()}}
+    from epl_pipeline.recording import gather_timeline, save_timeline
+
+    events = gather_timeline(engine)
+    bubble = save_timeline(engine, Path(out) / "timeline")
+    return {
+        "losses": losses,
+        "state": {k: v.clone() for k, v in engine.model.state_dict().items()},
+        "events": sorted(str(e.action) for e in events),
+        "ordered": all(e.start <= e.end for e in events),
+        "bubble": bubble,
+    }
 
 
-def test_four_stages_of_the_by_hand_model() -> None:
+def test_four_stages_of_the_by_hand_model_and_its_recorded_timeline(tmp_path: Path) -> None:
     import epl
     from epl.examples.manual import by_hand
 
-    ranks = run_ranks(train_by_hand, 4, timeout=180)
+    ranks = run_ranks(train_by_hand, 4, str(tmp_path), timeout=180)
     epl.init()
     torch.manual_seed(0)
     model = by_hand().double()
@@ -143,3 +155,8 @@ def test_four_stages_of_the_by_hand_model() -> None:
         assert len(result["state"]) == 4  # two Linear layers per stage
         for name, value in result["state"].items():
             torch.testing.assert_close(value, full[name], rtol=1e-12, atol=1e-12)
+        assert result["events"] == sorted(f"{s}{k}{m}" for s in range(4) for k in "FB" for m in range(MICRO))
+        assert result["ordered"] and 0 < result["bubble"] < 1
+        assert result["bubble"] == ranks[0]["bubble"]
+    assert json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    assert (tmp_path / "timeline.png").read_bytes().startswith(b"\x89PNG")

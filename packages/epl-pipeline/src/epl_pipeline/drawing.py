@@ -11,7 +11,12 @@ from epl.schedule import ActionKind
 from epl_pipeline.schedules import Event
 
 #: RGB per action kind in the PNG.
-COLOURS = {ActionKind.FORWARD: (66, 133, 244), ActionKind.BACKWARD: (52, 168, 83)}
+COLOURS = {
+    ActionKind.FORWARD: (66, 133, 244),
+    ActionKind.BACKWARD: (52, 168, 83),
+    ActionKind.BACKWARD_INPUT: (52, 168, 83),
+    ActionKind.BACKWARD_WEIGHT: (251, 188, 5),
+}
 IDLE = (235, 235, 235)
 
 
@@ -28,14 +33,18 @@ def text(events: list[Event], stages: int) -> str:
     return "\n".join(f"stage {s}: " + " ".join(row) for s, row in enumerate(rows))
 
 
-def chrome_trace(events: list[Event]) -> str:
-    """The timeline as Chrome trace JSON: open it in Perfetto (ui.perfetto.dev) or chrome://tracing."""
+def chrome_trace(events: list[Event], unit_seconds: float = 1e-3) -> str:
+    """The timeline as Chrome trace JSON: open it in Perfetto (ui.perfetto.dev) or chrome://tracing.
+
+    Event times are in units of ``unit_seconds`` (a millisecond per simulated unit; 1.0 for measured seconds).
+    """
+    begin = min(e.start for e in events)
     trace = [
         {
             "name": f"{e.action.kind.name.lower()} {e.action.micro_batch}",
             "ph": "X",
-            "ts": e.start * 1000,
-            "dur": (e.end - e.start) * 1000,
+            "ts": (e.start - begin) * 1e6 * unit_seconds,
+            "dur": (e.end - e.start) * 1e6 * unit_seconds,
             "pid": 0,
             "tid": e.action.stage,
             "args": {"micro_batch": e.action.micro_batch},
@@ -45,17 +54,19 @@ def chrome_trace(events: list[Event]) -> str:
     return json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"})
 
 
-def png(events: list[Event], stages: int, path: Path, pixels_per_unit: int = 24, row_height: int = 24) -> None:
-    """Write the timeline as a PNG: a row per stage, blue forwards, green backwards, grey bubbles."""
-    width = max(1, round(max(e.end for e in events) * pixels_per_unit))
+def png(events: list[Event], stages: int, path: Path, width: int = 960, row_height: int = 24) -> None:
+    """Write the timeline as a PNG ``width`` pixels wide: a row per stage, blue forwards, green
+    backwards (or input gradients), yellow weight gradients, grey bubbles."""
+    begin = min(e.start for e in events)
+    scale = width / (max(e.end for e in events) - begin)
     height = stages * row_height
     image = [[IDLE] * width for _ in range(height)]
     for e in events:
         colour = COLOURS[e.action.kind]
-        x0, x1 = round(e.start * pixels_per_unit), round(e.end * pixels_per_unit)
+        x0, x1 = round((e.start - begin) * scale), round((e.end - begin) * scale)
         y0 = e.action.stage * row_height
         for y in range(y0 + 2, y0 + row_height - 2):
-            for x in range(x0 + 1, max(x0 + 1, x1 - 1)):
+            for x in range(x0 + 1, min(width, max(x0 + 2, x1 - 1))):
                 image[y][x] = colour
     raw = b"".join(b"\x00" + bytes(v for pixel in row for v in pixel) for row in image)
 

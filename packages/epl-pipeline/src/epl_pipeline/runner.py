@@ -63,10 +63,11 @@ class PipelineStepRunner:
         self._in_flight: dict[int, _InFlight] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self._params = [p for p in model.parameters() if p.requires_grad]
-        #: The actions of the last step with their start and end (``time.perf_counter`` seconds).
+        #: The actions of the last step with their start (after their inputs arrived) and end (``time.time``).
         self.last_timeline: list[Event] = []
         #: Most micro-batches whose activations this stage held at once, in the last step.
         self.peak_in_flight = 0
+        self._started = 0.0  # when the running action's inputs had arrived
 
     @property
     def last(self) -> bool:
@@ -88,9 +89,9 @@ class PipelineStepRunner:
         for action in self.actions:
             if action is None:
                 continue
-            start = time.perf_counter()
+            self._started = time.time()
             self._run(action, micro_inputs, micro_targets)
-            timeline.append(Event(action, start, time.perf_counter()))
+            timeline.append(Event(action, self._started, time.time()))
             self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
         for channel in (self.inbound, self.outbound):
             if channel is not None:
@@ -128,6 +129,7 @@ class PipelineStepRunner:
             env = bind_inputs(self.staged, inputs)
         else:
             values, received = self.inbound.receive()
+            self._started = time.time()
             env = dict(zip(self.staged.boundaries[self.stage - 1], values, strict=True))
         run_nodes(self.model, self.nodes, env)
         if self.outbound is not None:
@@ -155,6 +157,7 @@ class PipelineStepRunner:
             grads = [None]
         else:
             grads = list(self.outbound.receive_gradients())
+            self._started = time.time()
         if split:
             input_grads, flight.pending = backward_input(flight.outputs, grads, flight.inputs, self._params)
             input_grads = input_grads or [None] * len(flight.inputs)

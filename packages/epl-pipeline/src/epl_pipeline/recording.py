@@ -1,0 +1,73 @@
+"""A real run's pipeline timeline: every stage's measured actions of the last step, drawn like a simulated one.
+
+    engine.step(x, y)
+    from epl_pipeline.recording import save_timeline
+    bubble = save_timeline(engine, "timeline")   # timeline.json (Perfetto) and timeline.png
+
+Every rank of the replica must call it (it gathers over the replica's stages); the first
+rank of each replica writes the files. Times are wall-clock, so stages on different
+machines line up as well as their clocks do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from epl.errors import EplError
+from epl.schedule import Action, ActionKind
+from epl_pipeline.drawing import chrome_trace, png
+from epl_pipeline.runner import PipelineStepRunner
+from epl_pipeline.schedules import Event, bubble
+
+_KINDS = list(ActionKind)
+
+
+def _runner(engine: Any) -> PipelineStepRunner:
+    runner = engine.context.extras.get("epl-pipeline", {}).get("runner")
+    if runner is None:
+        raise EplError("This engine is not a pipeline: its plan has one stage (or one process).")
+    return runner
+
+
+def gather_timeline(engine: Any) -> list[Event]:
+    """The last step's actions of every stage of this rank's replica, with measured start and end (seconds)."""
+    runner = _runner(engine)
+    if not runner.last_timeline:
+        raise EplError("No step has run yet: call engine.step(...) before recording its timeline.")
+    group = runner.replica
+    mine = torch.tensor(
+        [
+            [e.action.stage, _KINDS.index(e.action.kind), e.action.micro_batch, e.start, e.end]
+            for e in runner.last_timeline
+        ],
+        dtype=torch.float64,
+    )
+    counts = torch.zeros(group.world_size, dtype=torch.int64)
+    group.all_gather(counts, torch.tensor([len(mine)], dtype=torch.int64)).wait()
+    longest = int(counts.max())
+    padded = torch.zeros(longest, 5, dtype=torch.float64)
+    padded[: len(mine)] = mine
+    every = torch.zeros(group.world_size * longest, 5, dtype=torch.float64)
+    group.all_gather(every.view(-1), padded.view(-1)).wait()
+    events = []
+    for member, count in enumerate(counts.tolist()):
+        for row in every[member * longest : member * longest + count].tolist():
+            action = Action(int(row[0]), _KINDS[int(row[1])], int(row[2]))
+            events.append(Event(action, row[3], row[4]))
+    return events
+
+
+def save_timeline(engine: Any, prefix: str | Path) -> float:
+    """Write ``PREFIX.json`` (Chrome trace) and ``PREFIX.png`` of the last step; return its measured bubble."""
+    events = gather_timeline(engine)
+    stages = _runner(engine).staged.num_stages
+    _, idle = bubble(events, stages)
+    if _runner(engine).replica.rank == 0:
+        prefix = Path(prefix)
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        prefix.with_suffix(".json").write_text(chrome_trace(events, unit_seconds=1.0))
+        png(events, stages, prefix.with_suffix(".png"))
+    return idle
