@@ -64,8 +64,11 @@ def train(strategy: str) -> dict[str, Any]:
     for x, y in batches(engine.num_replicas):
         share = slice(engine.replica_index * REPLICA_BATCH, (engine.replica_index + 1) * REPLICA_BATCH)
         losses.append(float(engine.step(x[share], y[share])))
+    runner = engine.context.extras["epl-pipeline"]["runner"]
     return {
         "losses": losses,
+        "stage": runner.stage,
+        "peak_in_flight": runner.peak_in_flight,
         "replica": engine.replica_index,
         "replicas": engine.num_replicas,
         "state": {k: v.clone() for k, v in engine.model.state_dict().items()},
@@ -106,6 +109,9 @@ def test_pipeline_equals_the_local_run(world_size: int, strategy: str) -> None:
         for name, value in result["state"].items():
             torch.testing.assert_close(value, expected_state[name], rtol=1e-12, atol=1e-12, msg=f"rank {rank} {name}")
         assert len(result["state"]) == 4  # only this stage's two Linear layers are kept
+        # activations are freed after their backward: micro-batches held at once, measured
+        peak = {"PreferForward": MICRO, "PreferBackward": 2 - result["stage"], "ZeroBubble": 2, "MySchedule": MICRO}
+        assert result["peak_in_flight"] == peak[strategy]
 
 
 def train_by_hand(out: str) -> dict[str, Any]:

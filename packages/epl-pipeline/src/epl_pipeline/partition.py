@@ -14,7 +14,6 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import fx, nn
 
 from epl.errors import PlacementError
@@ -157,8 +156,3 @@ def run_nodes(model: nn.Module, nodes: list[fx.Node], env: dict[fx.Node, Any]) -
 def output_value(staged: StagedGraph, env: dict[fx.Node, Any]) -> Any:
     """What ``forward`` returns, once the last stage has run."""
     return fx.node.map_arg(staged.output.args[0], env.__getitem__)
-
-
-def is_tensor_leaf(value: Any) -> bool:
-    """Whether a flattened value travels as a tensor (else as a constant in the metadata)."""
-    return isinstance(value, torch.Tensor)

@@ -1,0 +1,95 @@
+"""What goes wrong in a pipeline is a clear error: failing stages, sizes that do not divide, unknown schedules."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+FAILING_STAGE = """
+import torch
+from torch import nn
+import epl
+
+class Fragile(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 6:
+            raise ValueError("stage 1 cannot digest this micro-batch")
+        return self.lin(x)
+
+epl.init(epl.Config({"pipeline.num_micro_batch": 2}))
+with epl.replicate(1, name="stage_0"):
+    first = nn.Linear(4, 4)
+with epl.replicate(1, name="stage_1"):
+    second = Fragile()
+engine = epl.parallelize(nn.Sequential(first, second), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                         loss_fn=nn.MSELoss())
+for step in range(5):
+    engine.step(torch.randn(4, 4), torch.randn(4, 4))
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_stage_that_raises_ends_the_job_with_its_error(tmp_path: Path) -> None:
+    script = tmp_path / "fragile.py"
+    script.write_text(textwrap.dedent(FAILING_STAGE))
+    epl = shutil.which("epl", path=str(Path(sys.executable).parent)) or "epl"
+    started = time.monotonic()
+    done = subprocess.run(
+        [epl, "launch", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    took = time.monotonic() - started
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "ValueError: stage 1 cannot digest this micro-batch" in output
+    assert "rank 1" in output
+    assert took < 60, f"the job took {took:.0f}s to end"
+
+
+def test_sizes_that_do_not_divide_are_named() -> None:
+    import epl
+    from epl.engine.batch import split_batch
+    from epl.errors import EplError, PlacementError
+
+    epl.init(epl.Config({"pipeline.num_micro_batch": 4}))
+    with epl.replicate(1, name="a"):
+        a = nn.Linear(2, 2)
+    with epl.replicate(1, name="b"):
+        b = nn.Linear(2, 2)
+    with pytest.raises(PlacementError, match="3"):
+        epl.plan(nn.Sequential(a, b), world_size=3)
+    with pytest.raises(EplError, match="pipeline.num_micro_batch=4"):
+        split_batch(torch.zeros(6, 2), 4, what="pipeline.num_micro_batch=4")
+
+
+def test_an_unknown_schedule_names_the_registered_ones() -> None:
+    from types import SimpleNamespace
+
+    import epl
+    from epl.errors import EplError
+    from epl_pipeline.plugin import _schedule
+
+    env = epl.init(epl.Config({"pipeline.strategy": "ZeroBuble"}))
+    context = SimpleNamespace(config=env.config, env=env)
+    with pytest.raises(
+        EplError, match=r"registered: PreferBackward, PreferForward, ZeroBubble\. Did you mean 'ZeroBubble'"
+    ):
+        _schedule(context, 2, 4)  # type: ignore[arg-type]
