@@ -228,11 +228,31 @@ def test_every_hook_is_documented_and_exercised() -> None:
     from epl import hookspecs
 
     hooks = [name for name in dir(hookspecs) if name.startswith("epl_")]
-    assert len(hooks) == 9
+    assert len(hooks) == 10
     source = Path(__file__).read_text()
     for name in hooks:
         assert (getattr(hookspecs, name).__doc__ or "").strip(), f"{name} has no docstring"
         assert name in source, f"{name} is not exercised by a test in this file"
+
+
+def test_a_partition_plugin_replaces_the_taskgraphs_before_the_plan() -> None:
+    from epl.strategy.strategies import replicate
+    from epl.strategy.taskgraph import TaskGraph
+
+    class Halves:
+        @epl.hookimpl
+        def epl_partition_model(self, model, taskgraphs, config):  # type: ignore[no-untyped-def]
+            assert [tg.implicit for tg in taskgraphs] == [True]
+            return [
+                TaskGraph(index=i, strategy=replicate(1, name=f"half_{i}"), tensors=list(layer.parameters()))
+                for i, layer in enumerate(model)
+            ]
+
+    get_plugin_manager().register(Halves(), name="halves")
+    epl.init()
+    plan = epl.plan(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), world_size=4)
+    assert [tg.name for tg in plan.taskgraphs] == ["half_0", "half_1"]
+    assert plan.num_stages == 2 and plan.num_replicas == 2
 
 
 def test_gradient_reducer_finishes_every_step_and_receives_the_clip() -> None:
