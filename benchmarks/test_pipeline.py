@@ -52,7 +52,13 @@ MICRO = 8
 #: CI (short mode) only catches gross regressions; a full run checks the target with margin for noise.
 MAX_RATIO = 1.5 if short_mode() else 1.25
 #: name -> (EPL pipeline.strategy, torch.distributed.pipelining schedule class).
-SCHEDULES = {"gpipe": ("PreferForward", "ScheduleGPipe"), "1f1b": ("PreferBackward", "Schedule1F1B")}
+SCHEDULES = {
+    "gpipe": ("PreferForward", "ScheduleGPipe"),
+    "1f1b": ("PreferBackward", "Schedule1F1B"),
+    # EPL's zero-bubble schedule against torch's best one-stage-per-rank schedule (its own
+    # zero-bubble schedules need two stages per rank).
+    "zero_bubble": ("ZeroBubble", "Schedule1F1B"),
+}
 LR = 1e-4
 
 
@@ -272,6 +278,10 @@ def race_against_torch_pipelining(rounds: int, steps: int) -> dict[str, Any]:
             sync=dist.barrier,
             save=False,
         )
+        from epl_pipeline.recording import gather_timeline
+        from epl_pipeline.schedules import bubble
+
+        _, measured_bubble = bubble(gather_timeline(engine), num_stages)
         peaks = {}
         for side, step in (("epl", epl_step), ("torch", theirs.step)):
             dist.barrier()
@@ -288,6 +298,7 @@ def race_against_torch_pipelining(rounds: int, steps: int) -> dict[str, Any]:
             "steps_per_round": steps,
             "epl_peak_saved_bytes": peaks["epl"],
             "torch_peak_saved_bytes": peaks["torch"],
+            "epl_measured_bubble": measured_bubble,
         }
     return figures
 
@@ -300,21 +311,25 @@ def run(num_stages: int, rounds: int, steps: int) -> dict[str, Any]:
     for name in SCHEDULES:
         timing = ranks[0][name]
         figures[name] = {
-            **{key: timing[key] for key in ("ratio", "torch_ms", "epl_ms", "rounds", "steps_per_round")},
+            **{
+                key: timing[key]
+                for key in ("ratio", "torch_ms", "epl_ms", "rounds", "steps_per_round", "epl_measured_bubble")
+            },
             "epl_peak_saved_bytes": [r[name]["epl_peak_saved_bytes"] for r in ranks],
             "torch_peak_saved_bytes": [r[name]["torch_peak_saved_bytes"] for r in ranks],
         }
         print(
             f"pipeline {name} {num_stages} stages x {MICRO} micro-batches: torch.distributed.pipelining "
             f"{timing['torch_ms']:.1f} ms/step, EPL {timing['epl_ms']:.1f} ms/step, ratio {timing['ratio']:.3f} "
-            f"({timing['rounds']} rounds x {timing['steps_per_round']} steps)"
+            f"({timing['rounds']} rounds x {timing['steps_per_round']} steps); EPL measured bubble "
+            f"{timing['epl_measured_bubble']:.3f} (GPipe/1F1B theory {(num_stages - 1) / (MICRO + num_stages - 1):.3f})"
         )
     for s in range(num_stages):
         ours = [figures[name]["epl_peak_saved_bytes"][s] / 1024 for name in SCHEDULES]
         theirs = [figures[name]["torch_peak_saved_bytes"][s] / 1024 for name in SCHEDULES]
         print(
-            f"  stage {s}: peak activations saved for backward, EPL GPipe {ours[0]:,.0f} KiB, 1F1B {ours[1]:,.0f} KiB "
-            f"(torch.distributed.pipelining {theirs[0]:,.0f} / {theirs[1]:,.0f} KiB)"
+            f"  stage {s}: peak activations saved for backward, EPL GPipe {ours[0]:,.0f} KiB, 1F1B {ours[1]:,.0f} KiB, "
+            f"ZeroBubble {ours[2]:,.0f} KiB (torch.distributed.pipelining {theirs[0]:,.0f} / {theirs[1]:,.0f} KiB)"
         )
     return figures
 

@@ -37,7 +37,7 @@ def test_schedule_command_draws_and_reports_the_bubble(tmp_path: Path) -> None:
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", data[16:24])
-    assert (width, height) == (22 * 24, 4 * 24)
+    assert (width, height) == (960, 4 * 24)
 
 
 def test_unknown_schedule_lists_the_registered_ones() -> None:

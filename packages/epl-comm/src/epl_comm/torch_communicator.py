@@ -69,6 +69,7 @@ class TorchCommunicator(Communicator):
         # Same name on every member, different for disjoint groups made by one split.
         name = f"group{next(self._names)}-" + ".".join(map(str, self.ranks))
         self.log = CollectiveLog(name, dist.get_rank(), self.ranks, store)
+        self._split_off: list[TorchCommunicator] = []
 
     @classmethod
     def join(cls, cluster: Cluster, *, timeout: float) -> TorchCommunicator:
@@ -140,11 +141,16 @@ class TorchCommunicator(Communicator):
                 mine = TorchCommunicator(group, global_ranks, timeout=self.timeout, store=self._store)
         if mine is None:
             raise ValueError(f"rank {me} is in none of the groups {[list(g) for g in groups]}")
+        self._split_off.append(mine)
         return mine
 
     def close(self) -> None:
-        """Stop the heartbeat. The process group stays for a later ``epl.init`` and ends with the process."""
+        """Stop the heartbeats of this communicator and of those split off it. The process groups
+        stay for a later ``epl.init`` and end with the process."""
         self.log.close()
+        for communicator in self._split_off:
+            communicator.close()
+        self._split_off.clear()
 
     def _start(self, op: str, tensor: torch.Tensor, launch: Callable[[], dist.Work | None]) -> TorchWork:
         record = self.log.start(op, tensor)
