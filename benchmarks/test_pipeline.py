@@ -140,7 +140,9 @@ class SavedActivations:
     the tensor: until the backward through that node has run and freed its buffers, or
     until the graph is dropped. A ``weakref.finalize`` on the wrapper marks the release
     whether or not the tensor was ever unpacked; unpacking (possibly more than once)
-    changes nothing.
+    changes nothing. The wrapper holds the tensor detached: a saved output holding its
+    own ``grad_fn`` would be a reference cycle through autograd's C++ graph, which no
+    collector breaks when a graph was kept with ``retain_graph=True`` (zero-bubble's I).
 
     Bytes are counted per storage, not per saved reference: a ReLU output saved by the
     ReLU and by the next Linear is one buffer in memory, counted (whole storage) once
@@ -184,7 +186,7 @@ class SavedActivations:
             if count == 0:
                 self.live += nbytes
                 self.peak = max(self.peak, self.live)
-        saved = _Saved(tensor)
+        saved = _Saved(tensor.detach())  # no grad_fn: holding it must not keep the graph alive
         weakref.finalize(saved, self._release, key, nbytes)
         return saved
 
