@@ -166,3 +166,63 @@ def test_four_stages_of_the_by_hand_model_and_its_recorded_timeline(tmp_path: Pa
         assert result["bubble"] == ranks[0]["bubble"]
     assert json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
     assert (tmp_path / "timeline.png").read_bytes().startswith(b"\x89PNG")
+
+
+def bert_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(11)
+    return [
+        (
+            torch.randint(0, 1000, (REPLICA_BATCH, 6), generator=generator),
+            torch.randn(REPLICA_BATCH, 6, 2, generator=generator, dtype=torch.float64),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def bert_model() -> nn.Module:
+    """The manual's BERT recipe (each set_default_strategy call opens a stage), dropout off to compare runs."""
+    from epl.examples.manual import bert_stages
+
+    torch.manual_seed(0)
+    model = bert_stages().double()
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(module, nn.MultiheadAttention):
+            module.dropout = 0.0  # a float, not a module
+    return model
+
+
+def train_bert(strategy: str) -> dict[str, Any]:
+    import epl
+
+    epl.init(epl.Config({"pipeline.num_micro_batch": MICRO, "pipeline.strategy": strategy}))
+    engine = epl.parallelize(bert_model(), optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), loss_fn=nn.MSELoss())
+    losses = [float(engine.step(x, y)) for x, y in bert_batches()]
+    return {"losses": losses, "state": {k: v.clone() for k, v in engine.model.state_dict().items()}}
+
+
+@pytest.mark.parametrize("strategy", ["PreferBackward", "ZeroBubble"])
+def test_the_bert_recipe_with_set_default_strategy_stages(strategy: str) -> None:
+    import epl
+
+    ranks = run_ranks(train_bert, 2, strategy, timeout=180)
+    epl.init()
+    model = bert_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    expected = []
+    for x, y in bert_batches():
+        optimizer.zero_grad()
+        parts = []
+        for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO), strict=True):
+            loss = nn.functional.mse_loss(model(xm), ym)
+            (loss / MICRO).backward()
+            parts.append(loss.detach())
+        optimizer.step()
+        expected.append(float(torch.stack(parts).mean()))
+    full = model.state_dict()
+    assert sum(len(r["state"]) for r in ranks) == len(full)
+    for result in ranks:
+        torch.testing.assert_close(result["losses"], expected, rtol=1e-10, atol=1e-10)
+        for name, value in result["state"].items():
+            torch.testing.assert_close(value, full[name], rtol=1e-10, atol=1e-10, msg=name)
