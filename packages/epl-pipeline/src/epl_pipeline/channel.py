@@ -30,7 +30,7 @@ class _TensorSpec:
 class Description:
     """The structure of the values a stage sends: tensor specs and constants, in flattened order."""
 
-    structure: str
+    structure: pytree.TreeSpec
     leaves: tuple[_TensorSpec | Any, ...]
 
     @staticmethod
@@ -43,7 +43,7 @@ class Description:
             else v
             for v in leaves
         )
-        return Description(pytree.treespec_dumps(spec), described), [v for v in leaves if isinstance(v, torch.Tensor)]
+        return Description(spec, described), [v for v in leaves if isinstance(v, torch.Tensor)]
 
     def encode(self) -> torch.Tensor:
         """As bytes in a uint8 tensor."""
@@ -54,7 +54,7 @@ class Description:
             for s in self.leaves
         ]
         try:
-            text = json.dumps({"structure": self.structure, "leaves": leaves})
+            text = json.dumps({"structure": pytree.treespec_dumps(self.structure), "leaves": leaves})
         except TypeError as error:
             raise EplError(
                 f"Pipeline stages pass tensors and plain Python values (numbers, strings, None, lists, tuples, "
@@ -72,7 +72,7 @@ class Description:
             else leaf["constant"]
             for leaf in raw["leaves"]
         )
-        return Description(raw["structure"], leaves)
+        return Description(pytree.treespec_loads(raw["structure"]), leaves)
 
     @property
     def tensor_specs(self) -> list[_TensorSpec]:
@@ -133,7 +133,7 @@ class Channel:
             if spec.requires_grad:
                 tensor.requires_grad_(True)
                 needs_grad.append(tensor)
-        return pytree.tree_unflatten(leaves, pytree.treespec_loads(self.description.structure)), needs_grad
+        return pytree.tree_unflatten(leaves, self.description.structure), needs_grad
 
     # -- backward: gradients -----------------------------------------------------------
     def send_gradients(self, grads: list[torch.Tensor]) -> None:
