@@ -22,22 +22,18 @@ def schedule_command(
     """Show the timeline of a pipeline schedule and its bubble fraction (simulated, no processes)."""
     from epl.plugins import get_plugin_manager
     from epl_pipeline import drawing
-    from epl_pipeline.schedules import check, timeline
+    from epl_pipeline.schedules import bubble, build, timeline
 
-    schedules = get_plugin_manager().pipeline_schedules()
-    if strategy not in schedules:
-        raise click.BadParameter(
-            f"{strategy!r}; registered schedules: {', '.join(sorted(schedules))}", param_hint="--strategy"
-        )
-    schedule = schedules[strategy](stages, micro_batches)
-    check(schedule, stages, micro_batches)
+    try:
+        schedule = build(strategy, get_plugin_manager().pipeline_schedules(), stages, micro_batches)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--strategy") from None
     events = timeline(schedule, 1.0, backward_cost)
-    makespan = max(e.end for e in events)
-    busy = sum(e.end - e.start for e in events)
+    makespan, idle = bubble(events, stages)
     click.echo(drawing.text(events, stages))
     click.echo(
         f"{strategy}: {stages} stages x {micro_batches} micro-batches, makespan {makespan:g}, "
-        f"bubble {1 - busy / (stages * makespan):.3f} (GPipe/1F1B theory (S-1)/(M+S-1) = "
+        f"bubble {idle:.3f} (GPipe/1F1B theory (S-1)/(M+S-1) = "
         f"{(stages - 1) / (micro_batches + stages - 1):.3f})"
     )
     if trace is not None:

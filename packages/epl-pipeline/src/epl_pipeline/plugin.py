@@ -125,25 +125,12 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
 
 def _schedule(context: ParallelContext, stages: int, micro_batches: int) -> Schedule:
     """The schedule named by ``pipeline.strategy``, among every plugin's, checked before use."""
-    import difflib
-
     from epl.errors import EplError
-    from epl_pipeline.schedules import check
+    from epl_pipeline.schedules import build
 
-    name = context.config["pipeline.strategy"]
-    schedules = context.env.plugins.pipeline_schedules()
-    if name not in schedules:
-        close = difflib.get_close_matches(name, schedules, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise EplError(
-            f"pipeline.strategy={name!r} is not a registered schedule; registered: {', '.join(sorted(schedules))}."
-            f"{hint} A plugin adds one through the epl_pipeline_schedules hook."
-        )
-    schedule = schedules[name](stages, micro_batches)
     try:
-        check(schedule, stages, micro_batches)
+        return build(
+            context.config["pipeline.strategy"], context.env.plugins.pipeline_schedules(), stages, micro_batches
+        )
     except ValueError as error:
-        raise EplError(
-            f"Schedule {name!r} is invalid for {stages} stages x {micro_batches} micro-batches: {error}"
-        ) from None
-    return schedule
+        raise EplError(f"pipeline.strategy: {error}") from None

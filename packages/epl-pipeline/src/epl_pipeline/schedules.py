@@ -8,9 +8,11 @@ so can fill the idle slots. The executor adds the sends and receives between sta
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from epl.schedule import Action, ActionKind, Schedule
+from epl.schedule import Action, ActionKind, Schedule, ScheduleGenerator
 
 F, B, I, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT  # noqa: E741
 #: Kinds whose end sends the input gradient to the previous stage.
@@ -94,6 +96,25 @@ def zero_bubble(num_stages: int, num_micro_batches: int) -> Schedule:
 
 
 SCHEDULES = {"PreferForward": gpipe, "PreferBackward": one_f_one_b, "ZeroBubble": zero_bubble}
+
+
+def build(name: str, registered: Mapping[str, ScheduleGenerator], num_stages: int, num_micro_batches: int) -> Schedule:
+    """The schedule ``name`` among ``registered`` for this size, checked; ``ValueError`` says what is wrong."""
+    if name not in registered:
+        close = difflib.get_close_matches(name, registered, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"{name!r} is not a registered schedule; registered: {', '.join(sorted(registered))}.{hint} "
+            "A plugin adds one through the epl_pipeline_schedules hook."
+        )
+    schedule = registered[name](num_stages, num_micro_batches)
+    try:
+        check(schedule, num_stages, num_micro_batches)
+    except ValueError as error:
+        raise ValueError(
+            f"Schedule {name!r} is invalid for {num_stages} stages x {num_micro_batches} micro-batches: {error}"
+        ) from None
+    return schedule
 
 
 def check(schedule: Schedule, num_stages: int, num_micro_batches: int) -> None:
