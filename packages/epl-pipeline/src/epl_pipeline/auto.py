@@ -91,16 +91,20 @@ def _blocks(model: nn.Module, num_stages: int) -> list[tuple[str, nn.Module]]:
     return blocks
 
 
+def _holds_tensors(module: nn.Module) -> bool:
+    return _cost(module) > 0 or any(True for _ in module.buffers())
+
+
 def _openable(module: nn.Module) -> bool:
     own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-    return not own and sum(1 for child in module.children() if _cost(child) or list(child.buffers())) > 1
+    return not own and sum(1 for child in module.children() if _holds_tensors(child)) > 1
 
 
 def _open(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
     blocks = []
     for name, child in module.named_children():
         qualified = f"{prefix}.{name}" if prefix else name
-        if not (_cost(child) or list(child.buffers())):
+        if not _holds_tensors(child):
             continue
         if isinstance(child, _CONTAINERS) and _openable(child):
             blocks += _open(child, qualified)

@@ -62,10 +62,11 @@ def gather_timeline(engine: Any) -> list[Event]:
 
 def save_timeline(engine: Any, prefix: str | Path) -> float:
     """Write ``PREFIX.json`` (Chrome trace) and ``PREFIX.png`` of the last step; return its measured bubble."""
+    runner = _runner(engine)
     events = gather_timeline(engine)
-    stages = _runner(engine).staged.num_stages
+    stages = runner.staged.num_stages
     _, idle = bubble(events, stages)
-    if _runner(engine).replica.rank == 0:
+    if runner.replica.rank == 0:
         prefix = Path(prefix)
         prefix.parent.mkdir(parents=True, exist_ok=True)
         prefix.with_suffix(".json").write_text(chrome_trace(events, unit_seconds=1.0))
