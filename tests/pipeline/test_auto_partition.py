@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tests.helpers.distributed import run_ranks
+from tests.helpers.reference import assert_rank_matches, train_locally
 
 MICRO, BATCH, STEPS = 2, 8, 3
 
@@ -109,19 +110,7 @@ def test_auto_partitioned_pipeline_equals_the_local_run() -> None:
     torch.manual_seed(0)
     model = Tower().double()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    expected = []
-    for x, y in batches():
-        optimizer.zero_grad()
-        parts = []
-        for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO), strict=True):
-            loss = nn.functional.mse_loss(model(xm), ym)
-            (loss / MICRO).backward()
-            parts.append(loss.detach())
-        optimizer.step()
-        expected.append(float(torch.stack(parts).mean()))
-    full = model.state_dict()
+    expected, full = train_locally(model, optimizer, batches(), MICRO)
     assert sum(len(r["state"]) for r in ranks) == len(full)
     for result in ranks:
-        torch.testing.assert_close(result["losses"], expected, rtol=1e-12, atol=1e-12)
-        for name, value in result["state"].items():
-            torch.testing.assert_close(value, full[name], rtol=1e-12, atol=1e-12, msg=name)
+        assert_rank_matches(result, expected, full, 1e-12)

@@ -12,6 +12,7 @@ from torch import nn
 
 from epl.plugins import hookimpl
 from tests.helpers.distributed import run_ranks
+from tests.helpers.reference import assert_rank_matches, train_locally
 
 pytestmark = pytest.mark.multiprocess
 
@@ -81,17 +82,7 @@ def reference(replicas: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     epl.init()
     model = build()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for x, y in batches(replicas):
-        optimizer.zero_grad()
-        parts = []
-        for xm, ym in zip(x.chunk(MICRO * replicas), y.chunk(MICRO * replicas), strict=True):
-            loss = nn.functional.mse_loss(model(xm), ym)
-            (loss / (MICRO * replicas)).backward()
-            parts.append(loss.detach())
-        optimizer.step()
-        losses.append(float(torch.stack(parts).mean()))
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+    return train_locally(model, optimizer, batches(replicas), MICRO * replicas)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -145,22 +136,10 @@ def test_four_stages_of_the_by_hand_model_and_its_recorded_timeline(tmp_path: Pa
     torch.manual_seed(0)
     model = by_hand().double()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    expected = []
-    for x, y in batches(1):
-        optimizer.zero_grad()
-        parts = []
-        for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO), strict=True):
-            loss = nn.functional.mse_loss(model(xm), ym)
-            (loss / MICRO).backward()
-            parts.append(loss.detach())
-        optimizer.step()
-        expected.append(float(torch.stack(parts).mean()))
-    full = model.state_dict()
+    expected, full = train_locally(model, optimizer, batches(1), MICRO)
     for result in ranks:
-        torch.testing.assert_close(result["losses"], expected, rtol=1e-12, atol=1e-12)
+        assert_rank_matches(result, expected, full, 1e-12)
         assert len(result["state"]) == 4  # two Linear layers per stage
-        for name, value in result["state"].items():
-            torch.testing.assert_close(value, full[name], rtol=1e-12, atol=1e-12)
         assert result["events"] == sorted(f"{s}{k}{m}" for s in range(4) for k in "FB" for m in range(MICRO))
         assert result["ordered"] and 0 < result["bubble"] < 1
         assert result["bubble"] == ranks[0]["bubble"]
@@ -210,19 +189,7 @@ def test_the_bert_recipe_with_set_default_strategy_stages(strategy: str) -> None
     epl.init()
     model = bert_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    expected = []
-    for x, y in bert_batches():
-        optimizer.zero_grad()
-        parts = []
-        for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO), strict=True):
-            loss = nn.functional.mse_loss(model(xm), ym)
-            (loss / MICRO).backward()
-            parts.append(loss.detach())
-        optimizer.step()
-        expected.append(float(torch.stack(parts).mean()))
-    full = model.state_dict()
+    expected, full = train_locally(model, optimizer, bert_batches(), MICRO)
     assert sum(len(r["state"]) for r in ranks) == len(full)
     for result in ranks:
-        torch.testing.assert_close(result["losses"], expected, rtol=1e-10, atol=1e-10)
-        for name, value in result["state"].items():
-            torch.testing.assert_close(value, full[name], rtol=1e-10, atol=1e-10, msg=name)
+        assert_rank_matches(result, expected, full, 1e-10)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tests.helpers.distributed import run_ranks
+from tests.helpers.reference import assert_rank_matches, train_locally
 
 MICRO, BATCH, STEPS = 4, 8, 3
 
@@ -100,22 +101,10 @@ def test_tuples_dicts_and_a_skip_connection_across_stages(strategy: str) -> None
     torch.manual_seed(0)
     model = Branchy().double()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    expected = []
-    for x, y in batches():
-        optimizer.zero_grad()
-        parts = []
-        for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO), strict=True):
-            loss = nn.functional.mse_loss(model(xm), ym)
-            (loss / MICRO).backward()
-            parts.append(loss.detach())
-        optimizer.step()
-        expected.append(float(torch.stack(parts).mean()))
-    full = model.state_dict()
+    expected, full = train_locally(model, optimizer, batches(), MICRO)
     for stage, result in enumerate(ranks):
-        torch.testing.assert_close(result["losses"], expected, rtol=1e-12, atol=1e-12)
+        assert_rank_matches(result, expected, full, 1e-12)
         assert {k.split(".")[0] for k in result["state"]} == {["embed", "middle", "head"][stage]}
-        for name, value in result["state"].items():
-            torch.testing.assert_close(value, full[name], rtol=1e-12, atol=1e-12, msg=name)
 
 
 def test_a_forward_that_branches_on_tensor_values_cannot_be_split() -> None:

@@ -1,0 +1,42 @@
+"""The plain PyTorch loop that every parallel run is compared with, and the comparison of one rank's result."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def train_locally(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: int,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Per batch: MSE gradients accumulated over ``micro_batches`` equal chunks, one optimizer step.
+
+    Returns the mean micro-batch loss of every step and the final ``state_dict`` (cloned).
+    """
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        parts = []
+        for xm, ym in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
+            loss = nn.functional.mse_loss(model(xm), ym)
+            (loss / micro_batches).backward()
+            parts.append(loss.detach())
+        optimizer.step()
+        losses.append(float(torch.stack(parts).mean()))
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_rank_matches(
+    result: Mapping[str, Any], losses: list[float], state: Mapping[str, torch.Tensor], tolerance: float
+) -> None:
+    """One rank's ``result["losses"]`` equal ``losses``, and every tensor of its ``result["state"]`` the same
+    entry of ``state``, within ``tolerance`` (relative and absolute)."""
+    torch.testing.assert_close(result["losses"], losses, rtol=tolerance, atol=tolerance)
+    for name, value in result["state"].items():
+        torch.testing.assert_close(value, state[name], rtol=tolerance, atol=tolerance, msg=name)
