@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import fx, nn
 
+from epl.engine.batch import as_arguments
 from epl.errors import PlacementError
 
 
@@ -116,14 +117,10 @@ def _attribute(model: nn.Module, qualified_name: str) -> Any:
 def bind_inputs(staged: StagedGraph, inputs: Any) -> dict[fx.Node, Any]:
     """The values of ``forward``'s parameters for one micro-batch (as ``Engine.step`` passes inputs)."""
     placeholders = staged.placeholders
-    if isinstance(inputs, (tuple, list)) and not hasattr(inputs, "_fields"):
-        given: dict[str, Any] = {p.target: v for p, v in zip(placeholders, inputs, strict=False)}
-        if len(inputs) > len(placeholders):
-            raise PlacementError(f"The model's forward takes {len(placeholders)} inputs, got {len(inputs)}.")
-    elif isinstance(inputs, Mapping):
-        given = dict(inputs)
-    else:
-        given = {placeholders[0].target: inputs} if placeholders else {}
+    args, given = as_arguments(inputs)
+    if len(args) > len(placeholders):
+        raise PlacementError(f"The model's forward takes {len(placeholders)} inputs, got {len(args)}.")
+    given.update({p.target: value for p, value in zip(placeholders, args, strict=False)})
     env: dict[fx.Node, Any] = {}
     for placeholder in placeholders:
         if placeholder.target in given:

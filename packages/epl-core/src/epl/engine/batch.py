@@ -58,16 +58,20 @@ def split_batch(batch: Any, parts: int, *, what: str) -> list[Any]:
     return [_piece(batch, index, size // parts) for index in range(parts)]
 
 
-def call_model(model: nn.Module, inputs: Any) -> Any:
-    """Call ``model`` with ``inputs``: a tuple/list as positional arguments, a dict as keywords.
-
-    A namedtuple is one argument (models take it whole), like any other object.
-    """
+def as_arguments(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional and keyword arguments ``inputs`` stand for: a tuple/list is positional
+    arguments, a dict keywords; a namedtuple is one argument (models take it whole), like any other object."""
     if isinstance(inputs, (tuple, list)) and not hasattr(inputs, "_fields"):
-        return model(*inputs)
+        return tuple(inputs), {}
     if isinstance(inputs, Mapping):
-        return model(**inputs)
-    return model(inputs)
+        return (), dict(inputs)
+    return (inputs,), {}
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """Call ``model`` with ``inputs`` taken as arguments by ``as_arguments``."""
+    args, kwargs = as_arguments(inputs)
+    return model(*args, **kwargs)
 
 
 def _piece(batch: Any, index: int, length: int) -> Any:
