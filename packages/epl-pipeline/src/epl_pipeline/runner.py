@@ -10,7 +10,7 @@ import torch
 from torch import fx, nn
 
 from epl.comm.protocol import Communicator
-from epl.engine.batch import split_batch, to_device
+from epl.engine.batch import micro_batches, to_device
 from epl.engine.extensions import GradientReducer, LossFn
 from epl.errors import EplError
 from epl.schedule import Action, ActionKind, Schedule
@@ -79,9 +79,7 @@ class PipelineStepRunner:
         if self.optimizer is None:
             raise EplError("Engine.step needs an optimizer: pass optimizer=... to epl.parallelize().")
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
-        what = f"pipeline.num_micro_batch={self.num_micro_batch}"
-        micro_inputs = split_batch(inputs, self.num_micro_batch, what=what)
-        micro_targets = split_batch(targets, self.num_micro_batch, what=what) if targets is not None else None
+        pieces = micro_batches(inputs, targets, self.num_micro_batch)
         self.optimizer.zero_grad(set_to_none=True)
         if self.gradient_reducer is not None:
             self.gradient_reducer.start()
@@ -90,7 +88,7 @@ class PipelineStepRunner:
             if action is None:
                 continue
             self._started = time.time()
-            self._run(action, micro_inputs, micro_targets)
+            self._run(action, pieces)
             timeline.append(Event(action, self._started, time.time()))
             self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
         for channel in (self.inbound, self.outbound):
@@ -108,10 +106,10 @@ class PipelineStepRunner:
         self.replica.broadcast(loss, self.last_stage_member).wait()
         return loss
 
-    def _run(self, action: Action, micro_inputs: list[Any], micro_targets: list[Any] | None) -> None:
+    def _run(self, action: Action, pieces: list[tuple[Any, Any]]) -> None:
         m = action.micro_batch
         if action.kind is ActionKind.FORWARD:
-            self._forward(m, micro_inputs[m], micro_targets[m] if micro_targets is not None else None)
+            self._forward(m, *pieces[m])
         elif action.kind is ActionKind.BACKWARD:
             self._backward(m, split=False)
         elif action.kind is ActionKind.BACKWARD_INPUT:

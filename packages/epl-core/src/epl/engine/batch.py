@@ -58,6 +58,15 @@ def split_batch(batch: Any, parts: int, *, what: str) -> list[Any]:
     return [_piece(batch, index, size // parts) for index in range(parts)]
 
 
+def micro_batches(inputs: Any, targets: Any, parts: int) -> list[tuple[Any, Any]]:
+    """``inputs`` and ``targets`` (None stays None) cut into ``parts`` (inputs, targets) pairs,
+    the sizes checked against ``pipeline.num_micro_batch``."""
+    what = f"pipeline.num_micro_batch={parts}"
+    pieces = split_batch(inputs, parts, what=what)
+    targets_pieces = split_batch(targets, parts, what=what) if targets is not None else [None] * parts
+    return list(zip(pieces, targets_pieces, strict=True))
+
+
 def as_arguments(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The positional and keyword arguments ``inputs`` stand for: a tuple/list is positional
     arguments, a dict keywords; a namedtuple is one argument (models take it whole), like any other object."""

@@ -7,7 +7,7 @@ from typing import Any, Self
 import torch
 from torch import nn
 
-from epl.engine.batch import call_model, split_batch, to_device
+from epl.engine.batch import call_model, micro_batches, to_device
 from epl.engine.extensions import GradientReducer, LossFn, ParallelContext
 from epl.errors import EplError
 
@@ -71,13 +71,8 @@ class LocalStepRunner:
             self.finish_gradients()
             self.optimizer.step()
             return loss.detach()
-        what = f"pipeline.num_micro_batch={parts}"
         losses = []
-        for micro_inputs, micro_targets in zip(
-            split_batch(inputs, parts, what=what),
-            split_batch(targets, parts, what=what) if targets is not None else [None] * parts,
-            strict=True,
-        ):
+        for micro_inputs, micro_targets in micro_batches(inputs, targets, parts):
             loss = self.loss(micro_inputs, micro_targets)
             (loss / parts).backward()
             losses.append(loss.detach())
