@@ -143,6 +143,9 @@ def test_registries_reject_duplicates() -> None:
     def schedule(stages: int, micro_batches: int) -> list[list[None]]:
         return [[None]] * stages
 
+    def keep(module: nn.Module, shard: epl.ShardContext) -> nn.Module:
+        return module
+
     class A:
         @epl.hookimpl
         def epl_pipeline_schedules(self):  # type: ignore[no-untyped-def]
@@ -150,14 +153,15 @@ def test_registries_reject_duplicates() -> None:
 
         @epl.hookimpl
         def epl_split_rules(self):  # type: ignore[no-untyped-def]
-            return {nn.Linear: lambda module, index, count, comm: module}
+            return {nn.Linear: keep}
 
     class B(A):
         pass
 
     manager = EplPluginManager(load_entry_points=False)
     manager.register(A(), name="a")
-    assert manager.pipeline_schedules() == {"Mine": schedule} and list(manager.split_rules()) == [nn.Linear]
+    assert manager.pipeline_schedules() == {"Mine": schedule}
+    assert manager.split_rules()[nn.Linear] is keep  # a plugin's rule replaces the core's
     manager.register(B(), name="b")
     with pytest.raises(epl.PluginError, match="pipeline schedule 'Mine' is registered by both"):
         manager.pipeline_schedules()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from epl.comm.protocol import Communicator, ReduceOp, Work
+from epl.comm.protocol import Communicator, CompletedWork, ReduceOp, Work
 from epl_comm.buckets import plan_buckets
 
 
@@ -24,6 +24,7 @@ from epl_comm.buckets import plan_buckets
 class ReducePolicy:
     """How gradients are reduced: the manual's ``communication.*`` keys."""
 
+    #: The mean's divisor: how many device losses the reduced gradient sums over.
     copies: int
     num_micro_batch: int = 1
     max_splits: int = 5
@@ -46,9 +47,9 @@ class _Bucket:
     sizes: list[int] = field(default_factory=list)
 
 
-def broadcast_from_first(module: nn.Module, communicator: Communicator) -> None:
-    """Give every member member 0's parameters and buffers (one flat broadcast per dtype)."""
-    tensors = [t for t in [*module.parameters(), *module.buffers()] if t.numel()]
+def broadcast_from_first(tensors: Sequence[torch.Tensor], communicator: Communicator) -> None:
+    """Give every member member 0's values of ``tensors`` (one flat broadcast per dtype)."""
+    tensors = [t for t in tensors if t.numel()]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
@@ -164,7 +165,8 @@ class DataParallelReducer:
                 assert bucket.wire is not None
                 wire = bucket.wire
                 torch.mul(buffer, self.policy.fp16_scale, out=wire)
-        bucket.work = bucket.communicator.all_reduce(wire, ReduceOp.SUM)
+        alone = bucket.communicator.world_size == 1  # nothing to add; the mean's divisor still applies
+        bucket.work = CompletedWork() if alone else bucket.communicator.all_reduce(wire, ReduceOp.SUM)
         bucket.started = True
         self._next += 1
 
@@ -217,3 +219,35 @@ class DataParallelReducer:
         if total._nnz() == 0 and param.grad is None:
             return None
         return total / self.policy.copies if self.policy.mean else total
+
+
+class ReducerSet:
+    """Several reducers, one per group of copies, finished together (implements GradientReducer).
+
+    A rank holds tensors with different copies when a split TaskGraph shares its
+    devices with a replicate one: the replicated tensors are reduced over every
+    device, each shard over the same shard of the other replicas.
+    """
+
+    def __init__(self, reducers: Sequence[DataParallelReducer], clip_after_allreduce: bool) -> None:
+        self.reducers = list(reducers)
+        self.clip_after_allreduce = clip_after_allreduce
+
+    @property
+    def bytes_per_step(self) -> int:
+        """Bytes this rank puts on the wire for the dense buckets of one step."""
+        return sum(reducer.bytes_per_step for reducer in self.reducers)
+
+    def start(self) -> None:
+        """Arm every reducer for one step."""
+        for reducer in self.reducers:
+            reducer.start()
+
+    def finish(self, clip: Callable[[], None] | None) -> None:
+        """Finish every reduction; clip once, before or after all of them, as configured."""
+        if clip is not None and not self.clip_after_allreduce:
+            clip()
+        for reducer in self.reducers:
+            reducer.finish(None)
+        if clip is not None and self.clip_after_allreduce:
+            clip()

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from epl.comm.partition import communicators_for
 from epl.comm.protocol import Communicator
 from epl.engine.extensions import ParallelContext
-from epl.errors import MissingPluginError
+from epl.placement.copies import Copies, every_copy_group
 
 PLUGIN = "epl-comm"
 
@@ -19,22 +20,21 @@ PLUGIN = "epl-comm"
 class DataParallelGroups:
     """This rank's data-parallel communicators and its place in its replica.
 
-    ``copies`` spans every copy of this rank's TaskGraphs (all replicas, and the k
-    devices of a ``replicate(k)``); ``reducers`` are ``communication.num_communicators``
-    communicators over the same ranks, used in turn for gradient buckets; ``replica``
-    spans the k devices of this replica's ``replicate(k)`` (None when k is 1).
+    ``copies`` maps each group of devices holding copies of some of this rank's
+    tensors to ``communication.num_communicators`` communicators over it (used in
+    turn for gradient buckets); ``replica`` spans the devices of this rank's
+    replica that share its work (None when it has them alone); the replica batch
+    is split ``num_shards`` ways among them and this rank takes part ``shard_index``.
     """
 
-    copies: Communicator
-    reducers: list[Communicator]
+    copies: dict[tuple[int, ...], list[Communicator]]
     replica: Communicator | None
     shard_index: int
     num_shards: int
 
-    @property
-    def num_copies(self) -> int:
-        """How many copies of each parameter are reduced together."""
-        return self.copies.world_size
+    def communicators(self, copies: Copies) -> list[Communicator]:
+        """The communicators over the devices of ``copies``."""
+        return self.copies[copies.devices]
 
 
 def groups_for(context: ParallelContext) -> DataParallelGroups:
@@ -47,29 +47,19 @@ def groups_for(context: ParallelContext) -> DataParallelGroups:
 
 def _make_groups(context: ParallelContext) -> DataParallelGroups:
     plan, world = context.plan, context.communicator
-    mine = plan.assignment(context.cluster.rank).taskgraphs
-    split = [plan.taskgraphs[i].name for i, _ in mine if plan.taskgraphs[i].strategy == "split"]
-    if split:
-        raise MissingPluginError(
-            f"TaskGraph {split[0]!r} is split over several processes, and the installed packages have no "
-            "split support yet (it comes with the split rules). Run it in one process for now."
-        )
-    copy_groups = sorted({tuple(sorted(plan.devices(tg.index))) for tg in plan.taskgraphs})
-    copies = world.split(copy_groups)
-    reducers = [copies] + [
-        world.split(copy_groups) for _ in range(context.config["communication.num_communicators"] - 1)
-    ]
-    replica = None
-    if any(tg.device_count > 1 for tg in plan.taskgraphs):
-        replica_groups = sorted(
-            {tuple(sorted(plan.devices(tg.index, r))) for tg in plan.taskgraphs for r in range(plan.num_replicas)}
-        )
-        replica = world.split(replica_groups)
-    first, position = mine[0]
+    copy_groups = every_copy_group(plan)
+    copies: dict[tuple[int, ...], list[Communicator]] = {}
+    for _ in range(context.config["communication.num_communicators"]):
+        for group, communicator in communicators_for(world, copy_groups).items():
+            copies.setdefault(group, []).append(communicator)
+    replica_groups = [plan.devices(tg.index, r) for tg in plan.taskgraphs for r in range(plan.num_replicas)]
+    replica = communicators_for(world, replica_groups).get(
+        tuple(sorted(plan.devices(plan.taskgraphs_on(context.cluster.rank)[0], context.replica_index)))
+    )
+    first, position = plan.assignment(context.cluster.rank).taskgraphs[0]
     return DataParallelGroups(
         copies=copies,
-        reducers=reducers,
         replica=replica if replica is not None and replica.world_size > 1 else None,
         shard_index=position,
-        num_shards=plan.taskgraphs[first].device_count,
+        num_shards=plan.batch_parts(first),
     )

@@ -40,13 +40,16 @@ class BroadcastInitialWeights:
     order = -100
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
-        """Broadcast ``model``'s tensors from the first copy; return it."""
+        """Broadcast ``model``'s tensors from the first copy of each; return it."""
+        from epl.placement.copies import copies_of_tensors
         from epl_comm.data_parallel import broadcast_from_first
         from epl_comm.groups import groups_for
 
         groups = groups_for(context)
-        if groups.num_copies > 1:
-            broadcast_from_first(model, groups.copies)
+        tensors = [*model.parameters(), *model.buffers()]
+        for copies, members in copies_of_tensors(context, tensors).items():
+            if len(copies.devices) > 1:
+                broadcast_from_first(members, groups.communicators(copies)[0])
         return model
 
 
@@ -61,34 +64,46 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
     """Bucketed, overlapped gradient reduction over every copy of this rank's parameters."""
     from torch import nn
 
-    from epl_comm.data_parallel import DataParallelReducer, ReducePolicy
+    from epl.placement.copies import copies_of_tensors
+    from epl_comm.data_parallel import DataParallelReducer, ReducePolicy, ReducerSet
     from epl_comm.groups import groups_for
 
     if context.plan.local:
         return None
     groups = groups_for(context)
-    if groups.num_copies == 1:
-        return None
     config = context.config
-    policy = ReducePolicy(
-        copies=groups.num_copies,
-        num_micro_batch=context.plan.num_micro_batch,
-        max_splits=config["communication.max_splits"],
-        mean=config["communication.gradients_reduce_method"] == "mean",
-        fp16=config["communication.fp16"],
-        fp16_scale=float(config["communication.fp16_scale"]),
-        clip_after_allreduce=config["communication.clip_after_allreduce"],
-        sparse_as_dense=config["communication.sparse_as_dense"],
-    )
-    sparse = [
-        module.weight
+    sparse = {
+        id(module.weight)
         for module in context.model.modules()
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
-    ]
-    clip_first = config["optimizer.max_grad_norm"] is not None and not policy.clip_after_allreduce
-    return DataParallelReducer(
-        list(context.model.parameters()), groups.reducers, policy, sparse=sparse, defer_until_finish=clip_first
-    )
+    }
+    clip_first = config["optimizer.max_grad_norm"] is not None and not config["communication.clip_after_allreduce"]
+    reducers = []
+    for copies, params in copies_of_tensors(context, list(context.model.parameters())).items():
+        if copies.divisor == 1:
+            continue
+        policy = ReducePolicy(
+            copies=copies.divisor,
+            num_micro_batch=context.plan.num_micro_batch,
+            max_splits=config["communication.max_splits"],
+            mean=config["communication.gradients_reduce_method"] == "mean",
+            fp16=config["communication.fp16"],
+            fp16_scale=float(config["communication.fp16_scale"]),
+            clip_after_allreduce=config["communication.clip_after_allreduce"],
+            sparse_as_dense=config["communication.sparse_as_dense"],
+        )
+        reducers.append(
+            DataParallelReducer(
+                params,
+                groups.communicators(copies),
+                policy,
+                sparse=[p for p in params if id(p) in sparse],
+                defer_until_finish=clip_first,
+            )
+        )
+    if not reducers:
+        return None
+    return reducers[0] if len(reducers) == 1 else ReducerSet(reducers, config["communication.clip_after_allreduce"])
 
 
 @hookimpl

@@ -15,7 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from epl import io
+    from epl import io, nn
     from epl.cluster import Cluster
     from epl.comm import Communicator, ReduceOp, Work
     from epl.config import Config, ConfigKey
@@ -35,10 +35,12 @@ if TYPE_CHECKING:
     from epl.placement import Plan
     from epl.plugins import hookimpl
     from epl.strategy import Strategy, TaskGraph, replicate, set_default_strategy, split
+    from epl.strategy.split_rule import ShardContext
 
 #: Public name -> the module it lives in.
 _EXPORTS = {
     "io": "epl",
+    "nn": "epl",
     "Cluster": "epl.cluster",
     "Communicator": "epl.comm",
     "ReduceOp": "epl.comm",
@@ -66,6 +68,7 @@ _EXPORTS = {
     "replicate": "epl.strategy",
     "set_default_strategy": "epl.strategy",
     "split": "epl.strategy",
+    "ShardContext": "epl.strategy.split_rule",
 }
 
 __all__ = [
@@ -86,12 +89,14 @@ __all__ = [
     "Plan",
     "PluginError",
     "ReduceOp",
+    "ShardContext",
     "Strategy",
     "TaskGraph",
     "Work",
     "hookimpl",
     "init",
     "io",
+    "nn",
     "parallelize",
     "plan",
     "replicate",

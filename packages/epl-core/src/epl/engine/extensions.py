@@ -39,6 +39,8 @@ class ParallelContext:
     loss_fn: LossFn | None
     optimizer: torch.optim.Optimizer | None = None
     gradient_reducer: GradientReducer | None = None
+    #: Tensors a split rule made: id -> (TaskGraph index, whether the tensor is a shard).
+    split_tensors: dict[int, tuple[int, bool]] = field(default_factory=dict)
     #: State plugins share between their hooks for this parallelize call, keyed by plugin name.
     extras: dict[str, Any] = field(default_factory=dict)
 

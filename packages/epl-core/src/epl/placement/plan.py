@@ -135,6 +135,18 @@ class Plan:
         """Nodes in the cluster."""
         return self.world_size // self.gpu_per_worker
 
+    def batch_parts(self, taskgraph: int) -> int:
+        """Into how many parts the devices running ``taskgraph`` in one replica split the replica batch.
+
+        A ``replicate(k)`` TaskGraph splits it k ways; a split TaskGraph does not split
+        it, unless it is colocated with a ``replicate`` TaskGraph on the same devices.
+        """
+        if self.colocated:
+            widths = [tg.device_count for tg in self.taskgraphs if tg.strategy == "replicate"]
+            return max(widths, default=1)
+        spec = self.taskgraphs[taskgraph]
+        return spec.device_count if spec.strategy == "replicate" else 1
+
     def device_of(self, replica: int, slot: int) -> int:
         """The device at position ``slot`` of ``replica``."""
         if self.row_major:

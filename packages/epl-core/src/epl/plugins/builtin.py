@@ -12,11 +12,13 @@ from epl.plugins.marker import hookimpl
 
 if TYPE_CHECKING:
     import click
+    from torch import nn
 
     from epl.cluster import Cluster
     from epl.comm.protocol import Communicator
     from epl.config import Config, ConfigKey
-    from epl.engine.extensions import ParallelContext, StepRunner
+    from epl.engine.extensions import ModelTransform, ParallelContext, StepRunner
+    from epl.strategy.split_rule import SplitRule
 
 
 @hookimpl
@@ -33,6 +35,22 @@ def epl_make_communicator(cluster: Cluster, config: Config) -> Communicator | No
     from epl.comm.local import LocalCommunicator
 
     return LocalCommunicator() if cluster.world_size == 1 else None
+
+
+@hookimpl
+def epl_split_rules() -> dict[type[nn.Module], SplitRule]:
+    """nn.Linear (column/row parallel), nn.Embedding (vocabulary parallel), epl.nn.Experts (expert parallel), norms."""
+    from epl.sharding.rules import BUILTIN_RULES
+
+    return dict(BUILTIN_RULES)
+
+
+@hookimpl
+def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | None:
+    """Shard the split TaskGraphs by their rules (in a one-process run: only check that every module has one)."""
+    from epl.sharding.transform import ShardSplitTaskGraphs
+
+    return [ShardSplitTaskGraphs()] if any(tg.strategy.kind == "split" for tg in context.taskgraphs) else None
 
 
 @hookimpl(trylast=True)

@@ -217,19 +217,25 @@ class EplPluginManager:
         return self._registry(self._pm.hook.epl_pipeline_schedules, "pipeline schedule", str)
 
     def split_rules(self) -> dict[type[nn.Module], SplitRule]:
-        """Every registered split rule by module type (``epl_split_rules``)."""
-        return self._registry(self._pm.hook.epl_split_rules, "split rule for", lambda t: t.__qualname__)
+        """Every registered split rule by module type (``epl_split_rules``); a plugin's rule replaces the core's."""
+        return self._registry(
+            self._pm.hook.epl_split_rules, "split rule for", lambda t: t.__qualname__, core_yields=True
+        )
 
     def add_cli_commands(self, cli: click.Group) -> None:
         """Let every plugin add its subcommands to ``cli`` (``epl_cli_commands``)."""
         self._pm.hook.epl_cli_commands(cli=cli)
 
-    def _registry(self, hook: Any, what: str, describe: Callable[[Any], str]) -> dict[Any, Any]:
+    def _registry(
+        self, hook: Any, what: str, describe: Callable[[Any], str], *, core_yields: bool = False
+    ) -> dict[Any, Any]:
+        """Merge every plugin's entries; the same key twice is an error (``core_yields``: unless one is the core's)."""
         merged: dict[Any, Any] = {}
         owners: dict[Any, str] = {}
-        for impl in hook.get_hookimpls():
+        impls = sorted(hook.get_hookimpls(), key=lambda impl: impl.plugin_name != CORE_PLUGIN_NAME)
+        for impl in impls:
             for key, value in (impl.function() or {}).items():
-                if key in merged:
+                if key in merged and not (core_yields and owners[key] == CORE_PLUGIN_NAME):
                     raise PluginError(
                         f"The {what} {describe(key)!r} is registered by both {owners[key]!r} and "
                         f"{impl.plugin_name!r}. Uninstall or rename one of them."

@@ -1,23 +1,63 @@
-"""The interface of a split rule: how one module type is sharded under ``epl.split``."""
+"""The interface of a split rule: how one module type is sharded under ``epl.split``.
+
+A rule is registered for a module class through the ``epl_split_rules`` hook::
+
+    @epl.hookimpl
+    def epl_split_rules():
+        return {MyAttention: shard_my_attention}
+
+    def shard_my_attention(module: MyAttention, shard: epl.ShardContext) -> nn.Module:
+        ...  # return the part of ``module`` that device ``shard.index`` of ``shard.count`` holds
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from torch import nn
 
 if TYPE_CHECKING:
-    from epl.comm.protocol import Communicator
+    from epl.sharding.group import ShardGroup
+
+#: How the split transform wants a module laid out, from where it sits in the model.
+#: ``alone``: inputs and outputs whole (the default). ``column``: the first Linear of a
+#: Linear -> elementwise -> Linear pair (output stays sharded). ``row``: the second (input
+#: arrives sharded). ``logits``: the model's output layer, read only by a parallel loss.
+ShardRole = Literal["alone", "column", "row", "logits"]
+
+
+@dataclass(frozen=True)
+class ShardContext:
+    """What a split rule needs to know to build one device's shard of a module."""
+
+    #: The devices of this replica that hold the split TaskGraph, and the collectives between them.
+    group: ShardGroup
+    #: The module's name in the model (``classifier.0``), for error messages.
+    name: str
+    #: Where the module sits (see :data:`ShardRole`); rules that do not care treat every role as ``alone``.
+    role: ShardRole = "alone"
+
+    @property
+    def index(self) -> int:
+        """This device's shard (0 .. count - 1)."""
+        return self.group.index
+
+    @property
+    def count(self) -> int:
+        """How many devices share the module."""
+        return self.group.count
 
 
 class SplitRule(Protocol):
     """Turns a module into the shard that one device of a split TaskGraph holds.
 
-    Called once per module of the split TaskGraph, on every rank of the shard
-    group. Must initialise the shard exactly as the unsplit module would be
-    (same seed, same values), so split training matches the local run.
+    Called once per module that owns parameters or buffers in the split TaskGraph,
+    on every device of its shard group. The shard must start from the values of
+    the unsplit module (it is built from it, so the same seed gives the same values),
+    and compute, together with the other shards, what the unsplit module computes.
     """
 
-    def __call__(self, module: nn.Module, shard_index: int, num_shards: int, communicator: Communicator) -> nn.Module:
-        """Return the shard of ``module`` for ``shard_index`` of ``num_shards``."""
+    def __call__(self, module: nn.Module, shard: ShardContext) -> nn.Module:
+        """Return the shard of ``module`` for device ``shard.index`` of ``shard.count``."""
         ...

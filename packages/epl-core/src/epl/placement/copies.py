@@ -1,0 +1,70 @@
+"""Which devices hold copies of a tensor, and over how many losses its gradient is summed.
+
+Data parallelism reduces a parameter's gradient over its copies: a ``replicate``
+TaskGraph's tensors over every device that runs it (all replicas, and the k devices
+of a ``replicate(k)``); a split shard over the same shard of the other replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from epl.engine.extensions import ParallelContext
+    from epl.placement.plan import Plan
+
+
+@dataclass(frozen=True)
+class Copies:
+    """The devices holding copies of some tensors, and the mean's divisor for their gradients.
+
+    The divisor is the number of device losses the gradient sums over. It exceeds the
+    number of devices for a split shard whose devices also split the batch: each
+    shard's gradient already sums over the losses of the devices sharing it.
+    """
+
+    devices: tuple[int, ...]
+    divisor: int
+
+
+def copies_of(plan: Plan, taskgraph: int, device: int, *, sharded: bool) -> Copies:
+    """The copies of a tensor of ``taskgraph`` held by ``device`` (``sharded``: a split rule's shard)."""
+    spec = plan.taskgraphs[taskgraph]
+    parts = plan.batch_parts(taskgraph)
+    if spec.strategy == "split" and (sharded or parts == 1):
+        _, slot = plan.locate(device)
+        devices = tuple(plan.device_of(replica, slot) for replica in range(plan.num_replicas))
+        return Copies(devices, plan.num_replicas * parts)
+    devices = tuple(sorted(plan.devices(taskgraph)))
+    return Copies(devices, len(devices))
+
+
+def every_copy_group(plan: Plan) -> list[tuple[int, ...]]:
+    """The device groups of every tensor of every device, in the same order on every rank."""
+    groups: dict[tuple[int, ...], None] = {}
+    for spec in plan.taskgraphs:
+        for device in plan.devices(spec.index):
+            for sharded in (False, True):
+                groups[copies_of(plan, spec.index, device, sharded=sharded).devices] = None
+    return list(groups)
+
+
+def copies_of_tensors(context: ParallelContext, tensors: list[torch.Tensor]) -> dict[Copies, list[torch.Tensor]]:
+    """``tensors`` of this rank's model, grouped by their copies.
+
+    A tensor is found in the TaskGraph that captured it, or among those a split
+    rule made (``context.split_tensors``); anything else (made by a model
+    transform) belongs to the first TaskGraph this rank runs.
+    """
+    plan, rank = context.plan, context.cluster.rank
+    owner = {id(t): (tg.index, False) for tg in context.taskgraphs for t in tg.tensors}
+    owner.update(context.split_tensors)
+    default = (plan.taskgraphs_on(rank)[0], False)
+    grouped: dict[Copies, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        taskgraph, sharded = owner.get(id(tensor), default)
+        grouped.setdefault(copies_of(plan, taskgraph, rank, sharded=sharded), []).append(tensor)
+    return grouped

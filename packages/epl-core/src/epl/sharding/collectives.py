@@ -1,0 +1,218 @@
+"""Collectives as autograd functions: what split modules call to move tensors between shards.
+
+Each function is a pair: an operator in the forward pass and its adjoint in the
+backward pass, over the :class:`~epl.sharding.group.ShardGroup`'s communicator.
+Every call waits for its collective, so a timeout surfaces where it happened,
+and counts it in ``group.collectives`` (tests assert there is no hidden traffic).
+
+==========================  ======================================  ======================================
+function                    forward                                 backward
+==========================  ======================================  ======================================
+``copy_to_shards``          identity                                all-reduce (sum)
+``reduce_from_shards``      all-reduce (sum)                        identity
+``gather_from_shards``      all-gather along ``dim`` (uneven ok)    keep this shard's slice
+``split_to_shards``         keep this shard's slice along ``dim``   all-gather along ``dim``
+``gather_rows``             all-gather along dimension 0            reduce-scatter (sum) along dimension 0
+``scatter_rows``            keep this device's rows                 all-gather along dimension 0
+``reduce_scatter_rows``     reduce-scatter (sum) along dimension 0  all-gather along dimension 0
+``all_to_all``              chunk j of dimension 0 to member j      all-to-all back
+==========================  ======================================  ======================================
+
+``copy_to_shards``/``reduce_from_shards`` are Megatron-LM's *f* and *g*; the
+``rows`` functions are the sequence-parallel pair used when the batch is split over
+the same devices (colocated ``replicate(n)`` and ``split(n)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from epl.comm.protocol import ReduceOp
+from epl.sharding.group import ShardGroup
+
+
+def _all_reduce(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
+    group.collectives["all_reduce"] += 1
+    result = tensor.contiguous().clone()
+    group.communicator.all_reduce(result, ReduceOp.SUM).wait()
+    return result
+
+
+def _gather(tensor: torch.Tensor, group: ShardGroup, dim: int, sizes: list[int] | None) -> torch.Tensor:
+    """Concatenate every member's ``tensor`` along ``dim``; ``sizes`` gives uneven lengths."""
+    group.collectives["all_gather"] += 1
+    dim = dim % tensor.dim()
+    longest = max(sizes) if sizes else tensor.shape[dim]
+    piece = tensor
+    if piece.shape[dim] < longest:
+        pad = list(piece.shape)
+        pad[dim] = longest - piece.shape[dim]
+        piece = torch.cat([piece, piece.new_zeros(pad)], dim=dim)
+    piece = piece.movedim(dim, 0).contiguous()
+    output = piece.new_empty((group.count * piece.shape[0], *piece.shape[1:]))
+    group.communicator.all_gather(output, piece).wait()
+    chunks = list(output.split(piece.shape[0]))
+    if sizes:
+        chunks = [chunk[:size] for chunk, size in zip(chunks, sizes, strict=True)]
+    return torch.cat(chunks).movedim(0, dim)
+
+
+def _reduce_scatter_rows(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
+    group.collectives["reduce_scatter"] += 1
+    rows = _own_rows_count(tensor, group)
+    output = tensor.new_empty((rows, *tensor.shape[1:]))
+    group.communicator.reduce_scatter(output, tensor.contiguous(), ReduceOp.SUM).wait()
+    return output
+
+
+def _own_rows_count(tensor: torch.Tensor, group: ShardGroup) -> int:
+    if tensor.shape[0] % group.count:
+        raise ValueError(
+            f"{tensor.shape[0]} rows cannot be shared equally by {group.count} devices of a split TaskGraph."
+        )
+    return tensor.shape[0] // group.count
+
+
+def _own_rows(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
+    rows = _own_rows_count(tensor, group)
+    return tensor[group.index * rows : (group.index + 1) * rows]
+
+
+class _CopyToShards(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromShards(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
+        return _all_reduce(tensor, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherFromShards(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ShardGroup, dim: int, sizes: list[int]) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
+        return _gather(tensor, group, dim, sizes)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        start = sum(ctx.sizes[: ctx.group.index])
+        return grad.narrow(ctx.dim, start, ctx.sizes[ctx.group.index]).contiguous(), None, None, None
+
+
+class _SplitToShards(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ShardGroup, dim: int, sizes: list[int]) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
+        start = sum(sizes[: group.index])
+        return tensor.narrow(dim, start, sizes[group.index]).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _gather(grad, ctx.group, ctx.dim, ctx.sizes), None, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
+        ctx.group = group
+        return _gather(tensor, group, 0, None)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _reduce_scatter_rows(grad, ctx.group), None
+
+
+class _ScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
+        ctx.group = group
+        return _own_rows(tensor, group).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather(grad, ctx.group, 0, None), None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_rows(tensor, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather(grad, ctx.group, 0, None), None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
+        ctx.group = group
+        return _exchange(tensor, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _exchange(grad, ctx.group), None
+
+
+def _exchange(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
+    _own_rows_count(tensor, group)
+    group.collectives["all_to_all"] += 1
+    source = tensor.contiguous()
+    output = torch.empty_like(source)
+    group.communicator.all_to_all(output, source).wait()
+    return output
+
+
+def copy_to_shards(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient backward (the input of column-parallel layers)."""
+    return _CopyToShards.apply(tensor, group)
+
+
+def reduce_from_shards(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
+    """All-reduce (sum) forward; identity backward (the output of row-parallel layers)."""
+    return _ReduceFromShards.apply(tensor, group)
+
+
+def gather_from_shards(tensor: torch.Tensor, group: ShardGroup, dim: int, sizes: list[int]) -> torch.Tensor:
+    """All-gather every shard's piece along ``dim`` (piece lengths ``sizes``); backward keeps this shard's slice."""
+    return _GatherFromShards.apply(tensor, group, dim, sizes)
+
+
+def split_to_shards(tensor: torch.Tensor, group: ShardGroup, dim: int, sizes: list[int]) -> torch.Tensor:
+    """This shard's slice along ``dim`` (lengths ``sizes``); backward all-gathers the gradient."""
+    return _SplitToShards.apply(tensor, group, dim, sizes)
+
+
+def gather_rows(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
+    """Every device's rows (dimension 0), in device order; backward reduce-scatters (sums) the gradient."""
+    return _GatherRows.apply(tensor, group)
+
+
+def scatter_rows(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
+    """This device's rows of ``tensor`` (identical on every device); backward all-gathers the gradient."""
+    return _ScatterRows.apply(tensor, group)
+
+
+def reduce_scatter_rows(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
+    """Sum the devices' partial ``tensor`` and keep this device's rows; backward all-gathers the gradient."""
+    return _ReduceScatterRows.apply(tensor, group)
+
+
+def all_to_all(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
+    """Send chunk j of dimension 0 to device j and receive device j's chunk into chunk j; backward sends back."""
+    return _AllToAll.apply(tensor, group)

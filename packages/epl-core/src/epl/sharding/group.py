@@ -1,0 +1,60 @@
+"""The devices one split TaskGraph is sharded over, as seen from one of them."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from epl.comm.protocol import Communicator
+
+
+def shard_sizes(size: int, count: int) -> list[int]:
+    """Sizes of ``count`` shards of ``size`` items: the first ``size % count`` shards hold one more.
+
+    >>> shard_sizes(1000, 3)
+    [334, 333, 333]
+    """
+    return [size // count + (1 if index < size % count else 0) for index in range(count)]
+
+
+def shard_slice(size: int, index: int, count: int) -> slice:
+    """The items of shard ``index`` of ``count`` (see :func:`shard_sizes`)."""
+    sizes = shard_sizes(size, count)
+    start = sum(sizes[:index])
+    return slice(start, start + sizes[index])
+
+
+@dataclass(eq=False)
+class ShardGroup:
+    """This rank's place among the devices of one replica that hold the shards of a split TaskGraph.
+
+    ``batch_split``: the replica batch is also split over these devices (the split
+    TaskGraph is colocated with a ``replicate(n)`` one), so each device arrives with
+    its own rows and tensor-parallel modules gather rows before computing.
+    ``mean``: gradients are averaged, not summed, over the devices' losses
+    (``communication.gradients_reduce_method``). ``collectives`` counts the
+    collectives the split modules issued, by operation (forward and backward).
+    """
+
+    communicator: Communicator
+    batch_split: bool = False
+    mean: bool = True
+    collectives: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    @property
+    def index(self) -> int:
+        """This device's shard."""
+        return self.communicator.rank
+
+    @property
+    def count(self) -> int:
+        """How many shards."""
+        return self.communicator.world_size
+
+    def slice(self, size: int) -> slice:
+        """This device's items of ``size`` (uneven shards allowed)."""
+        return shard_slice(size, self.index, self.count)
+
+    def sizes(self, size: int) -> list[int]:
+        """Every device's number of items of ``size``."""
+        return shard_sizes(size, self.count)

@@ -1,0 +1,174 @@
+"""Where each split ``nn.Linear`` sits: alone, first or second of a column/row pair, or the model's logits.
+
+The model is traced with ``torch.fx`` (entering only modules that hold split
+Linears); a Linear whose output passes through elementwise operations only, each
+used once, into another split Linear of matching width forms a pair, as in
+Megatron-LM's MLP. When tracing fails, the items of ``nn.Sequential`` containers
+are scanned instead. A lone split Linear whose output is the model's output is the
+``logits`` layer when the loss is ``nn.CrossEntropyLoss``.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from epl.strategy.split_rule import ShardRole
+
+ELEMENTWISE_MODULES: tuple[type[nn.Module], ...] = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.GELU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.SELU,
+    nn.CELU,
+    nn.Mish,
+    nn.Hardswish,
+    nn.Hardtanh,
+    nn.Softplus,
+    nn.Dropout,
+    nn.Identity,
+)
+ELEMENTWISE_FUNCTIONS = {
+    torch.relu,
+    torch.tanh,
+    torch.sigmoid,
+    F.relu,
+    F.relu6,
+    F.gelu,
+    F.silu,
+    F.tanh,
+    F.sigmoid,
+    F.leaky_relu,
+    F.elu,
+    F.selu,
+    F.celu,
+    F.mish,
+    F.hardswish,
+    F.hardtanh,
+    F.softplus,
+    F.dropout,
+    operator.neg,
+}
+ELEMENTWISE_METHODS = {"relu", "relu_", "tanh", "tanh_", "sigmoid", "sigmoid_", "neg", "contiguous"}
+
+
+def assign_roles(model: nn.Module, linears: set[str], *, loss_is_cross_entropy: bool) -> dict[str, ShardRole]:
+    """The role of each split Linear named in ``linears`` (names in ``model``)."""
+    roles: dict[str, ShardRole] = dict.fromkeys(linears, "alone")
+    if not linears:
+        return roles
+    try:
+        graph = _trace(model, linears)
+    except Exception:  # noqa: BLE001 - any model fx cannot trace falls back to the Sequential scan
+        _pairs_in_sequentials(model, linears, roles)
+        last = _last_of_sequentials(model)
+        if loss_is_cross_entropy and last in linears and roles[last] == "alone":
+            roles[last] = "logits"
+        return roles
+    modules = dict(model.named_modules())
+    for node in graph.nodes:
+        if node.op != "call_module" or node.target not in linears or roles[node.target] != "alone":
+            continue
+        partner = _pair_end(node, modules, linears)
+        if partner is not None and roles[partner] == "alone":
+            roles[node.target], roles[partner] = "column", "row"
+    output = next(node for node in graph.nodes if node.op == "output")
+    result = output.args[0]
+    if (
+        loss_is_cross_entropy
+        and isinstance(result, torch.fx.Node)
+        and result.op == "call_module"
+        and result.target in linears
+        and roles[result.target] == "alone"
+    ):
+        roles[result.target] = "logits"
+    return roles
+
+
+class _SplitTracer(torch.fx.Tracer):
+    """Enters only the modules that hold split Linears; every other module is one call."""
+
+    def __init__(self, containers: set[str]) -> None:
+        super().__init__()
+        self.containers = containers
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name not in self.containers
+
+
+def _trace(model: nn.Module, linears: set[str]) -> torch.fx.Graph:
+    containers = {""} | {".".join(name.split(".")[:i]) for name in linears for i in range(1, name.count(".") + 1)}
+    return _SplitTracer(containers).trace(model)
+
+
+def _pair_end(node: torch.fx.Node, modules: dict[str, nn.Module], linears: set[str]) -> str | None:
+    """The split Linear that ``node``'s output reaches through single-use elementwise operations."""
+    first = modules[node.target]
+    current = node
+    while len(current.users) == 1:
+        (user,) = current.users
+        if not user.args or user.args[0] is not current:
+            return None
+        if user.op == "call_module" and user.target in linears:
+            second = modules[user.target]
+            match = isinstance(first, nn.Linear) and isinstance(second, nn.Linear)
+            return user.target if match and second.in_features == first.out_features else None
+        if not _elementwise(user, modules):
+            return None
+        current = user
+    return None
+
+
+def _elementwise(node: torch.fx.Node, modules: dict[str, nn.Module]) -> bool:
+    if node.op == "call_module":
+        return isinstance(modules[node.target], ELEMENTWISE_MODULES)
+    if node.op == "call_function":
+        return node.target in ELEMENTWISE_FUNCTIONS
+    return node.op == "call_method" and node.target in ELEMENTWISE_METHODS
+
+
+def _pairs_in_sequentials(model: nn.Module, linears: set[str], roles: dict[str, ShardRole]) -> None:
+    for prefix, module in model.named_modules():
+        if not isinstance(module, nn.Sequential):
+            continue
+        items = [(f"{prefix}.{name}" if prefix else name, child) for name, child in module.named_children()]
+        i = 0
+        while i < len(items):
+            name, child = items[i]
+            j = i + 1
+            while j < len(items) and isinstance(items[j][1], ELEMENTWISE_MODULES):
+                j += 1
+            if (
+                name in linears
+                and j < len(items)
+                and items[j][0] in linears
+                and isinstance(child, nn.Linear)
+                and isinstance(items[j][1], nn.Linear)
+                and items[j][1].in_features == child.out_features
+                and roles[name] == roles[items[j][0]] == "alone"
+            ):
+                roles[name], roles[items[j][0]] = "column", "row"
+                i = j + 1
+            else:
+                i += 1
+
+
+def _last_of_sequentials(model: nn.Module) -> str:
+    """The name of the module that produces a nest of Sequentials' output ('' when the model is not one)."""
+    return ".".join(_last_path(model))
+
+
+def _last_path(module: nn.Module) -> Iterator[str]:
+    while isinstance(module, nn.Sequential) and len(module):
+        name, module = list(module.named_children())[-1]
+        yield name
