@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -14,8 +14,10 @@ def train_locally(
     optimizer: torch.optim.Optimizer,
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     micro_batches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.mse_loss,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Per batch: MSE gradients accumulated over ``micro_batches`` equal chunks, one optimizer step.
+    """Per batch: gradients of ``loss_fn`` (MSE by default) accumulated over ``micro_batches`` equal chunks,
+    one optimizer step.
 
     Returns the mean micro-batch loss of every step and the final ``state_dict`` (cloned).
     """
@@ -24,7 +26,7 @@ def train_locally(
         optimizer.zero_grad()
         parts = []
         for xm, ym in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
-            loss = nn.functional.mse_loss(model(xm), ym)
+            loss = loss_fn(model(xm), ym)
             (loss / micro_batches).backward()
             parts.append(loss.detach())
         optimizer.step()

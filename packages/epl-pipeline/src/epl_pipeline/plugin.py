@@ -47,12 +47,20 @@ class KeepLocalStage:
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """Trace ``model`` into stages, then swap the other stages' root modules for placeholders."""
         from epl.errors import PlacementError
+        from epl.sharding.transform import split_stage_error
         from epl_pipeline.partition import trace_stages
         from epl_pipeline.stages import RemoteStage, replace_module, stage_roots
 
         plan = context.plan
-        if any(tg.device_count != 1 or tg.strategy != "replicate" for tg in plan.taskgraphs):
-            raise PlacementError("This version pipelines replicate(device_count=1) stages only.")
+        split = [tg.name for tg in plan.taskgraphs if tg.strategy == "split"]
+        if split:
+            raise split_stage_error(split[0])
+        if any(tg.device_count != 1 for tg in plan.taskgraphs):
+            raise PlacementError(
+                "This version pipelines replicate(device_count=1) stages only; got "
+                + ", ".join(f"{tg.name}: {tg.label}" for tg in plan.taskgraphs)
+                + ". Use device_count=1 for every stage; EPL adds data parallelism over the remaining devices."
+            )
         stage = plan.taskgraphs_on(context.cluster.rank)[0]
         roots = stage_roots(model, context.taskgraphs)
         owner = {id(t): tg.index for tg in context.taskgraphs for t in tg.tensors}

@@ -84,22 +84,30 @@ class Engine:
         return self.model.parameters()
 
     # -- checkpoints -------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer and step counter of this rank."""
-        return {
-            "version": STATE_VERSION,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "global_step": self.global_step,
-        }
+    def state_dict(self, *, full: bool = False) -> dict[str, Any]:
+        """Model, optimizer and step counter of this rank.
+
+        ``full=True`` gathers every split shard into the whole tensor (a collective:
+        every device of the split TaskGraph must call it), so the model's entries
+        have the names and shapes of the unsplit model and a local run can load
+        them; the optimizer's state is left out (``None``) in that case.
+        """
+        from epl.sharding.parameters import gather_whole
+
+        if full:
+            model = {key: gather_whole(value) for key, value in self.model.state_dict(keep_vars=True).items()}
+        else:
+            model = self.model.state_dict()
+        optimizer = self.optimizer.state_dict() if self.optimizer is not None and not full else None
+        return {"version": STATE_VERSION, "model": model, "optimizer": optimizer, "global_step": self.global_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (whole tensors are sliced to this rank's shards)."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(
                 f"Engine state of version {state.get('version')!r}; this EPL reads version {STATE_VERSION}."
             )
-        self.model.load_state_dict(state["model"])
+        self.model.load_state_dict(_to_shards(self.model, state["model"]))
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         self.global_step = int(state["global_step"])
@@ -127,3 +135,21 @@ class Engine:
             f"epl.Engine(replica {self.replica_index} of {self.num_replicas}, "
             f"{self.plan.num_stages} stage(s), step {self.global_step})"
         )
+
+
+def _to_shards(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each whole tensor of a sharded parameter replaced by this rank's shard of it."""
+    from epl.sharding.parameters import shard_spec
+
+    result = dict(state)
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        spec = shard_spec(tensor)
+        given = state.get(key)
+        if (
+            spec is not None
+            and given is not None
+            and given.shape != tensor.shape
+            and given.shape[spec.dim] == spec.size
+        ):
+            result[key] = spec.slice_of(given)
+    return result

@@ -42,7 +42,7 @@ class VocabParallelEmbedding(nn.Module):
         rows = self.group.slice(embedding.num_embeddings)
         self.start, self.stop = rows.start, rows.stop
         self.padding_idx = embedding.padding_idx
-        self.weight = sharded_parameter(embedding.weight[rows], like=embedding.weight)
+        self.weight = sharded_parameter(embedding.weight, group=self.group, dim=0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of ``ids`` (this device's rows of them when the batch is split over the devices)."""

@@ -32,10 +32,9 @@ class ExpertParallelExperts(nn.Module):
         self.group = shard.group
         self.num_experts = experts.num_experts
         self.local_experts = experts.num_experts // shard.count
-        mine = slice(shard.index * self.local_experts, (shard.index + 1) * self.local_experts)
         for name in ("w_in", "b_in", "w_out", "b_out"):
             full = getattr(experts, name)
-            setattr(self, name, sharded_parameter(full[mine], like=full))
+            setattr(self, name, sharded_parameter(full, group=self.group, dim=0))
 
     def forward(self, dispatched: torch.Tensor) -> torch.Tensor:
         """[num_experts, slots, d_model] in, the same out: every expert's tokens, processed."""

@@ -28,9 +28,8 @@ class ColumnParallelLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.sizes = self.group.sizes(linear.out_features)
-        rows = self.group.slice(linear.out_features)
-        self.weight = sharded_parameter(linear.weight[rows], like=linear.weight)
-        self.bias = sharded_parameter(linear.bias[rows], like=linear.bias) if linear.bias is not None else None
+        self.weight = sharded_parameter(linear.weight, group=self.group, dim=0)
+        self.bias = sharded_parameter(linear.bias, group=self.group, dim=0) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This device's output features (``column``/``logits``) or all of them (``alone``)."""
@@ -63,8 +62,7 @@ class RowParallelLinear(nn.Module):
         self.group = shard.group
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        columns = self.group.slice(linear.in_features)
-        self.weight = sharded_parameter(linear.weight[:, columns], like=linear.weight)
+        self.weight = sharded_parameter(linear.weight, group=self.group, dim=1)
         self.bias = (
             nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
             if linear.bias is not None

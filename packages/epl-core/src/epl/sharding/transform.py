@@ -90,16 +90,21 @@ class ShardSplitTaskGraphs:
 def _check_supported(context: ParallelContext) -> None:
     plan = context.plan
     if plan.num_stages > 1:
-        raise PlacementError(
-            "A split TaskGraph cannot be a pipeline stage yet: its devices would need activations from "
-            "another stage. Set cluster.colocate_split_and_replicate=True so that split and replicate "
-            "TaskGraphs share the same devices (the manual's classification and MoE recipes)."
-        )
+        raise split_stage_error(next(tg.name for tg in plan.taskgraphs if tg.strategy == "split"))
     if context.config["optimizer.max_grad_norm"] is not None:
         raise ConfigError(
             "optimizer.max_grad_norm with a split TaskGraph on several devices is not supported yet: the norm "
             "needs every shard's gradients. Leave optimizer.max_grad_norm unset for split models."
         )
+
+
+def split_stage_error(name: str) -> PlacementError:
+    """The error for a split TaskGraph planned as a pipeline stage (not supported yet)."""
+    return PlacementError(
+        f"A split TaskGraph cannot be a pipeline stage yet ({name}): its devices would need activations "
+        "from another stage. Set cluster.colocate_split_and_replicate=True so that split and replicate "
+        "TaskGraphs share the same devices (the manual's classification and MoE recipes)."
+    )
 
 
 def _targets(model: nn.Module, taskgraph: TaskGraph, rules: dict[type[nn.Module], SplitRule]) -> list[_Target]:
@@ -127,7 +132,7 @@ def _targets(model: nn.Module, taskgraph: TaskGraph, rules: dict[type[nn.Module]
 def _no_rule(taskgraph: TaskGraph, name: str, module: nn.Module) -> AnnotationError:
     kind = type(module)
     return AnnotationError(
-        f"{taskgraph.name} ({taskgraph.strategy}) holds {name or 'the model'}, "
+        f"{taskgraph.name} (split({taskgraph.strategy.device_count})) holds the module {name or 'model'!r}, "
         f"a {kind.__module__}.{kind.__qualname__}, "
         f"and no split rule says how to shard that type. Register a rule in a plugin:\n"
         f"    @epl.hookimpl\n"

@@ -1,0 +1,112 @@
+"""What goes wrong under ``epl.split`` says what and how to fix it; a third party's rule takes part."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import epl
+from epl.plugins import hookimpl
+from tests.helpers.distributed import run_ranks
+
+
+class Scale(nn.Module):
+    """A module type no built-in rule knows."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Multiply by the learned scale."""
+        return x * self.scale
+
+
+class ScaleRules:
+    """A third party's plugin: keep ``Scale`` whole on every device (and count the calls)."""
+
+    calls: list[str] = []
+
+    @hookimpl
+    def epl_split_rules(self) -> dict[type[nn.Module], Any]:
+        """Register the rule for Scale."""
+        return {Scale: self.keep_whole}
+
+    def keep_whole(self, module: nn.Module, shard: epl.ShardContext) -> nn.Module:
+        """Every device holds the whole module."""
+        self.calls.append(f"{shard.name}:{shard.index}/{shard.count}")
+        return module
+
+
+def test_a_module_without_a_rule_fails_on_the_laptop_with_how_to_register_one() -> None:
+    epl.init()
+    with epl.split(2, name="head"):
+        model = nn.Sequential(nn.Linear(4, 4), Scale(4))
+    with pytest.raises(epl.AnnotationError) as error:
+        epl.parallelize(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    message = str(error.value)
+    assert "head (split(2)) holds the module '1'" in message and "Scale" in message
+    assert "def epl_split_rules" in message and "outside the epl.split scope" in message
+
+
+def test_a_third_party_rule_is_used() -> None:
+    epl.init()
+    epl.Env.get().plugins.register(ScaleRules(), name="scale-rules")
+    with epl.split(2):
+        model = nn.Sequential(nn.Linear(4, 4), Scale(4))
+    engine = epl.parallelize(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.MSELoss())
+    assert float(engine.step(torch.randn(2, 4), torch.randn(2, 4))) > 0
+
+
+def misuse() -> dict[str, str]:
+    """On each rank, every misuse in turn; return the error each raised."""
+    from epl.nn import Experts
+
+    def attempt(config: dict[str, Any], build: Any, loss_fn: nn.Module | None = None) -> str:
+        epl.init(epl.Config(config))
+        try:
+            epl.parallelize(build(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=loss_fn)
+        except epl.EplError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    def experts() -> nn.Module:
+        with epl.split(2):
+            return Experts(3, 4, 4)
+
+    def embedding() -> nn.Module:
+        with epl.split(2):
+            return nn.Embedding(10, 4, sparse=True)
+
+    def stages() -> nn.Module:
+        with epl.replicate(1):
+            first = nn.Linear(4, 4)
+        with epl.split(1):
+            second = nn.Linear(4, 4)
+        return nn.Sequential(first, second)
+
+    def mlp() -> nn.Module:
+        with epl.split(2):
+            return nn.Linear(4, 4)
+
+    return {
+        "experts": attempt({}, experts),
+        "embedding": attempt({}, embedding),
+        "pipeline": attempt({}, stages),
+        "clipping": attempt({"optimizer.max_grad_norm": 1.0}, mlp),
+    }
+
+
+@pytest.mark.multiprocess
+def test_misuse_on_processes_gets_one_clear_error() -> None:
+    errors = run_ranks(misuse, 2, timeout=120)
+    assert errors[0] == errors[1]
+    assert errors[0]["experts"].startswith("AnnotationError") and "3 experts" in errors[0]["experts"]
+    assert "multiple of 2" in errors[0]["experts"]
+    assert "sparse" in errors[0]["embedding"]
+    assert "cannot be a pipeline stage yet" in errors[0]["pipeline"]
+    assert "cluster.colocate_split_and_replicate=True" in errors[0]["pipeline"]
+    assert errors[0]["clipping"].startswith("ConfigError") and "optimizer.max_grad_norm" in errors[0]["clipping"]
