@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import epl
 from tests.helpers.distributed import run_ranks
 from tests.helpers.reference import assert_rank_matches, train_locally
 
@@ -144,10 +145,15 @@ def train(kind: str, dtype: torch.dtype, k: int = 1) -> dict[str, Any]:
         rows = slice(engine.replica_index * share, (engine.replica_index + 1) * share)
         losses.append(float(engine.step(x[rows], y[rows])))
         steps.append([dict(Counter(g.collectives) - b) for g, b in zip(groups.values(), before, strict=True)])
+    full = engine.state_dict(full=True)
+    engine.load_state_dict(full)  # whole tensors load back into the shards
+    assert all(torch.equal(v, full["model"][k]) for k, v in engine.state_dict(full=True)["model"].items())
+    x0 = batches[0][0][: batches[0][0].shape[0] // engine.num_replicas]
     return {
         "replica": engine.replica_index,
+        "predict": engine.predict(x0),
         "losses": losses,
-        "state": engine.state_dict(full=True)["model"],
+        "state": full["model"],
         "steps": steps,
         "loss_fn": type(engine.context.loss_fn).__name__,
         "sharded_parameters": sum(p.numel() for p in engine.parameters()),
@@ -212,6 +218,12 @@ def test_classification_recipe_with_parallel_cross_entropy(world_size: int) -> N
     assert_matches(results, losses, state, 1e-10)
     for result in results:
         assert result["loss_fn"] == "ShardedCrossEntropyLoss"
+        # Engine.predict gives whole logits, those of the local model with the trained weights.
+        epl.init()
+        local = build("classification", torch.float64, 1, world_size)
+        local.load_state_dict(result["state"])
+        x0 = data("classification", 1, torch.float64, world_size)[0][0][:8]
+        torch.testing.assert_close(result["predict"], local(x0), rtol=1e-12, atol=1e-12)
         # Features rows gathered in, targets gathered, max and sums all-reduced, the per-row
         # losses' gradient gathered, the features' gradient reduce-scattered: never the logits.
         assert result["steps"] == [[{"all_gather": 3, "all_reduce": 2, "reduce_scatter": 1}]] * STEPS
