@@ -69,8 +69,8 @@ def test_moe_example_default_resumes_after_split_scope() -> None:
     model = examples.moe()
     default, experts = taskgraphs(model)
     assert (default.strategy.kind, experts.strategy.kind) == ("replicate", "split")
-    assert owned(experts) == {id(p) for p in model.experts.parameters()}
-    assert owned(default) == {id(p) for p in [*model.attention.parameters(), *model.gate.parameters()]}
+    assert owned(experts) == {id(p) for p in model.moe.experts.parameters()}
+    assert owned(default) == {id(p) for p in [*model.attention.parameters(), *model.moe.gate.parameters()]}
 
 
 def test_modules_after_scope_return_to_the_same_default_taskgraph() -> None:

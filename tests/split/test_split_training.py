@@ -63,6 +63,7 @@ CLASSES = {2: 7, 4: 10}
 def moe(k: int) -> nn.Module:
     """The manual's MoE: attention and gating replicated by default, experts split, colocated."""
     import epl
+    from epl.examples.models import MoEBlock
     from epl.nn import Experts, MoE, TopKGate
 
     devices = epl.Env.get().cluster.total_gpu_num
@@ -74,20 +75,6 @@ def moe(k: int) -> nn.Module:
         experts = Experts(4, 8, 16)
     epl.set_default_strategy(None)
     return MoEBlock(attention, MoE(gate, experts))
-
-
-class MoEBlock(nn.Module):
-    """Attention, then the MoE layer, each with a residual connection."""
-
-    def __init__(self, attention: nn.MultiheadAttention, moe: nn.Module) -> None:
-        super().__init__()
-        self.attention = attention
-        self.moe = moe
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[batch, sequence, 8] -> the same."""
-        h = x + self.attention(x, x, x, need_weights=False)[0]
-        return h + self.moe(h)
 
 
 # -- data --------------------------------------------------------------------------------

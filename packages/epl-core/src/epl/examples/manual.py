@@ -13,7 +13,8 @@ from typing import Any
 from torch import nn
 
 import epl
-from epl.examples.models import ConvFeatures, Experts, MoEBlock
+from epl.examples.models import ConvFeatures, MoEBlock
+from epl.nn import Experts, MoE, TopKGate
 
 
 @dataclass(frozen=True)
@@ -72,10 +73,11 @@ def moe() -> nn.Module:
     experts = 2 * devices
     epl.set_default_strategy(epl.replicate(devices, name="attention_and_gating"))
     attention = nn.MultiheadAttention(16, 2, batch_first=True)
-    gate = nn.Linear(16, experts)
+    gate = TopKGate(16, experts, k=2, capacity_factor=1.25)
     with epl.split(devices, name="experts"):
         expert_weights = Experts(experts, 16, 32)
-    return MoEBlock(attention, gate, expert_weights)
+    epl.set_default_strategy(None)
+    return MoEBlock(attention, MoE(gate, expert_weights))
 
 
 def by_hand() -> nn.Module:
