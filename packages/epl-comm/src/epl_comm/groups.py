@@ -23,8 +23,8 @@ class DataParallelGroups:
     ``copies`` maps each group of devices holding copies of some of this rank's
     tensors to ``communication.num_communicators`` communicators over it (used in
     turn for gradient buckets); ``replica`` spans the devices of this rank's
-    replica that share its work (None when it has them alone); the replica batch
-    is split ``num_shards`` ways among them and this rank takes part ``shard_index``.
+    replica that split the replica batch ``num_shards`` ways (None when they do not
+    split it), and this rank takes part ``shard_index``.
     """
 
     copies: dict[tuple[int, ...], list[Communicator]]
@@ -57,9 +57,11 @@ def _make_groups(context: ParallelContext) -> DataParallelGroups:
         tuple(sorted(plan.devices(plan.taskgraphs_on(context.cluster.rank)[0], context.replica_index)))
     )
     first, position = plan.assignment(context.cluster.rank).taskgraphs[0]
+    parts = plan.batch_parts(first)
     return DataParallelGroups(
         copies=copies,
-        replica=replica if replica is not None and replica.world_size > 1 else None,
+        # Devices that do not split the batch (a split-only replica) compute the same loss: nothing to average.
+        replica=replica if replica is not None and parts > 1 else None,
         shard_index=position,
-        num_shards=plan.batch_parts(first),
+        num_shards=parts,
     )
