@@ -35,7 +35,7 @@ from epl.sharding.group import ShardGroup
 
 def _all_reduce(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     group.collectives["all_reduce"] += 1
-    result = tensor.contiguous().clone()
+    result = tensor.clone(memory_format=torch.contiguous_format)
     group.communicator.all_reduce(result, ReduceOp.SUM).wait()
     return result
 

@@ -35,7 +35,7 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         local = targets - start
         mine = (local >= 0) & (local < logits.shape[-1])
         picked = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-        exp = shifted.exp()
+        exp = shifted.exp_()  # shifted is this function's own temporary
         sums = torch.stack([picked.masked_fill(~mine, 0.0), exp.sum(dim=-1)])
         group.collectives["all_reduce"] += 1
         communicator.all_reduce(sums, ReduceOp.SUM).wait()
@@ -54,7 +54,7 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         result = softmax.clone()
         result[rows[hit], local[hit]] -= 1.0
         result.masked_fill_(ignored.unsqueeze(-1), 0.0)
-        return result * grad.unsqueeze(-1), None, None, None, None
+        return result.mul_(grad.unsqueeze(-1)), None, None, None, None
 
 
 def sharded_cross_entropy(
