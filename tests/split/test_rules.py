@@ -211,3 +211,27 @@ def test_every_rule_with_the_batch_split_over_the_devices(world_size: int) -> No
     assert counts["embedding"] == {"all_gather": 2, "reduce_scatter": 1}
     assert counts["experts"] == {"all_to_all": 4}
     assert counts["cross_entropy"] == {"all_gather": 3, "all_reduce": 2}
+
+
+class Reuses(nn.Module):
+    """``a`` is called twice: once in a pair with ``b``, once alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A pair-looking path and a second use of ``a``."""
+        return self.b(torch.relu(self.a(x))) + self.a(x).sum(-1, keepdim=True)
+
+
+def test_a_linear_used_twice_keeps_whole_outputs() -> None:
+    from epl.sharding.layout import assign_roles
+
+    assert assign_roles(Reuses(), {"a", "b"}, loss_is_cross_entropy=False) == {"a": "alone", "b": "alone"}
+    shared = nn.Linear(8, 8)
+    twice = nn.Sequential(shared, nn.ReLU(), shared)  # the fallback scan sees one module under two names
+    assert set(assign_roles(twice, {"0", "2"}, loss_is_cross_entropy=True).values()) == {"alone"}
+    pair = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.Linear(8, 3))
+    roles = assign_roles(pair, {"0", "2", "3"}, loss_is_cross_entropy=True)
+    assert roles == {"0": "column", "2": "row", "3": "logits"}

@@ -110,3 +110,49 @@ def test_misuse_on_processes_gets_one_clear_error() -> None:
     assert "cannot be a pipeline stage yet" in errors[0]["pipeline"]
     assert "cluster.colocate_split_and_replicate=True" in errors[0]["pipeline"]
     assert errors[0]["clipping"].startswith("ConfigError") and "optimizer.max_grad_norm" in errors[0]["clipping"]
+
+
+def test_tied_weights_under_split_are_refused_on_the_laptop() -> None:
+    epl.init()
+    with epl.split(2, name="lm"):
+        embedding = nn.Embedding(10, 8)
+        head = nn.Linear(8, 10, bias=False)
+    head.weight = embedding.weight
+    with pytest.raises(epl.AnnotationError, match="shares a tensor between the modules '0' and '1'"):
+        epl.parallelize(nn.Sequential(embedding, head), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+def seeded_per_rank() -> dict[str, Any]:
+    """Each rank seeds differently; the split model starts from the first device's values."""
+    rank = int(__import__("os").environ["RANK"])
+    epl.init()
+    torch.manual_seed(100 + rank)
+    with epl.split(2):
+        model = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 4))
+    engine = epl.parallelize(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.MSELoss())
+    whole = engine.state_dict(full=True)["model"]
+    mine = engine.state_dict()
+    swapped = {**mine, "shards": {key: [1 - index, count] for key, (index, count) in mine["shards"].items()}}
+    try:
+        engine.load_state_dict(swapped)
+        refused = "no error"
+    except epl.EplError as exc:
+        refused = str(exc)
+    split = [tg for tg in engine.context.taskgraphs if tg.strategy.kind == "split"][0]
+    return {
+        "whole": whole,
+        "refused": refused,
+        "only_shards_kept": all(id(t) in engine.context.split_tensors for t in split.tensors),
+    }
+
+
+@pytest.mark.multiprocess
+def test_differently_seeded_devices_start_from_the_first_and_shards_do_not_cross_devices() -> None:
+    results = run_ranks(seeded_per_rank, 2, timeout=120)
+    torch.manual_seed(100)
+    expected = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 4)).state_dict()
+    for result in results:
+        for key, value in expected.items():
+            torch.testing.assert_close(result["whole"][key], value, rtol=0, atol=0)
+        assert "holds shard" in result["refused"] and "state_dict(full=True)" in result["refused"]
+        assert result["only_shards_kept"]  # the whole tensors are not kept alive beside the shards

@@ -92,14 +92,23 @@ class Engine:
         have the names and shapes of the unsplit model and a local run can load
         them; the optimizer's state is left out (``None``) in that case.
         """
-        from epl.sharding.parameters import gather_whole
+        from epl.sharding.parameters import gather_whole, shard_spec
 
+        tensors = self.model.state_dict(keep_vars=True)
         if full:
-            model = {key: gather_whole(value) for key, value in self.model.state_dict(keep_vars=True).items()}
+            model = {key: gather_whole(value) for key, value in tensors.items()}
         else:
             model = self.model.state_dict()
-        optimizer = self.optimizer.state_dict() if self.optimizer is not None and not full else None
-        return {"version": STATE_VERSION, "model": model, "optimizer": optimizer, "global_step": self.global_step}
+        specs = {key: shard_spec(value) for key, value in tensors.items()}
+        shards = {key: [spec.group.index, spec.group.count] for key, spec in specs.items() if spec and not full}
+        return {
+            "version": STATE_VERSION,
+            "model": model,
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None and not full else None,
+            "global_step": self.global_step,
+            #: Which shard of each split tensor ``model`` holds (absent for whole tensors).
+            "shards": shards,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (whole tensors are sliced to this rank's shards)."""
@@ -107,13 +116,17 @@ class Engine:
             raise ValueError(
                 f"Engine state of version {state.get('version')!r}; this EPL reads version {STATE_VERSION}."
             )
-        self.model.load_state_dict(_to_shards(self.model, state["model"]))
+        self.model.load_state_dict(_to_shards(self.model, state["model"], state.get("shards", {})))
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         self.global_step = int(state["global_step"])
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write :meth:`state_dict` to ``path`` atomically (a crash leaves the old file intact)."""
+        """Write :meth:`state_dict` to ``path`` atomically (a crash leaves the old file intact).
+
+        It holds this rank's part: with split TaskGraphs, every device saves its own file
+        (or write ``state_dict(full=True)`` from every device's call, once).
+        """
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
@@ -137,19 +150,31 @@ class Engine:
         )
 
 
-def _to_shards(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` with each whole tensor of a sharded parameter replaced by this rank's shard of it."""
+def _to_shards(
+    model: nn.Module, state: dict[str, torch.Tensor], shards: dict[str, list[int]]
+) -> dict[str, torch.Tensor]:
+    """``state`` with each whole tensor of a sharded parameter replaced by this rank's shard of it.
+
+    A shard saved by another device (``shards`` says which) is refused: loading it would
+    silently give this device another device's part.
+    """
+    from epl.errors import EplError
     from epl.sharding.parameters import shard_spec
 
     result = dict(state)
     for key, tensor in model.state_dict(keep_vars=True).items():
         spec = shard_spec(tensor)
         given = state.get(key)
-        if (
-            spec is not None
-            and given is not None
-            and given.shape != tensor.shape
-            and given.shape[spec.dim] == spec.size
-        ):
+        if spec is None or given is None:
+            continue
+        mine = [spec.group.index, spec.group.count]
+        saved = shards.get(key)
+        if saved is not None and list(saved) != mine:
+            raise EplError(
+                f"The checkpoint holds shard {saved[0]} of {saved[1]} of {key!r}, but this device holds shard "
+                f"{mine[0]} of {mine[1]}. Save split models with engine.state_dict(full=True) (every device "
+                "calls it; whole tensors load under any layout), or let every device load the file it saved."
+            )
+        if saved is None and given.shape[spec.dim] == spec.size:
             result[key] = spec.slice_of(given)
     return result

@@ -37,6 +37,7 @@ class VocabParallelEmbedding(nn.Module):
                 "Create it without those options, or outside the epl.split scope."
             )
         self.group = shard.group
+        self.group.require(embedding.num_embeddings, f"{shard.name}: the rows of nn.Embedding")
         self.num_embeddings = embedding.num_embeddings
         self.embedding_dim = embedding.embedding_dim
         rows = self.group.slice(embedding.num_embeddings)

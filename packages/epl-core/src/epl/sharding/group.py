@@ -31,14 +31,12 @@ class ShardGroup:
     ``batch_split``: the replica batch is also split over these devices (the split
     TaskGraph is colocated with a ``replicate(n)`` one), so each device arrives with
     its own rows and tensor-parallel modules gather rows before computing.
-    ``mean``: gradients are averaged, not summed, over the devices' losses
-    (``communication.gradients_reduce_method``). ``collectives`` counts the
-    collectives the split modules issued, by operation (forward and backward).
+    ``collectives`` counts the collectives the split modules issued, by operation
+    (forward and backward).
     """
 
     communicator: Communicator
     batch_split: bool = False
-    mean: bool = True
     collectives: collections.Counter[str] = field(default_factory=collections.Counter)
 
     @property
@@ -58,3 +56,13 @@ class ShardGroup:
     def sizes(self, size: int) -> list[int]:
         """Every device's number of items of ``size``."""
         return shard_sizes(size, self.count)
+
+    def require(self, size: int, what: str) -> None:
+        """Raise when ``size`` items of ``what`` leave some device without any."""
+        if size < self.count:
+            from epl.errors import AnnotationError
+
+            raise AnnotationError(
+                f"{what}: {size} cannot be shared by {self.count} devices (some would hold none). "
+                f"Split it over at most {size} devices, or create it outside the epl.split scope."
+            )

@@ -5,11 +5,13 @@ Linears); a Linear whose output passes through elementwise operations only, each
 used once, into another split Linear of matching width forms a pair, as in
 Megatron-LM's MLP. When tracing fails, the items of ``nn.Sequential`` containers
 are scanned instead. A lone split Linear whose output is the model's output is the
-``logits`` layer when the loss is ``nn.CrossEntropyLoss``.
+``logits`` layer when the loss is ``nn.CrossEntropyLoss``. A Linear called more than
+once (or whose weight is read directly) keeps the ``alone`` role.
 """
 
 from __future__ import annotations
 
+import collections
 import operator
 from collections.abc import Iterator
 
@@ -70,16 +72,21 @@ def assign_roles(model: nn.Module, linears: set[str], *, loss_is_cross_entropy: 
     try:
         graph = _trace(model, linears)
     except Exception:  # noqa: BLE001 - any model fx cannot trace falls back to the Sequential scan
-        _pairs_in_sequentials(model, linears, roles)
+        single = _used_once(model, linears)
+        _pairs_in_sequentials(model, single, roles)
         last = _last_of_sequentials(model)
-        if loss_is_cross_entropy and last in linears and roles[last] == "alone":
+        if loss_is_cross_entropy and last in single and roles[last] == "alone":
             roles[last] = "logits"
         return roles
     modules = dict(model.named_modules())
+    calls = collections.Counter(node.target for node in graph.nodes if node.op == "call_module")
+    weights_read = {str(node.target).rpartition(".")[0] for node in graph.nodes if node.op == "get_attr"}
+    # A Linear called twice, or whose weight is read directly, keeps whole outputs: a role would hold for every use.
+    single = {name for name in linears if calls[name] == 1 and name not in weights_read}
     for node in graph.nodes:
-        if node.op != "call_module" or node.target not in linears or roles[node.target] != "alone":
+        if node.op != "call_module" or node.target not in single or roles[node.target] != "alone":
             continue
-        partner = _pair_end(node, modules, linears)
+        partner = _pair_end(node, modules, single)
         if partner is not None and roles[partner] == "alone":
             roles[node.target], roles[partner] = "column", "row"
     output = next(node for node in graph.nodes if node.op == "output")
@@ -88,7 +95,7 @@ def assign_roles(model: nn.Module, linears: set[str], *, loss_is_cross_entropy: 
         loss_is_cross_entropy
         and isinstance(result, torch.fx.Node)
         and result.op == "call_module"
-        and result.target in linears
+        and result.target in single
         and roles[result.target] == "alone"
     ):
         roles[result.target] = "logits"
@@ -131,10 +138,18 @@ def _pair_end(node: torch.fx.Node, modules: dict[str, nn.Module], linears: set[s
 
 def _elementwise(node: torch.fx.Node, modules: dict[str, nn.Module]) -> bool:
     if node.op == "call_module":
-        return isinstance(modules[node.target], ELEMENTWISE_MODULES)
+        return type(modules[node.target]) in ELEMENTWISE_MODULES  # a subclass may do more
     if node.op == "call_function":
         return node.target in ELEMENTWISE_FUNCTIONS
     return node.op == "call_method" and node.target in ELEMENTWISE_METHODS
+
+
+def _used_once(model: nn.Module, linears: set[str]) -> set[str]:
+    """The Linears registered under one name only (a module held twice may be called twice)."""
+    names: dict[int, list[str]] = collections.defaultdict(list)
+    for name, module in model.named_modules(remove_duplicate=False):
+        names[id(module)].append(name)
+    return {name for name in linears if len(names[id(model.get_submodule(name))]) == 1}
 
 
 def _pairs_in_sequentials(model: nn.Module, linears: set[str], roles: dict[str, ShardRole]) -> None:
@@ -146,7 +161,7 @@ def _pairs_in_sequentials(model: nn.Module, linears: set[str], roles: dict[str, 
         while i < len(items):
             name, child = items[i]
             j = i + 1
-            while j < len(items) and isinstance(items[j][1], ELEMENTWISE_MODULES):
+            while j < len(items) and type(items[j][1]) in ELEMENTWISE_MODULES:
                 j += 1
             if (
                 name in linears

@@ -25,6 +25,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.group = shard.group
         self.role: ShardRole = shard.role
+        self.group.require(linear.out_features, f"{shard.name}: the output features of nn.Linear")
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.sizes = self.group.sizes(linear.out_features)
@@ -60,6 +61,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, shard: ShardContext) -> None:
         super().__init__()
         self.group = shard.group
+        self.group.require(linear.in_features, f"{shard.name}: the input features of nn.Linear")
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = sharded_parameter(linear.weight, group=self.group, dim=1)

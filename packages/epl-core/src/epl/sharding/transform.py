@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from epl.comm.partition import communicators_for
@@ -65,17 +66,19 @@ class ShardSplitTaskGraphs:
         rank, replica = context.cluster.rank, context.replica_index
         mine = [tg for tg in split if tg.index in plan.taskgraphs_on(rank)]
         linears = {t.name for tg in mine for t in targets[tg.index] if t.rule is shard_linear}
-        roles = assign_roles(model, linears, loss_is_cross_entropy=isinstance(context.loss_fn, nn.CrossEntropyLoss))
+        # Exactly nn.CrossEntropyLoss: a subclass may compute something else from the logits.
+        roles = assign_roles(model, linears, loss_is_cross_entropy=type(context.loss_fn) is nn.CrossEntropyLoss)
         state = context.extras.setdefault(EXTRAS_KEY, SplitState())
-        mean = context.config["communication.gradients_reduce_method"] == "mean"
         for tg in mine:
             group = ShardGroup(
                 communicators[tuple(sorted(devices[tg.index, replica]))],
                 batch_split=plan.batch_parts(tg.index) > 1,
-                mean=mean,
             )
             state.groups[tg.index] = group
+            replaced: set[int] = set()
             for target in targets[tg.index]:
+                _start_alike(target.module, group)
+                replaced.update(id(t) for t in itertools.chain(target.module.parameters(), target.module.buffers()))
                 role = roles.get(target.name, "alone")
                 shard = target.rule(target.module, ShardContext(group, target.name, role))
                 model = _replace(model, target.name, shard)
@@ -84,7 +87,21 @@ class ShardSplitTaskGraphs:
                 if role == "logits":
                     assert isinstance(target.module, nn.Linear) and isinstance(context.loss_fn, nn.CrossEntropyLoss)
                     context.loss_fn = ShardedCrossEntropyLoss(context.loss_fn, group, target.module.out_features)
+            # Forget the whole tensors, so that only the shards stay in memory.
+            tg.tensors[:] = [t for t in tg.tensors if id(t) not in replaced or id(t) in context.split_tensors]
         return model
+
+
+def _start_alike(module: nn.Module, group: ShardGroup) -> None:
+    """Give every device of ``group`` the first device's values of ``module`` before it is sliced.
+
+    The shards then fit together even when the devices were seeded differently, and the
+    tensors every device keeps whole (a row-parallel bias) are equal.
+    """
+    with torch.no_grad():
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            if tensor.numel():
+                group.communicator.broadcast(tensor.data, src=0).wait()
 
 
 def _check_supported(context: ParallelContext) -> None:
@@ -111,12 +128,17 @@ def _targets(model: nn.Module, taskgraph: TaskGraph, rules: dict[type[nn.Module]
     """The outermost modules holding ``taskgraph``'s tensors that a rule covers; a module no rule covers is an error."""
     owned = {id(t) for t in taskgraph.tensors}
     found: list[_Target] = []
+    holder: dict[int, str] = {}
 
     def visit(name: str, module: nn.Module) -> None:
         if not any(id(t) in owned for t in itertools.chain(module.parameters(), module.buffers())):
             return
         rule = rule_for(module, rules)
         if rule is not None:
+            for tensor in itertools.chain(module.parameters(), module.buffers()):
+                if id(tensor) in holder:
+                    raise _shared(taskgraph, holder[id(tensor)], name)
+                holder[id(tensor)] = name
             found.append(_Target(name, module, rule))
             return
         own = itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False))
@@ -127,6 +149,15 @@ def _targets(model: nn.Module, taskgraph: TaskGraph, rules: dict[type[nn.Module]
 
     visit("", model)
     return found
+
+
+def _shared(taskgraph: TaskGraph, first: str, second: str) -> AnnotationError:
+    return AnnotationError(
+        f"{taskgraph.name} (split({taskgraph.strategy.device_count})) shares a tensor between the modules "
+        f"{first or 'model'!r} and {second or 'model'!r} (tied weights, or one module under two names). Split "
+        "rules shard each module on its own, so they would come apart. Untie them, or create the shared "
+        "module outside the epl.split scope."
+    )
 
 
 def _no_rule(taskgraph: TaskGraph, name: str, module: nn.Module) -> AnnotationError:
