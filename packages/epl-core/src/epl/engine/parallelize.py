@@ -89,9 +89,9 @@ def _build_optimizer(optimizer: OptimizerSpec, model: nn.Module) -> torch.optim.
             foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in ours)
             if foreign:
                 raise EplError(
-                    f"The optimizer holds {foreign} parameters that are not in the model given to "
-                    "epl.parallelize. Build it over model.parameters(), or pass a factory: "
-                    "optimizer=lambda params: torch.optim.Adam(params)."
+                    f"The optimizer holds {foreign} parameters that this rank's model does not hold. "
+                    "Pipelines keep only this rank's stage and epl.split replaces parameters by shards, so "
+                    "pass a factory: optimizer=lambda params: torch.optim.Adam(params)."
                 )
         return optimizer
     if not callable(optimizer):
