@@ -1,0 +1,196 @@
+"""Gradient checkpointing: recompute chosen modules' activations in backward instead of keeping them.
+
+A checkpointed module keeps its name, parameters and hooks: only its ``forward``
+is replaced (an instance attribute) by one that runs the original under
+``torch.utils.checkpoint`` (non-reentrant, random state preserved, so dropout draws
+the same mask when it is recomputed). ``nn.Sequential`` segments are checkpointed
+the same way, through the container's ``forward``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+_log = logging.getLogger("epl.memory")
+_MARK = "_epl_checkpoint"
+_WRAPPED = "_epl_checkpointed_forward"
+
+
+def checkpoint(module: nn.Module) -> nn.Module:
+    """Mark ``module`` for recomputation under ``gradient_checkpoint.type = "collection"``; return it.
+
+    The PyTorch counterpart of adding tensors to the manual's checkpoint collection:
+    the activations inside ``module`` are not kept for backward but recomputed.
+    """
+    setattr(module, _MARK, True)
+    return module
+
+
+def is_marked(module: nn.Module) -> bool:
+    """Whether :func:`checkpoint` marked ``module``."""
+    return bool(getattr(module, _MARK, False))
+
+
+def recompute_forward(module: nn.Module, check: GradientCheck | None = None, name: str = "") -> None:
+    """Replace ``module.forward`` by a checkpointed call of it (idempotent)."""
+    if getattr(module, _WRAPPED, False):
+        return
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        if check is not None and check.pending(name):
+            return check.run(name, original, list(module.parameters()), args, kwargs)
+        return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
+    setattr(module, _WRAPPED, True)
+
+
+@dataclass
+class GradientCheck:
+    """``gradient_checkpoint.check_gradients``: on its first call, each checkpointed unit runs plainly too,
+    and the gradients of a fixed projection of its output (to its inputs and parameters) are compared.
+
+    ``results`` maps each unit to the largest absolute difference (None: its output is not one tensor).
+    """
+
+    results: dict[str, float | None] = field(default_factory=dict)
+
+    def pending(self, name: str) -> bool:
+        """Whether ``name`` has not been checked yet."""
+        return name not in self.results
+
+    def run(self, name: str, fn: Callable[..., Any], params: list[nn.Parameter], args: Any, kwargs: Any) -> Any:
+        """Run ``fn`` plainly and checkpointed from the same random state; compare; return the checkpointed output."""
+        state = torch.random.get_rng_state()
+        plain = fn(*args, **kwargs)
+        torch.random.set_rng_state(state)
+        out = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        if not isinstance(out, torch.Tensor) or not out.requires_grad:
+            self.results[name] = None
+            return out
+        targets = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + [
+            p for p in params if p.requires_grad
+        ]
+        projection = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out)
+        expected = torch.autograd.grad(plain, targets, projection, allow_unused=True)
+        got = torch.autograd.grad(out, targets, projection, retain_graph=True, allow_unused=True)
+        differences = [
+            float((a - b).abs().max()) for a, b in zip(expected, got, strict=True) if a is not None and b is not None
+        ]
+        self.results[name] = max(differences, default=0.0)
+        _log.info("gradient check of %s: largest difference %.3g", name or "model", self.results[name])
+        return out
+
+
+def recompute_segments(sequential: nn.Sequential, segments: Sequence[range]) -> None:
+    """Make ``sequential`` run each of ``segments`` (ranges of its items) as one checkpointed call."""
+    items = list(sequential)
+
+    def run(part: range, x: Any) -> Any:
+        for index in part:
+            x = items[index](x)
+        return x
+
+    def forward(x: Any) -> Any:
+        for part in segments:
+            step: Callable[[Any], Any] = functools.partial(run, part)
+            if torch.is_grad_enabled() and len(part) > 0:
+                x = torch.utils.checkpoint.checkpoint(step, x, use_reentrant=False)
+            else:
+                x = step(x)
+        return x
+
+    sequential.forward = forward  # type: ignore[method-assign]
+    setattr(sequential, _WRAPPED, True)
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """What ``auto`` or ``collection`` chose: whole modules by name, and Sequential segments."""
+
+    modules: tuple[str, ...] = ()
+    #: Name of an nn.Sequential and the ranges of its items run as one checkpointed segment each.
+    segments: tuple[tuple[str, tuple[range, ...]], ...] = ()
+
+    def describe(self) -> str:
+        """One line for logs and errors."""
+        parts = [f"{len(self.modules)} modules"] if self.modules else []
+        parts += [f"{name or 'model'}: {len(ranges)} segments" for name, ranges in self.segments]
+        return ", ".join(parts) or "nothing"
+
+
+def plan_collection(model: nn.Module, allowed: Callable[[nn.Module], bool]) -> CheckpointPlan:
+    """The modules the user marked with :func:`checkpoint` (outermost ones only)."""
+    chosen: list[str] = []
+    for name, module in model.named_modules():
+        if is_marked(module) and allowed(module) and not any(name.startswith(f"{c}.") for c in chosen):
+            chosen.append(name)
+    return CheckpointPlan(modules=tuple(chosen))
+
+
+def plan_auto(model: nn.Module, allowed: Callable[[nn.Module], bool]) -> CheckpointPlan:
+    """Repeated blocks (the items of the largest list of same-type modules, e.g. transformer layers),
+    else about sqrt(N) segments of the largest ``nn.Sequential``, balanced by parameter count."""
+    best: tuple[int, list[str]] = (0, [])
+    for name, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(container.named_children())
+        kinds = {type(child) for _, child in children}
+        repeated = len(children) >= 2 and len(kinds) == 1 and _holds_parameters(children[0][1])
+        if repeated and len(children) > best[0]:
+            names = [f"{name}.{child}" if name else child for child, _ in children]
+            best = (len(children), [n for n in names if allowed(model.get_submodule(n))])
+    if best[1]:
+        return CheckpointPlan(modules=tuple(best[1]))
+    sequentials = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Sequential) and len(m) >= 2]
+    sequentials = [(n, m) for n, m in sequentials if allowed(m)]
+    if not sequentials:
+        return CheckpointPlan()
+    name, sequential = max(sequentials, key=lambda item: len(item[1]))
+    return CheckpointPlan(segments=((name, balanced_segments(sequential)),))
+
+
+def balanced_segments(sequential: nn.Sequential) -> tuple[range, ...]:
+    """About sqrt(N) consecutive segments of the N items, each holding about the same parameter count."""
+    sizes = [sum(p.numel() for p in item.parameters()) + 1 for item in sequential]
+    count = max(1, round(math.sqrt(len(sizes))))
+    target = sum(sizes) / count
+    segments, start, running = [], 0, 0.0
+    for index, size in enumerate(sizes):
+        running += size
+        remaining_items = len(sizes) - index - 1
+        remaining_segments = count - len(segments) - 1
+        if (running >= target and remaining_segments > 0) or remaining_items < remaining_segments:
+            segments.append(range(start, index + 1))
+            start, running = index + 1, 0.0
+    if start < len(sizes):
+        segments.append(range(start, len(sizes)))
+    return tuple(segments)
+
+
+def apply_plan(model: nn.Module, plan: CheckpointPlan, check: GradientCheck | None = None) -> None:
+    """Checkpoint what ``plan`` names in ``model`` (``check``: compare gradients once per module)."""
+    for name in plan.modules:
+        recompute_forward(model.get_submodule(name) if name else model, check, name)
+    for name, ranges in plan.segments:
+        sequential = model.get_submodule(name) if name else model
+        assert isinstance(sequential, nn.Sequential)
+        recompute_segments(sequential, ranges)
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
