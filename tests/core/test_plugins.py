@@ -125,7 +125,9 @@ def test_duplicate_config_key_is_an_error() -> None:
         manager.config_schema()
 
 
-def test_providing_plugin_may_refine_its_key_and_satisfies_the_requirement() -> None:
+def test_providing_plugin_may_refine_its_key_and_satisfies_the_requirement(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EPL_DISABLE_EXTERNAL_PLUGINS", "epl-memory")  # the real one stands aside
+
     class Memory:
         @epl.hookimpl
         def epl_config_keys(self) -> list[ConfigKey]:

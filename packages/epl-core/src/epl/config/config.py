@@ -145,12 +145,14 @@ class Config:
             value = self._values[name]
             if key.provided_by is None or value == key.default:
                 continue
+            if plugin_manager.has_plugin(key.provided_by):
+                continue
             if key.provided_by in plugin_manager.blocked:
                 lines.append(
                     f"Config key {name!r} = {value!r} needs the plugin {key.provided_by}, which is installed "
                     "but blocked by EPL_DISABLE_EXTERNAL_PLUGINS. Unblock it, or leave the key at its default."
                 )
-            elif not plugin_manager.has_plugin(key.provided_by):
+            else:
                 lines.append(
                     f"Config key {name!r} = {value!r} needs the package {key.provided_by}, "
                     f"which is not installed. Install it: pip install {key.provided_by} "
