@@ -32,15 +32,13 @@ the gradient (3 x 16 MiB). Expected ratio EPL / gathered: 1/2 on 2 devices; asse
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from tests.helpers.distributed import run_ranks
 
 from benchmarks.harness import save_result, short_mode
+from benchmarks.memory import peak_allocated_bytes, trace_events
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -176,43 +174,6 @@ def collectives_of(step: Callable[[], object]) -> dict[str, int]:
             key = f"{name.removeprefix('c10d::').rstrip('_')} {dims[0][0] if dims[0] else []}"
             counts[key] = counts.get(key, 0) + 1
     return counts
-
-
-def trace_events(prof: torch.profiler.profile) -> list[dict[str, Any]]:
-    """The events of a finished profile, as its Chrome trace has them (with shapes and allocator totals)."""
-    with tempfile.TemporaryDirectory(prefix="epl-bench-") as folder:
-        path = os.path.join(folder, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as file:
-            return json.load(file)["traceEvents"]
-
-
-def peak_allocated_bytes(fn: Callable[[], object]) -> int:
-    """Peak bytes that ``fn`` held allocated at once from the CPU allocator, above what was live before it.
-
-    Under ``torch.profiler.profile(profile_memory=True)`` the CPU allocator reports
-    every allocation and every free, with its running total of the bytes allocated
-    since profiling began and not yet freed ("Total Allocated" of the ``[memory]``
-    events of the trace). The peak of that total over ``fn`` is its peak footprint:
-    every tensor it made (outputs, temporaries, tensors saved for backward,
-    gradients, collective buffers) while it lived, freed ones included only while
-    they were alive. Tensors that existed before (the inputs) are not counted; what
-    ``fn`` made and kept (a leaf's ``.grad``) is. Memory that bypasses PyTorch's
-    allocator (gloo's own small staging buffers) is not counted on either side.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    memory = sorted(
-        (e for e in trace_events(prof) if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
-        key=lambda e: e["ts"],
-    )
-    assert memory, "the profiler recorded no CPU allocation"
-    # The running total may carry what earlier profiled code left allocated; start from it.
-    first = memory[0]["args"]
-    base = first["Total Allocated"] - first["Bytes"]
-    return max(e["args"]["Total Allocated"] for e in memory) - base
 
 
 def race_cross_entropy(rounds: int) -> dict[str, Any]:
