@@ -2,7 +2,8 @@
 
 ``gradient_checkpoint.type``: ``collection`` recomputes the modules marked with
 :func:`checkpoint`; ``auto`` lets EPL choose (repeated blocks, else about sqrt(N)
-balanced segments).
+balanced segments). ``zero.level = "v0"``: each copy of a parameter group keeps the
+optimizer state of its own partition (:mod:`epl_memory.zero`).
 
 Names are imported on first use: loading this plugin (e.g. for ``epl launch``)
 must not import PyTorch.

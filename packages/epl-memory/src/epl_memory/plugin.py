@@ -7,14 +7,17 @@ from typing import TYPE_CHECKING
 from epl.plugins import hookimpl
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
-    from epl.engine.extensions import ModelTransform, ParallelContext
+    from epl.engine.extensions import ModelTransform, OptimizerWrapper, ParallelContext
 
 PLUGIN = "epl-memory"
 
 #: Keys this package declares in the core's catalogue but does not implement yet, with their "off" value.
-NOT_YET = {"zero.level": "", "offload.level": "", "amp.level": "", "optimizer.num_apply_group": 1}
+NOT_YET = {"offload.level": "", "amp.level": "", "optimizer.num_apply_group": 1}
+#: ZeRO levels built so far.
+ZERO_LEVELS = ("", "v0")
 
 
 class GradientCheckpointing:
@@ -44,12 +47,50 @@ class GradientCheckpointing:
         return model
 
 
+class ZeroStatePartition:
+    """Optimizer wrapper (``zero.level = v0``): each copy keeps the optimizer state of its partition only."""
+
+    name = "zero_v0"
+    order = 100
+
+    def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
+        """Rebuild ``optimizer`` over this device's partition of every group of parameter copies."""
+        from epl.comm.partition import communicators_for
+        from epl.placement.copies import copies_of_tensors, every_copy_group
+        from epl_memory.zero import Partition, ZeroOptimizer, balanced_partition
+
+        communicators = communicators_for(context.communicator, every_copy_group(context.plan))
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        partitions = [
+            Partition(communicators[copies.devices], balanced_partition(members, len(copies.devices)))
+            for copies, members in copies_of_tensors(context, params).items()
+            if len(copies.devices) > 1
+        ]
+        return ZeroOptimizer(optimizer, partitions)
+
+
+@hookimpl
+def epl_optimizer_wrappers(context: ParallelContext) -> list[OptimizerWrapper] | None:
+    """ZeRO v0 when ``zero.level = v0`` and there is more than one copy to partition over."""
+    if context.config["zero.level"] == "v0" and not context.plan.local:
+        return [ZeroStatePartition()]
+    return None
+
+
 @hookimpl
 def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | None:
-    """Gradient checkpointing when ``gradient_checkpoint.type`` is set; a clear error for what is not built yet."""
+    """Gradient checkpointing when ``gradient_checkpoint.type`` is set; a clear error for what is not built yet.
+
+    (The checks run here, the first memory hook ``epl.parallelize`` calls.)
+    """
     from epl.errors import ConfigError
 
     config = context.config
+    if config["zero.level"] not in ZERO_LEVELS:
+        raise ConfigError(
+            f"Config key 'zero.level' = {config['zero.level']!r}: epl-memory {_version()} implements v0 "
+            "(optimizer states partitioned) only so far. Use 'v0', or leave zero.level unset."
+        )
     for key, off in NOT_YET.items():
         if config[key] != off:
             raise ConfigError(
