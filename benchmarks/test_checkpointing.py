@@ -23,7 +23,7 @@ from torch import nn
 
 import epl
 from benchmarks.harness import compare, save_result, short_mode
-from benchmarks.memory import peak_allocated_bytes
+from epl_memory.measure import peak_allocated_bytes
 
 LAYERS, WIDTH, HEADS, BATCH, SEQUENCE = 12, 64, 4, 8, 64 if short_mode() else 128
 #: Recomputation costs about one more forward (a third of a step); CI only catches gross regressions.
@@ -71,7 +71,7 @@ def kept_after_forward(model: nn.Module, x: torch.Tensor) -> int:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.memory import trace_events
+    from epl_memory.measure import trace_events
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         forward()

@@ -38,7 +38,7 @@ import pytest
 from tests.helpers.distributed import run_ranks
 
 from benchmarks.harness import save_result, short_mode
-from benchmarks.memory import peak_allocated_bytes, trace_events
+from epl_memory.measure import peak_allocated_bytes, trace_events
 
 if TYPE_CHECKING:
     from collections.abc import Callable

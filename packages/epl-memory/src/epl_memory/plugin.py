@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 PLUGIN = "epl-memory"
 
 #: Keys this package declares in the core's catalogue but does not implement yet, with their "off" value.
-NOT_YET = {"offload.level": "", "amp.level": "", "optimizer.num_apply_group": 1}
+NOT_YET = {"offload.level": "", "amp.level": ""}
 #: ZeRO levels built so far.
 ZERO_LEVELS = ("", "v0")
 
@@ -69,12 +69,31 @@ class ZeroStatePartition:
         return ZeroOptimizer(optimizer, partitions)
 
 
+class ApplyGroups:
+    """Optimizer wrapper (``optimizer.num_apply_group = k``): the update applied in k groups of parameters."""
+
+    name = "apply_groups"
+    order = 110  # after ZeRO: with it, the groups split this device's partition
+
+    def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
+        """Make the optimizer (ZeRO's partition optimizer, if any) step in groups; return ``optimizer``."""
+        from epl_memory.apply_groups import apply_in_groups
+        from epl_memory.zero import ZeroOptimizer
+
+        inner = optimizer.local if isinstance(optimizer, ZeroOptimizer) else optimizer
+        apply_in_groups(inner, context.config["optimizer.num_apply_group"])
+        return optimizer
+
+
 @hookimpl
 def epl_optimizer_wrappers(context: ParallelContext) -> list[OptimizerWrapper] | None:
-    """ZeRO v0 when ``zero.level = v0`` and there is more than one copy to partition over."""
+    """ZeRO v0 (when there is more than one copy to partition over) and apply groups, as configured."""
+    wrappers: list[OptimizerWrapper] = []
     if context.config["zero.level"] == "v0" and not context.plan.local:
-        return [ZeroStatePartition()]
-    return None
+        wrappers.append(ZeroStatePartition())
+    if context.config["optimizer.num_apply_group"] > 1:
+        wrappers.append(ApplyGroups())
+    return wrappers or None
 
 
 @hookimpl

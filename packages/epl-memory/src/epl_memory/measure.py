@@ -1,4 +1,4 @@
-"""Measuring memory on CPU: the allocator's running total under the PyTorch profiler."""
+"""Measuring memory on CPU: the allocator's running total under the PyTorch profiler (tests and benchmarks use it)."""
 
 from __future__ import annotations
 
