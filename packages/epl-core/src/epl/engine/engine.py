@@ -13,6 +13,7 @@ from torch import nn
 
 from epl.engine.batch import call_model, to_device
 from epl.engine.extensions import ParallelContext, StepRunner
+from epl.engine.memory import MemoryReport
 from epl.placement.plan import Plan
 
 #: Version of the layout of ``Engine.state_dict``.
@@ -82,6 +83,45 @@ class Engine:
     def parameters(self) -> Iterator[nn.Parameter]:
         """The parameters (or shards) this rank holds."""
         return self.model.parameters()
+
+    def memory_report(self, inputs: Any = None, targets: Any = None) -> MemoryReport:
+        """Bytes this rank holds: parameters, gradients and optimizer states, counted from its tensors.
+
+        Given a batch, one forward and backward of it also measures the peak of the
+        activations autograd saves; the gradients are restored afterwards and nothing is
+        updated. That is a forward like ``step``'s: with split TaskGraphs every device of
+        the replica calls it. Pipelines measure activations per stage in their timeline.
+        """
+        from epl.engine.activations import SavedActivations
+        from epl.engine.memory import MemoryReport, optimizer_state_bytes, parameter_and_gradient_bytes
+        from epl.errors import EplError
+
+        parameters, gradients = parameter_and_gradient_bytes(self.model)
+        peak = None
+        if inputs is not None:
+            loss_of = getattr(self.runner, "loss", None)
+            if self.plan.num_stages > 1 or loss_of is None:
+                raise EplError(
+                    "Engine.memory_report(batch) measures activations of one-stage plans; for pipelines, "
+                    "the runner's peak_in_flight and epl_pipeline.recording give them per stage."
+                )
+            kept = {p: p.grad for p in self.model.parameters()}
+            for param in kept:
+                param.grad = None
+            batch = to_device(inputs, self.context.cluster.device), to_device(targets, self.context.cluster.device)
+            meter = SavedActivations(exclude=[*kept, *_tensors_of(batch)])
+            with meter:
+                loss_of(*batch).backward()
+            for param, grad in kept.items():
+                param.grad = grad
+            peak = meter.peak
+        return MemoryReport(
+            rank=self.context.cluster.rank,
+            parameter_bytes=parameters,
+            gradient_bytes=gradients,
+            optimizer_state_bytes=optimizer_state_bytes(self.optimizer),
+            activation_peak_bytes=peak,
+        )
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self, *, full: bool = False) -> dict[str, Any]:
@@ -178,3 +218,13 @@ def _to_shards(
         if saved is None and given.shape[spec.dim] == spec.size:
             result[key] = spec.slice_of(given)
     return result
+
+
+def _tensors_of(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, (tuple, list)):
+        return [t for item in batch for t in _tensors_of(item)]
+    if isinstance(batch, dict):
+        return [t for item in batch.values() for t in _tensors_of(item)]
+    return []

@@ -1,0 +1,59 @@
+"""``engine.memory_report()``: exact bytes of parameters, gradients and states; measured activations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import epl
+from tests.helpers.distributed import run_ranks
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 40), nn.Tanh(), nn.Linear(40, 8))
+
+
+def report(config: dict[str, Any]) -> dict[str, Any]:
+    """Train one step with Adam (float32), then report; also measure the activations of a batch."""
+    epl.init(epl.Config(config))
+    engine = epl.parallelize(build(), optimizer=lambda p: torch.optim.Adam(p, lr=0.01), loss_fn=nn.MSELoss())
+    x, y = torch.randn(16, 32), torch.randn(16, 8)
+    before = engine.memory_report()
+    engine.step(x, y)
+    grads = [p.grad.clone() for p in engine.model.parameters()]
+    after = engine.memory_report(x, y)
+    unchanged = all(torch.equal(p.grad, g) for p, g in zip(engine.model.parameters(), grads, strict=True))
+    return {"before": before, "after": after, "grads_restored": unchanged, "text": str(after)}
+
+
+PSI = sum(p.numel() for p in build().parameters())
+TENSORS = len(list(build().parameters()))
+
+
+def test_adam_in_one_process_follows_the_formula() -> None:
+    result = report({})
+    before, after = result["before"], result["after"]
+    assert before.parameter_bytes == 4 * PSI and before.gradient_bytes == 0 and before.optimizer_state_bytes == 0
+    assert after.parameter_bytes == 4 * PSI and after.gradient_bytes == 4 * PSI
+    assert 8 * PSI <= after.optimizer_state_bytes <= 8 * PSI + 4 * TENSORS  # exp_avg, exp_avg_sq (+ step counters)
+    assert after.activation_peak_bytes is not None and after.activation_peak_bytes > 0
+    assert result["grads_restored"] and "optimizer states" in result["text"]
+
+
+def test_checkpointing_lowers_the_measured_activations() -> None:
+    plain = report({})["after"].activation_peak_bytes
+    checkpointed = report({"gradient_checkpoint.type": "auto"})["after"].activation_peak_bytes
+    assert checkpointed < plain
+
+
+@pytest.mark.multiprocess
+def test_zero_v0_holds_one_nth_of_the_states_per_device() -> None:
+    reports = [r["after"] for r in run_ranks(report, 2, {"zero.level": "v0"}, timeout=120)]
+    for each in reports:  # v0: 4Ψ parameters + 4Ψ gradients + 8Ψ/N states, up to one tensor of imbalance
+        assert each.parameter_bytes == 4 * PSI and each.gradient_bytes == 4 * PSI
+        assert abs(each.optimizer_state_bytes - 8 * PSI / 2) <= 8 * 64 * 40
+    assert sum(each.optimizer_state_bytes for each in reports) == 8 * PSI
