@@ -23,7 +23,7 @@ from torch import nn
 
 import epl
 from benchmarks.harness import compare, save_result, short_mode
-from epl_memory.measure import peak_allocated_bytes
+from epl_memory.measure import kept_allocated_bytes, peak_allocated_bytes
 
 LAYERS, WIDTH, HEADS, BATCH, SEQUENCE = 12, 64, 4, 8, 64 if short_mode() else 128
 #: Recomputation costs about one more forward (a third of a step); CI only catches gross regressions.
@@ -65,22 +65,7 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y:
 def kept_after_forward(model: nn.Module, x: torch.Tensor) -> int:
     """Bytes the forward leaves allocated for backward (its output included)."""
     kept: list[torch.Tensor] = []
-
-    def forward() -> None:
-        kept.append(model(x))
-
-    from torch.profiler import ProfilerActivity, profile
-
-    from epl_memory.measure import trace_events
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        forward()
-    events = sorted(
-        (e for e in trace_events(prof) if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
-        key=lambda e: e["ts"],
-    )
-    first, last = events[0]["args"], events[-1]["args"]
-    return last["Total Allocated"] - (first["Total Allocated"] - first["Bytes"])
+    return kept_allocated_bytes(lambda: kept.append(model(x)))
 
 
 def test_checkpointing_against_torch_and_against_none() -> None:

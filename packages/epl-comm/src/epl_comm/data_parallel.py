@@ -47,20 +47,6 @@ class _Bucket:
     sizes: list[int] = field(default_factory=list)
 
 
-def broadcast_from_first(tensors: Sequence[torch.Tensor], communicator: Communicator) -> None:
-    """Give every member member 0's values of ``tensors`` (one flat broadcast per dtype)."""
-    tensors = [t for t in tensors if t.numel()]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    with torch.no_grad():
-        for group in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in group])
-            communicator.broadcast(flat, src=0).wait()
-            for tensor, piece in zip(group, flat.split([t.numel() for t in group]), strict=True):
-                tensor.copy_(piece.view_as(tensor))
-
-
 class DataParallelReducer:
     """Reduces the gradients of ``params`` over ``policy.copies`` copies (implements GradientReducer)."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epl.comm.partition import communicators_for
+from epl.comm.partition import communicators_for, copy_communicators
 from epl.comm.protocol import Communicator
 from epl.engine.extensions import ParallelContext
 from epl.placement.copies import Copies, every_copy_group
@@ -47,11 +47,10 @@ def groups_for(context: ParallelContext) -> DataParallelGroups:
 
 def _make_groups(context: ParallelContext) -> DataParallelGroups:
     plan, world = context.plan, context.communicator
-    copy_groups = every_copy_group(plan)
-    copies: dict[tuple[int, ...], list[Communicator]] = {}
-    for _ in range(context.config["communication.num_communicators"]):
-        for group, communicator in communicators_for(world, copy_groups).items():
-            copies.setdefault(group, []).append(communicator)
+    copies = {group: [communicator] for group, communicator in copy_communicators(context).items()}
+    for _ in range(context.config["communication.num_communicators"] - 1):
+        for group, communicator in communicators_for(world, every_copy_group(plan)).items():
+            copies[group].append(communicator)
     replica_groups = [plan.devices(tg.index, r) for tg in plan.taskgraphs for r in range(plan.num_replicas)]
     replica = communicators_for(world, replica_groups).get(
         tuple(sorted(plan.devices(plan.taskgraphs_on(context.cluster.rank)[0], context.replica_index)))

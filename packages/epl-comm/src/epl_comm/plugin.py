@@ -41,15 +41,15 @@ class BroadcastInitialWeights:
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """Broadcast ``model``'s tensors from the first copy of each; return it."""
+        from epl.comm.broadcast import broadcast_tensors
         from epl.placement.copies import copies_of_tensors
-        from epl_comm.data_parallel import broadcast_from_first
         from epl_comm.groups import groups_for
 
         groups = groups_for(context)
         tensors = [*model.parameters(), *model.buffers()]
         for copies, members in copies_of_tensors(context, tensors).items():
             if len(copies.devices) > 1:
-                broadcast_from_first(members, groups.communicators(copies)[0])
+                broadcast_tensors(members, groups.communicators(copies)[0])
         return model
 
 

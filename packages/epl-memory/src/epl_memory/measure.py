@@ -33,6 +33,21 @@ def peak_allocated_bytes(fn: Callable[[], object]) -> int:
     ``fn`` made and kept (a leaf's ``.grad``) is. Memory that bypasses PyTorch's
     allocator (gloo's own small staging buffers) is not counted on either side.
     """
+    base, totals = _allocator_totals(fn)
+    return max(totals) - base
+
+
+def kept_allocated_bytes(fn: Callable[[], object]) -> int:
+    """Bytes that ``fn`` left allocated when it returned (what it made and kept), above what was live before it.
+
+    Measured like :func:`peak_allocated_bytes`, from the allocator's last running total.
+    """
+    base, totals = _allocator_totals(fn)
+    return totals[-1] - base
+
+
+def _allocator_totals(fn: Callable[[], object]) -> tuple[int, list[int]]:
+    """(bytes live before ``fn``, the allocator's running total after each of its allocations and frees)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -44,5 +59,4 @@ def peak_allocated_bytes(fn: Callable[[], object]) -> int:
     assert memory, "the profiler recorded no CPU allocation"
     # The running total may carry what earlier profiled code left allocated; start from it.
     first = memory[0]["args"]
-    base = first["Total Allocated"] - first["Bytes"]
-    return max(e["args"]["Total Allocated"] for e in memory) - base
+    return first["Total Allocated"] - first["Bytes"], [e["args"]["Total Allocated"] for e in memory]

@@ -55,11 +55,11 @@ class ZeroStatePartition:
 
     def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
         """Rebuild ``optimizer`` over this device's partition of every group of parameter copies."""
-        from epl.comm.partition import communicators_for
-        from epl.placement.copies import copies_of_tensors, every_copy_group
+        from epl.comm.partition import copy_communicators
+        from epl.placement.copies import copies_of_tensors
         from epl_memory.zero import Partition, ZeroOptimizer, balanced_partition
 
-        communicators = communicators_for(context.communicator, every_copy_group(context.plan))
+        communicators = copy_communicators(context)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         partitions = [
             Partition(communicators[copies.devices], balanced_partition(members, len(copies.devices)))

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from epl.comm.broadcast import broadcast_tensors
 from epl.comm.protocol import Communicator
 from epl.errors import ConfigError
 
@@ -87,7 +88,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss = self.local.step(closure) if self._local_groups else None
         for part in self.partitions:
             for owner, params in enumerate(part.owners):
-                _broadcast(params, owner, part.communicator)
+                broadcast_tensors(params, part.communicator, src=owner)
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -99,7 +100,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.local.load_state_dict(state_dict)
 
     def state_bytes(self) -> int:
-        """Bytes of the optimizer state this device keeps (tensors only)."""
+        """Bytes of the optimizer state this device keeps: its state tensors, not the scalar step counters."""
         return sum(
             value.numel() * value.element_size()
             for state in self.local.state.values()
@@ -110,16 +111,3 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 def _options(group: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in group.items() if key != "params"}
-
-
-def _broadcast(params: Sequence[nn.Parameter], owner: int, communicator: Communicator) -> None:
-    """Copy ``owner``'s values of ``params`` to every member: one flat broadcast per dtype."""
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-    for param in params:
-        by_dtype.setdefault(param.dtype, []).append(param)
-    for group in by_dtype.values():
-        flat = torch.cat([p.detach().reshape(-1) for p in group])
-        communicator.broadcast(flat, src=owner).wait()
-        if communicator.rank != owner:
-            for param, piece in zip(group, flat.split([p.numel() for p in group]), strict=True):
-                param.copy_(piece.view_as(param))

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from epl.comm.protocol import Communicator
+
+if TYPE_CHECKING:
+    from epl.engine.extensions import ParallelContext
 
 Group = tuple[int, ...]
 
@@ -35,3 +39,21 @@ def communicators_for(world: Communicator, groups: Sequence[Sequence[int]]) -> d
             if me in group:
                 mine[group] = communicator
     return mine
+
+
+#: Key of :func:`copy_communicators`' result in ``ParallelContext.extras``.
+COPIES_KEY = "epl-core/copy-communicators"
+
+
+def copy_communicators(context: ParallelContext) -> dict[Group, Communicator]:
+    """This rank's communicator over each group of devices that hold copies of some tensors.
+
+    Made once per ``epl.parallelize`` (on first use, on every rank in the same order) and
+    shared by the plugins that need them: data-parallel reduction, ZeRO.
+    """
+    from epl.placement.copies import every_copy_group
+
+    cached = context.extras.get(COPIES_KEY)
+    if cached is None:
+        cached = context.extras[COPIES_KEY] = communicators_for(context.communicator, every_copy_group(context.plan))
+    return cached

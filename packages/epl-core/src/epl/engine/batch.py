@@ -35,7 +35,7 @@ def _rebuild(batch: Any, change: Callable[[Any], Any]) -> Any:
 
 def batch_size(batch: Any) -> int | None:
     """The common size of dimension 0 of every tensor in ``batch`` (None: no tensors)."""
-    sizes = {t.shape[0] for t in _tensors(batch) if t.dim() > 0}
+    sizes = {t.shape[0] for t in tensors_in(batch) if t.dim() > 0}
     if len(sizes) > 1:
         raise BatchError(f"The tensors of one batch have different sizes in dimension 0: {sorted(sizes)}.")
     return sizes.pop() if sizes else None
@@ -89,11 +89,12 @@ def _piece(batch: Any, index: int, length: int) -> Any:
     return _rebuild(batch, lambda item: _piece(item, index, length))
 
 
-def _tensors(batch: Any) -> list[torch.Tensor]:
+def tensors_in(batch: Any) -> list[torch.Tensor]:
+    """Every tensor of ``batch`` (a tensor, or tuples/lists/dicts of them), in order."""
     if isinstance(batch, torch.Tensor):
         return [batch]
     if isinstance(batch, (tuple, list)):
-        return [t for item in batch for t in _tensors(item)]
+        return [t for item in batch for t in tensors_in(item)]
     if isinstance(batch, Mapping):
-        return [t for value in batch.values() for t in _tensors(value)]
+        return [t for value in batch.values() for t in tensors_in(value)]
     return []

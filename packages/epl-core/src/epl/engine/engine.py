@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from epl.engine.batch import call_model, to_device
+from epl.engine.batch import call_model, tensors_in, to_device
 from epl.engine.extensions import ParallelContext, StepRunner
 from epl.engine.memory import MemoryReport
 from epl.placement.plan import Plan
@@ -109,7 +109,7 @@ class Engine:
             for param in kept:
                 param.grad = None
             batch = to_device(inputs, self.context.cluster.device), to_device(targets, self.context.cluster.device)
-            meter = SavedActivations(exclude=[*kept, *_tensors_of(batch)])
+            meter = SavedActivations(exclude=[*kept, *tensors_in(batch)])
             with meter:
                 loss_of(*batch).backward()
             for param, grad in kept.items():
@@ -218,13 +218,3 @@ def _to_shards(
         if saved is None and given.shape[spec.dim] == spec.size:
             result[key] = spec.slice_of(given)
     return result
-
-
-def _tensors_of(batch: Any) -> list[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, (tuple, list)):
-        return [t for item in batch for t in _tensors_of(item)]
-    if isinstance(batch, dict):
-        return [t for item in batch.values() for t in _tensors_of(item)]
-    return []

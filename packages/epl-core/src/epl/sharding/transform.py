@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
+from epl.comm.broadcast import broadcast_tensors
 from epl.comm.partition import communicators_for
 from epl.engine.extensions import ParallelContext
 from epl.errors import AnnotationError, ConfigError, PlacementError
@@ -98,10 +98,7 @@ def _start_alike(module: nn.Module, group: ShardGroup) -> None:
     The shards then fit together even when the devices were seeded differently, and the
     tensors every device keeps whole (a row-parallel bias) are equal.
     """
-    with torch.no_grad():
-        for tensor in itertools.chain(module.parameters(), module.buffers()):
-            if tensor.numel():
-                group.communicator.broadcast(tensor.data, src=0).wait()
+    broadcast_tensors(itertools.chain(module.parameters(), module.buffers()), group.communicator)
 
 
 def _check_supported(context: ParallelContext) -> None:
