@@ -234,7 +234,7 @@ def test_every_hook_is_documented_and_exercised() -> None:
     from epl import hookspecs
 
     hooks = [name for name in dir(hookspecs) if name.startswith("epl_")]
-    assert len(hooks) == 10
+    assert len(hooks) == 12
     source = Path(__file__).read_text()
     for name in hooks:
         assert (getattr(hookspecs, name).__doc__ or "").strip(), f"{name} has no docstring"
@@ -289,6 +289,74 @@ def test_gradient_reducer_finishes_every_step_and_receives_the_clip() -> None:
     assert norm <= 0.5 + 1e-6
 
 
+def test_a_loss_scaler_plugin_unscales_before_clipping_once_and_may_skip_the_update() -> None:
+    calls: list[str] = []
+
+    class Scaler:
+        scale = 4.0
+        skip = False
+        unscaled = False
+
+        def start(self) -> None:
+            calls.append("start")
+            self.unscaled = False
+
+        def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+            calls.append("scale")
+            return loss * self.scale
+
+        def unscale(self, params):  # type: ignore[no-untyped-def]
+            calls.append("unscale")
+            if not self.unscaled:
+                self.unscaled = True
+                for param in params:
+                    param.grad.div_(self.scale)
+
+        def update(self, params):  # type: ignore[no-untyped-def]
+            calls.append("update")
+            return not self.skip
+
+        def state_dict(self) -> dict[str, float]:
+            return {"scale": self.scale}
+
+        def load_state_dict(self, state: dict[str, float]) -> None:
+            self.scale = state["scale"]
+
+    scaler = Scaler()
+
+    class Plugin:
+        @epl.hookimpl
+        def epl_make_loss_scaler(self, context):  # type: ignore[no-untyped-def]
+            return scaler
+
+    get_plugin_manager().register(Plugin(), name="scaler")
+    epl.init(epl.Config({"optimizer.max_grad_norm": 0.5, "pipeline.num_micro_batch": 2}))
+    torch.manual_seed(0)
+    model, plain = nn.Linear(2, 2), nn.Linear(2, 2)
+    plain.load_state_dict(model.state_dict())
+    engine = epl.parallelize(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.MSELoss())
+    assert engine.loss_scaler is scaler
+    x, y = torch.full((4, 2), 10.0), torch.zeros(4, 2)
+    loss = engine.step(x, y)
+    # each micro-batch's loss scaled; unscaled before the clip (the second call is a no-op), then the decision
+    assert calls == ["start", "scale", "scale", "unscale", "unscale", "update"]
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    losses = []
+    for xm, ym in zip(x.chunk(2), y.chunk(2), strict=True):
+        losses.append(nn.functional.mse_loss(plain(xm), ym))
+        (losses[-1] / 2).backward()
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+    optimizer.step()
+    assert torch.equal(loss, torch.stack(losses).detach().mean())  # the unscaled loss
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(ours, theirs)  # the true gradients were clipped, once
+    scaler.skip = True
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.step(x, y)
+    assert all(torch.equal(p, b) and p.grad is None for p, b in zip(model.parameters(), before, strict=True))
+    assert engine.state_dict()["loss_scaler"] == {"scale": 4.0}
+
+
 def test_config_keys_hook_must_return_config_keys() -> None:
     class Wrong:
         @epl.hookimpl
@@ -299,3 +367,41 @@ def test_config_keys_hook_must_return_config_keys() -> None:
     manager.register(Wrong(), name="wrong")
     with pytest.raises(epl.PluginError, match="Plugin 'wrong' returned 'pipeline.foo' from epl_config_keys"):
         manager.config_schema()
+
+
+def test_memory_estimate_adjustments_apply_in_turn() -> None:
+    """epl_adjust_memory_estimate: each plugin gets the previous one's estimate; None leaves it; junk is an error."""
+    import dataclasses
+
+    class Halve:
+        @epl.hookimpl
+        def epl_adjust_memory_estimate(self, estimate, context):  # type: ignore[no-untyped-def]
+            assert context.tensors and context.copies(context.tensors[0]).devices == (0, 1)
+            return dataclasses.replace(estimate, gradient_bytes=estimate.gradient_bytes // 2, notes=("halved",))
+
+    class Note:
+        @epl.hookimpl(tryfirst=True)  # called first: sees the core's estimate
+        def epl_adjust_memory_estimate(self, estimate):  # type: ignore[no-untyped-def]
+            return dataclasses.replace(estimate, gradient_bytes=estimate.gradient_bytes + 2)
+
+    class Quiet:
+        @epl.hookimpl
+        def epl_adjust_memory_estimate(self, estimate, context):  # type: ignore[no-untyped-def]
+            return None
+
+    manager = get_plugin_manager()
+    for plugin, name in ((Halve(), "halve"), (Note(), "note"), (Quiet(), "quiet")):
+        manager.register(plugin, name=name)
+    epl.init()
+    memory = epl.plan(nn.Linear(3, 2), world_size=2).memory
+    halved = (32 + 2) // 2  # Note first (tryfirst), then Halve; Quiet changes nothing
+    assert [(m.rank, m.gradient_bytes, m.notes) for m in memory] == [(0, halved, ("halved",)), (1, halved, ("halved",))]
+
+    class Junk:
+        @epl.hookimpl
+        def epl_adjust_memory_estimate(self, estimate, context):  # type: ignore[no-untyped-def]
+            return {"gradient_bytes": 0}
+
+    manager.register(Junk(), name="junk")
+    with pytest.raises(epl.PluginError, match="Plugin 'junk' returned .* from epl_adjust_memory_estimate"):
+        epl.plan(nn.Linear(3, 2), world_size=2)

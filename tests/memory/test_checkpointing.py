@@ -162,11 +162,6 @@ def test_check_gradients_reports_each_module_once() -> None:
     assert_same_training(result, train({}))
 
 
-def test_memory_keys_not_built_yet_are_an_error_not_a_no_op() -> None:
-    with pytest.raises(epl.ConfigError, match="'amp.level' = 'O1': epl-memory .* does not implement it yet"):
-        train({"amp.level": "O1"})
-
-
 def test_with_data_parallel_and_with_a_pipeline_on_processes() -> None:
     """Without dropout (each process draws its own masks), both equal the local run."""
     plain = train({}, build=_deterministic)

@@ -119,6 +119,18 @@ class CupyCommunicator(Communicator):
             after,
         )
 
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM) -> Work:
+        """Reduce ``tensor`` into member ``dst``'s (AVG: a sum divided by the member count there)."""
+        after = (lambda: tensor.div_(self.world_size)) if op is ReduceOp.AVG and self.rank == dst else None
+        return self._run(
+            "reduce",
+            tensor,
+            lambda s: self._comm.reduce(
+                tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor), self._op(op), dst, s
+            ),
+            after,
+        )
+
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
         """Reduce ``input`` and give member i chunk i in ``output``."""
         after = (lambda: output.div_(self.world_size)) if op is ReduceOp.AVG else None

@@ -5,12 +5,19 @@ during backward: a post-accumulate-grad hook counts each
 parameter's gradients, and once every parameter of a bucket has received its last
 micro-batch's gradient, the bucket is copied into a flat buffer and its all-reduce
 starts, on the communicators in turn. Buckets always start in bucket order, so every
-rank issues the same collectives in the same order.
+rank issues the same collectives in the same order. Once reduced, each gradient is a
+view into its bucket's buffer (like DDP's ``gradient_as_bucket_view``), so between
+steps the gradients cost their size once, not twice.
+
+Under ZeRO v1/v2 (``ParallelContext.gradient_owners``) a bucket holds parameters of one
+owner and is reduced to that owner only; the other copies drop their gradients as soon
+as the bucket is on its way, and no bucket buffer outlives its step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +46,8 @@ class ReducePolicy:
 class _Bucket:
     params: list[nn.Parameter]
     communicator: Communicator
+    #: The member that alone keeps the reduced gradients (None: every member keeps them).
+    owner: int | None = None
     waiting: int = 0
     buffer: torch.Tensor | None = None
     wire: torch.Tensor | None = None
@@ -48,7 +57,11 @@ class _Bucket:
 
 
 class DataParallelReducer:
-    """Reduces the gradients of ``params`` over ``policy.copies`` copies (implements GradientReducer)."""
+    """Reduces the gradients of ``params`` over ``policy.copies`` copies (implements GradientReducer).
+
+    ``owners`` (parameter id -> member) names the one copy that keeps a parameter's reduced
+    gradient; the other copies end the step with ``grad`` None for it (ZeRO v1/v2).
+    """
 
     def __init__(
         self,
@@ -58,15 +71,17 @@ class DataParallelReducer:
         *,
         sparse: Sequence[nn.Parameter] = (),
         defer_until_finish: bool = False,
+        owners: Mapping[int, int] | None = None,
     ) -> None:
         self.policy = policy
         self.communicators = list(communicators)
         sparse_ids = set() if policy.sparse_as_dense else {id(p) for p in sparse}
         dense = [p for p in params if p.requires_grad and id(p) not in sparse_ids]
         self.sparse = [p for p in params if p.requires_grad and id(p) in sparse_ids]
+        self.owners = dict(owners or {})
         self.buckets = [
-            _Bucket(params=group, communicator=self.communicators[i % len(self.communicators)])
-            for i, group in enumerate(plan_buckets(dense, policy.max_splits))
+            _Bucket(params=group, communicator=self.communicators[i % len(self.communicators)], owner=owner)
+            for i, (group, owner) in enumerate(_by_owner(plan_buckets(dense, policy.max_splits), self.owners))
         ]
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self._arrivals: dict[int, int] = {}
@@ -102,7 +117,7 @@ class DataParallelReducer:
         for bucket in self.buckets:
             self._complete(bucket)
         for param, grad in zip(self.sparse, sparse_results, strict=True):
-            param.grad = grad
+            param.grad = grad if self._keeps(param) else None
         if clip is not None and self.policy.clip_after_allreduce:
             clip()
         self._reset()
@@ -131,6 +146,10 @@ class DataParallelReducer:
         while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
             self._start(self.buckets[self._next])
 
+    def _keeps(self, param: nn.Parameter) -> bool:
+        owner = self.owners.get(id(param))
+        return owner is None or owner == self.communicators[0].rank
+
     def _start(self, bucket: _Bucket) -> None:
         if bucket.buffer is None:
             first = bucket.params[0]
@@ -151,26 +170,35 @@ class DataParallelReducer:
                 assert bucket.wire is not None
                 wire = bucket.wire
                 torch.mul(buffer, self.policy.fp16_scale, out=wire)
-        alone = bucket.communicator.world_size == 1  # nothing to add; the mean's divisor still applies
-        bucket.work = CompletedWork() if alone else bucket.communicator.all_reduce(wire, ReduceOp.SUM)
+        communicator = bucket.communicator
+        if communicator.world_size == 1:  # nothing to add; the mean's divisor still applies
+            bucket.work = CompletedWork()
+        elif bucket.owner is None:
+            bucket.work = communicator.all_reduce(wire, ReduceOp.SUM)
+        else:
+            bucket.work = communicator.reduce(wire, bucket.owner, ReduceOp.SUM)
+            if communicator.rank != bucket.owner:
+                for param in bucket.params:  # sent: this copy's gradient is no longer needed
+                    param.grad = None
         bucket.started = True
         self._next += 1
 
     def _complete(self, bucket: _Bucket) -> None:
         assert bucket.work is not None and bucket.buffer is not None
         bucket.work.wait()
-        buffer = bucket.buffer
+        buffer, wire = bucket.buffer, bucket.wire
+        if bucket.owner is not None:  # buffers of owned buckets live for one step only
+            bucket.buffer = bucket.wire = None
+            if bucket.communicator.rank != bucket.owner and bucket.communicator.world_size > 1:
+                return
         with torch.no_grad():
             if self.policy.fp16:
-                assert bucket.wire is not None
-                buffer.copy_(bucket.wire).div_(self.policy.fp16_scale)
+                assert wire is not None
+                buffer.copy_(wire).div_(self.policy.fp16_scale)
             if self.policy.mean:
                 buffer.div_(self.policy.copies)
             for param, piece in zip(bucket.params, buffer.split(bucket.sizes), strict=True):
-                if param.grad is None or param.grad.is_sparse:
-                    param.grad = piece.view_as(param).clone()
-                else:
-                    param.grad.copy_(piece.view_as(param))
+                param.grad = piece.view_as(param)  # a view: the bucket's memory is the gradients' memory
 
     def _reduce_sparse(self, param: nn.Parameter) -> torch.Tensor | None:
         """Gather every copy's sparse gradient as indices and values; sum (or mean) them."""
@@ -185,7 +213,7 @@ class DataParallelReducer:
             )
         grad = grad.coalesce()
         indices, values = grad.indices()[0], grad.values()
-        row = values[0].numel() if values.dim() > 1 and values.shape[0] else param[0].numel()
+        row = math.prod(param.shape[1:])
         counts = torch.tensor([indices.numel()], device=param.device)
         all_counts = torch.empty(members, dtype=counts.dtype, device=param.device)
         communicator.all_gather(all_counts, counts).wait()
@@ -205,6 +233,19 @@ class DataParallelReducer:
         if total._nnz() == 0 and param.grad is None:
             return None
         return total / self.policy.copies if self.policy.mean else total
+
+
+def _by_owner(
+    buckets: Sequence[list[nn.Parameter]], owners: Mapping[int, int]
+) -> list[tuple[list[nn.Parameter], int | None]]:
+    """Each bucket cut into one bucket per owner of its parameters (in order of first appearance)."""
+    result: list[tuple[list[nn.Parameter], int | None]] = []
+    for bucket in buckets:
+        parts: dict[int | None, list[nn.Parameter]] = {}
+        for param in bucket:
+            parts.setdefault(owners.get(id(param)), []).append(param)
+        result += [(params, owner) for owner, params in parts.items()]
+    return result
 
 
 class ReducerSet:

@@ -99,6 +99,7 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
                 policy,
                 sparse=[p for p in params if id(p) in sparse],
                 defer_until_finish=clip_first,
+                owners=context.gradient_owners,
             )
         )
     if not reducers:

@@ -84,6 +84,12 @@ class TorchCommunicator(Communicator):
         """Reduce ``tensor`` over all members, in place."""
         return self._start("all_reduce", tensor, lambda: dist.all_reduce(tensor, _OPS[op], self.group, True))
 
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM) -> Work:
+        """Reduce ``tensor`` into member ``dst``'s (the others' values are left undefined)."""
+        if op is ReduceOp.AVG:  # torch.distributed.reduce has no AVG on every backend
+            return super().reduce(tensor, dst, op)
+        return self._start("reduce", tensor, lambda: dist.reduce(tensor, self.ranks[dst], _OPS[op], self.group, True))
+
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
         """Reduce ``input`` and give member i its chunk i in ``output``."""
         _check_multiple("reduce_scatter", input, output, self.world_size)

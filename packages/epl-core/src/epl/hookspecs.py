@@ -30,11 +30,13 @@ if TYPE_CHECKING:
     from epl.config import Config, ConfigKey
     from epl.engine.extensions import (
         GradientReducer,
+        LossScaler,
         ModelTransform,
         OptimizerWrapper,
         ParallelContext,
         StepRunner,
     )
+    from epl.placement.estimate import MemoryEstimate, MemoryEstimateContext
     from epl.schedule import ScheduleGenerator
     from epl.strategy.split_rule import SplitRule
     from epl.strategy.taskgraph import TaskGraph
@@ -82,7 +84,8 @@ def epl_make_communicator(cluster: Cluster, config: Config) -> Communicator | No
 #   1. epl_model_transforms   (after placement, before the optimizer is built)
 #   2. epl_optimizer_wrappers (after the optimizer is built over local parameters)
 #   3. epl_make_gradient_reducer (data-parallel gradient reduction, used by the runner)
-#   4. epl_make_step_runner   (what Engine.step runs)
+#   4. epl_make_loss_scaler   (mixed-precision loss scaling, used by the runner)
+#   5. epl_make_step_runner   (what Engine.step runs)
 # --------------------------------------------------------------------------------
 
 
@@ -126,13 +129,49 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
 
 
 @hookspec(firstresult=True)
+def epl_make_loss_scaler(context: ParallelContext) -> LossScaler | None:
+    """Build what scales the loss before backward and skips steps with non-finite gradients (AMP).
+
+    Called once per ``epl.parallelize``, after the optimizer wrappers and the gradient
+    reducer, before the step runner; the result is stored on ``context.loss_scaler`` and
+    the runner uses it every step (scale each loss, unscale the gradients once they are
+    reduced and before clipping, skip the update when ``update`` says so). *firstresult*.
+    Return None for no loss scaling (the core has no implementation).
+    """
+
+
+@hookspec(firstresult=True)
 def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     """Build what runs one training step (forward, backward, optimizer) for this rank.
 
-    Called once per ``epl.parallelize``, after the transforms, wrappers and gradient
-    reducer (``context.gradient_reducer``). *firstresult*. Return None when the plan is not yours (e.g. a pipeline
-    plugin returns None for a one-stage plan). The core answers last with the
-    local runner (micro-batches as gradient accumulation) for one-stage plans.
+    Called once per ``epl.parallelize``, after the transforms, wrappers, gradient reducer
+    (``context.gradient_reducer``) and loss scaler (``context.loss_scaler``). *firstresult*.
+    Return None when the plan is not yours (e.g. a pipeline plugin returns None for a
+    one-stage plan). The core answers last with the local runner (micro-batches as
+    gradient accumulation) for one-stage plans.
+    """
+
+
+# --------------------------------------------------------------------------------
+# Planning: called by epl.plan and `epl plan`, which run nothing.
+# --------------------------------------------------------------------------------
+
+
+@hookspec
+def epl_adjust_memory_estimate(estimate: MemoryEstimate, context: MemoryEstimateContext) -> MemoryEstimate | None:
+    """Adjust one rank's memory estimate for what this plugin changes (ZeRO partitions, offload).
+
+    Called by ``epl.plan`` and ``epl plan`` once per rank of the Plan, after the core
+    estimated the plain bytes: the parameters the rank holds (split TaskGraphs sharded
+    by their rules), their gradients, the optimizer's states (see
+    :mod:`epl.placement.estimate`). Not *firstresult*: every implementation is applied
+    in turn (in pluggy's call order), each receiving the previous one's estimate.
+    Return a new estimate (``dataclasses.replace``; add a note saying what changed),
+    or None to leave it as it is.
+
+    :param estimate: the rank's estimate so far.
+    :param context: the Plan, the config, the rank, the tensors it holds (with the
+        optimizer's state of each) and ``context.copies(tensor)``.
     """
 
 

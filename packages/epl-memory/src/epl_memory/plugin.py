@@ -10,14 +10,14 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from epl.engine.extensions import ModelTransform, OptimizerWrapper, ParallelContext
+    from epl.engine.extensions import LossScaler, ModelTransform, OptimizerWrapper, ParallelContext
 
 PLUGIN = "epl-memory"
 
 #: Keys this package declares in the core's catalogue but does not implement yet, with their "off" value.
-NOT_YET = {"offload.level": "", "amp.level": ""}
-#: ZeRO levels built so far.
-ZERO_LEVELS = ("", "v0")
+NOT_YET: dict[str, str] = {}
+#: AMP's numeric keys, with their default: setting one without amp.level = O1 is an error, not a no-op.
+AMP_OPTIONS = {"amp.loss_scale": "dynamic", "amp.dtype": "", "amp.growth_interval": 2000}
 
 
 class GradientCheckpointing:
@@ -43,30 +43,8 @@ class GradientCheckpointing:
         plan = choose(model, allowed)
         check = GradientCheck() if config["gradient_checkpoint.check_gradients"] else None
         apply_plan(model, plan, check)
-        context.extras[PLUGIN] = {"checkpoint_plan": plan, "gradient_check": check}
+        context.extras.setdefault(PLUGIN, {}).update(checkpoint_plan=plan, gradient_check=check)
         return model
-
-
-class ZeroStatePartition:
-    """Optimizer wrapper (``zero.level = v0``): each copy keeps the optimizer state of its partition only."""
-
-    name = "zero_v0"
-    order = 100
-
-    def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
-        """Rebuild ``optimizer`` over this device's partition of every group of parameter copies."""
-        from epl.comm.partition import copy_communicators
-        from epl.placement.copies import copies_of_tensors
-        from epl_memory.zero import Partition, ZeroOptimizer, balanced_partition
-
-        communicators = copy_communicators(context)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        partitions = [
-            Partition(communicators[copies.devices], balanced_partition(members, len(copies.devices)))
-            for copies, members in copies_of_tensors(context, params).items()
-            if len(copies.devices) > 1
-        ]
-        return ZeroOptimizer(optimizer, partitions)
 
 
 class ApplyGroups:
@@ -87,36 +65,99 @@ class ApplyGroups:
 
 @hookimpl
 def epl_optimizer_wrappers(context: ParallelContext) -> list[OptimizerWrapper] | None:
-    """ZeRO v0 (when there is more than one copy to partition over) and apply groups, as configured."""
+    """ZeRO (on more than one process), apply groups and offload's step, as configured."""
+    from epl_memory.offload import OffloadStep
+    from epl_memory.zero import ZeroStatePartition
+
     wrappers: list[OptimizerWrapper] = []
-    if context.config["zero.level"] == "v0" and not context.plan.local:
+    if context.config["zero.level"] and not context.plan.local:
         wrappers.append(ZeroStatePartition())
     if context.config["optimizer.num_apply_group"] > 1:
         wrappers.append(ApplyGroups())
+    if context.config["offload.level"]:
+        wrappers.append(OffloadStep())
     return wrappers or None
 
 
 @hookimpl
 def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | None:
-    """Gradient checkpointing when ``gradient_checkpoint.type`` is set; a clear error for what is not built yet.
+    """Checkpointing, ZeRO's partitioning, offload and AMP's autocast, as configured; errors for bad combinations.
 
     (The checks run here, the first memory hook ``epl.parallelize`` calls.)
     """
     from epl.errors import ConfigError
+    from epl_memory.offload import OffloadWeights
+    from epl_memory.zero import ZeroPartitioning
 
     config = context.config
-    if config["zero.level"] not in ZERO_LEVELS:
-        raise ConfigError(
-            f"Config key 'zero.level' = {config['zero.level']!r}: epl-memory {_version()} implements v0 "
-            "(optimizer states partitioned) only so far. Use 'v0', or leave zero.level unset."
-        )
+    _check_combinations(context)
+    _check_amp(context)
     for key, off in NOT_YET.items():
         if config[key] != off:
             raise ConfigError(
                 f"Config key {key!r} = {config[key]!r}: epl-memory {_version()} does not implement it yet "
                 f"(gradient checkpointing is). Leave {key} at {off!r} for now."
             )
-    return [GradientCheckpointing()] if config["gradient_checkpoint.type"] else None
+    transforms: list[ModelTransform] = []
+    if config["gradient_checkpoint.type"]:
+        transforms.append(GradientCheckpointing())
+    if config["zero.level"] and not context.plan.local:
+        transforms.append(ZeroPartitioning())
+    if config["offload.level"]:
+        transforms.append(OffloadWeights())
+    if config["amp.level"]:
+        from epl_memory.amp import Autocast
+
+        transforms.append(Autocast())
+    return transforms or None
+
+
+def _check_combinations(context: ParallelContext) -> None:
+    """One clear error for a combination of memory keys that cannot work."""
+    from epl.errors import ConfigError
+
+    config = context.config
+    level = config["zero.level"]
+    if (
+        level in ("v1", "v2")
+        and config["optimizer.max_grad_norm"] is not None
+        and config["communication.clip_after_allreduce"]
+    ):
+        raise ConfigError(
+            f"zero.level {level!r} keeps each reduced gradient on one copy only, so gradients cannot be clipped "
+            "after the all-reduce (communication.clip_after_allreduce). Clip before it (set "
+            "communication.clip_after_allreduce to false), or use zero.level 'v0'."
+        )
+    if level == "v2" and config["offload.level"]:
+        raise ConfigError(
+            "zero.level 'v2' and offload.level both decide where parameters live between uses. "
+            "Use one of them (zero.level 'v1' combines with offload)."
+        )
+
+
+@hookimpl
+def epl_make_loss_scaler(context: ParallelContext) -> LossScaler | None:
+    """AMP's loss scaler (dynamic or ``amp.loss_scale``) when ``amp.level = O1``."""
+    if not context.config["amp.level"]:
+        return None
+    from epl_memory.amp import make_loss_scaler
+
+    return make_loss_scaler(context)
+
+
+def _check_amp(context: ParallelContext) -> None:
+    """AMP's options without amp.level would silently do nothing: an error instead."""
+    from epl.errors import ConfigError
+
+    config = context.config
+    if config["amp.level"]:
+        return
+    for key, default in AMP_OPTIONS.items():
+        if config[key] != default:
+            raise ConfigError(
+                f"Config key {key!r} = {config[key]!r} only applies to mixed precision: set amp.level to 'O1' "
+                f"too, or leave {key} at {default!r}."
+            )
 
 
 def _version() -> str:
@@ -126,3 +167,15 @@ def _version() -> str:
         return version(PLUGIN)
     except PackageNotFoundError:
         return "(source tree)"
+
+
+if TYPE_CHECKING:
+    from epl.placement.estimate import MemoryEstimate, MemoryEstimateContext
+
+
+@hookimpl
+def epl_adjust_memory_estimate(estimate: MemoryEstimate, context: MemoryEstimateContext) -> MemoryEstimate | None:
+    """``epl plan``'s estimate with ZeRO: each rank keeps its partition of what ``zero.level`` splits."""
+    from epl_memory.estimate import adjust_for_zero
+
+    return adjust_for_zero(estimate, context)

@@ -1,17 +1,21 @@
-"""ZeRO v0: each copy of a parameter group keeps the optimizer state of its own partition only.
+"""ZeRO: the copies of a parameter group split its optimizer state (v0), gradients (v1) and parameters (v2).
 
-Gradients are reduced as in plain data parallelism (every copy holds the whole
-gradient); then each device applies the optimizer to the parameters it owns and
-broadcasts them to the other copies. With N copies, an Adam state costs 8Ψ/N bytes
-per device instead of 8Ψ (Ψ: parameters of the group).
+Every parameter with several copies has one owner among them (a balanced partition
+of whole parameters). The owner alone keeps its optimizer state and applies the
+update (v0). From v1 on, gradients are reduced to the owner only and the other
+copies drop theirs; from v2 on, the other copies also drop the parameter's data
+between uses and receive it from the owner just in time (``epl_memory.residency``).
+For fp32 Adam with N copies, a device holds 4Ψ+4Ψ+8Ψ/N bytes (v0), 4Ψ+12Ψ/N (v1)
+or 16Ψ/N (v2) instead of 16Ψ (Ψ: parameters of the group), up to the partition's
+imbalance.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,6 +23,12 @@ from torch import nn
 from epl.comm.broadcast import broadcast_tensors
 from epl.comm.protocol import Communicator
 from epl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from epl.engine.extensions import ParallelContext
+
+#: Key of epl-memory's state in ``ParallelContext.extras``.
+PLUGIN = "epl-memory"
 
 
 def balanced_partition(params: Sequence[nn.Parameter], parts: int) -> list[list[nn.Parameter]]:
@@ -49,6 +59,53 @@ class Partition:
         """The parameters this device owns."""
         return self.owners[self.communicator.rank]
 
+    def owner_of(self) -> dict[int, int]:
+        """Parameter id -> the member that owns it."""
+        return {id(p): member for member, params in enumerate(self.owners) for p in params}
+
+
+def partitions_over(
+    communicators: Mapping[tuple[int, ...], Communicator], groups: Mapping[Any, Any]
+) -> list[Partition]:
+    """One balanced partition per group of copies with several devices.
+
+    ``groups`` maps each :class:`epl.placement.copies.Copies` to its tensors, as
+    :func:`epl.placement.copies.copies_of_tensors` returns it.
+    """
+    return [
+        Partition(communicators[copies.devices], balanced_partition(members, len(copies.devices)))
+        for copies, members in groups.items()
+        if len(copies.devices) > 1
+    ]
+
+
+class OwnerShards:
+    """Residency of ZeRO v2: a parameter's data lives on its owner; the others receive it by broadcast."""
+
+    def __init__(self, partitions: Sequence[Partition]) -> None:
+        self._where = {
+            id(p): (part, member) for part in partitions for member, owned in enumerate(part.owners) for p in owned
+        }
+
+    def keeps(self, param: nn.Parameter) -> bool:
+        """Whether this device owns ``param`` (or nobody else holds a copy of it)."""
+        where = self._where.get(id(param))
+        return where is None or where[0].communicator.rank == where[1]
+
+    def fetch(self, params: Sequence[nn.Parameter]) -> None:
+        """Broadcast ``params`` from their owners, one flat broadcast per partition and owner."""
+        batches: dict[tuple[int, int], tuple[Partition, list[nn.Parameter]]] = {}
+        for param in params:
+            where = self._where.get(id(param))
+            if where is not None:
+                part, member = where
+                batches.setdefault((id(part), member), (part, []))[1].append(param)
+        for (_, member), (part, members) in batches.items():
+            broadcast_tensors([p.data for p in members], part.communicator, src=member)
+
+    def store(self, params: Sequence[nn.Parameter]) -> None:
+        """Nothing to do: the owner's data is the parameter's value."""
+
 
 class ZeroOptimizer(torch.optim.Optimizer):
     """The user's optimizer, rebuilt over this device's partition; updated parameters are broadcast by their owner.
@@ -58,9 +115,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ``state_dict`` holds this device's partition.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, partitions: Sequence[Partition]) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, partitions: Sequence[Partition], *, share_updates: bool = True
+    ) -> None:
         super().__init__([dict(group) for group in optimizer.param_groups], optimizer.defaults)
         self.partitions = list(partitions)
+        #: Broadcast updated parameters to the other copies after each step (v0, v1; v2 fetches them when used).
+        self.share_updates = share_updates
         shared = {id(p) for part in self.partitions for owners in part.owners for p in owners}
         owned = {id(p) for part in self.partitions for p in part.mine}
         self._local_groups: list[tuple[int, dict[str, Any]]] = []
@@ -86,6 +147,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for (index, _), local in zip(self._local_groups, self.local.param_groups, strict=True):
             local.update(_options(self.param_groups[index]))
         loss = self.local.step(closure) if self._local_groups else None
+        if not self.share_updates:
+            return loss
         for part in self.partitions:
             for owner, params in enumerate(part.owners):
                 broadcast_tensors(params, part.communicator, src=owner)
@@ -101,13 +164,58 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         """Bytes of the optimizer state this device keeps: its state tensors, not the scalar step counters."""
-        return sum(
-            value.numel() * value.element_size()
-            for state in self.local.state.values()
-            for value in state.values()
-            if isinstance(value, torch.Tensor) and value.dim() > 0
-        )
+        from epl.engine.memory import optimizer_state_bytes
+
+        return optimizer_state_bytes(self.local)
 
 
 def _options(group: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in group.items() if key != "params"}
+
+
+class ZeroPartitioning:
+    """Model transform (``zero.level``): choose each parameter's owner; from v1 on, route gradients to it.
+
+    At v2 the other copies also release the parameters' data until they are used.
+    It runs after every transform that replaces or moves parameters.
+    """
+
+    name = "zero_partitioning"
+    order = 200
+
+    def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
+        """Partition ``model``'s parameters over their copies; record it in ``context``; return ``model``."""
+        from epl.comm.partition import copy_communicators
+        from epl.placement.copies import copies_of_tensors
+
+        level = context.config["zero.level"]
+        partitions = partitions_over(copy_communicators(context), copies_of_tensors(context, list(model.parameters())))
+        shared: dict[str, Any] = {"zero_partitions": partitions}
+        if level in ("v1", "v2"):
+            for part in partitions:
+                context.gradient_owners.update(part.owner_of())
+        if level == "v2":
+            from epl_memory.residency import JustInTimeParameters, stage_entries
+
+            moving = JustInTimeParameters(model, OwnerShards(partitions), stage_entries(model, context))
+            moving.release_all()
+            shared["zero_residency"] = moving
+        context.extras.setdefault(PLUGIN, {}).update(shared)
+        return model
+
+
+class ZeroStatePartition:
+    """Optimizer wrapper (``zero.level``): each copy keeps the optimizer state of the parameters it owns."""
+
+    name = "zero_state_partition"
+    order = 100
+
+    def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
+        """Rebuild ``optimizer`` over this device's partition (made by :class:`ZeroPartitioning`)."""
+        shared = context.extras[PLUGIN]
+        level = context.config["zero.level"]
+        zero = ZeroOptimizer(optimizer, shared["zero_partitions"], share_updates=level != "v2")
+        moving = shared.get("zero_residency")
+        if moving is not None:  # what a step fetched but no gradient released (frozen or unused parameters)
+            zero.register_step_post_hook(lambda *_: moving.release_all())
+        return zero

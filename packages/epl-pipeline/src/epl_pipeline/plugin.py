@@ -126,6 +126,8 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
         last_stage_member=replica_group.ranks.index(last_device),
         device=context.cluster.device,
         gradient_reducer=context.gradient_reducer,
+        loss_scaler=context.loss_scaler,
+        forward_contexts=context.forward_contexts,
     )
     context.extras[PLUGIN]["runner"] = runner
     return runner

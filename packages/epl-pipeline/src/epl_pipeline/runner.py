@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +13,7 @@ from torch import fx, nn
 
 from epl.comm.protocol import Communicator
 from epl.engine.batch import micro_batches, to_device
-from epl.engine.extensions import GradientReducer, LossFn
+from epl.engine.extensions import GradientReducer, LossFn, LossScaler
 from epl.errors import EplError
 from epl.schedule import Action, ActionKind, Schedule
 from epl_pipeline.channel import Channel
@@ -30,7 +32,13 @@ class _InFlight:
 
 
 class PipelineStepRunner:
-    """Runs this rank's stage of one replica batch by the schedule's actions."""
+    """Runs this rank's stage of one replica batch by the schedule's actions.
+
+    Each stage forward and the last stage's loss run inside ``forward_contexts`` (e.g.
+    AMP's autocast), the backward outside them. With a ``loss_scaler`` the last stage
+    scales each micro-batch's loss before its backward; after the reduction the gradients
+    are unscaled and the update is skipped when any rank of the job found a non-finite one.
+    """
 
     def __init__(
         self,
@@ -49,6 +57,8 @@ class PipelineStepRunner:
         last_stage_member: int,
         device: torch.device,
         gradient_reducer: GradientReducer | None,
+        loss_scaler: LossScaler | None = None,
+        forward_contexts: Sequence[Callable[[], contextlib.AbstractContextManager[Any]]] = (),
     ) -> None:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.staged, self.stage, self.num_micro_batch = staged, stage, num_micro_batch
@@ -56,6 +66,7 @@ class PipelineStepRunner:
         self.nodes: list[fx.Node] = staged.nodes_of(stage)
         self.replica, self.last_stage_member = replica, last_stage_member
         self.device, self.gradient_reducer = device, gradient_reducer
+        self.loss_scaler, self.forward_contexts = loss_scaler, list(forward_contexts)
         self.inbound = Channel(world, previous_rank, device, f"The values stage {stage - 1} sends") if stage else None
         self.outbound = (
             Channel(world, next_rank, device, f"The values stage {stage} sends") if next_rank is not None else None
@@ -83,6 +94,8 @@ class PipelineStepRunner:
         self.optimizer.zero_grad(set_to_none=True)
         if self.gradient_reducer is not None:
             self.gradient_reducer.start()
+        if self.loss_scaler is not None:
+            self.loss_scaler.start()
         timeline, self.peak_in_flight = [], 0
         for action in self.actions:
             if action is None:
@@ -97,7 +110,14 @@ class PipelineStepRunner:
         self.last_timeline = timeline
         if self.gradient_reducer is not None:
             self.gradient_reducer.finish(None)
-        self.optimizer.step()
+        if self.loss_scaler is None:
+            self.optimizer.step()
+        else:
+            self.loss_scaler.unscale(self._params)
+            if self.loss_scaler.update(self._params):  # a collective of every rank: all stages skip together
+                self.optimizer.step()
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
         loss = (
             torch.stack([self._losses[m] for m in range(self.num_micro_batch)]).mean() if self.last else torch.zeros(())
         )
@@ -129,7 +149,8 @@ class PipelineStepRunner:
             values, received = self.inbound.receive()
             self._started = time.time()
             env = dict(zip(self.staged.boundaries[self.stage - 1], values, strict=True))
-        run_nodes(self.model, self.nodes, env)
+        with self._forward_context():
+            run_nodes(self.model, self.nodes, env)
         if self.outbound is not None:
             boundary = self.staged.boundaries[self.stage]
             sent = self.outbound.send([env[n] for n in boundary])
@@ -141,12 +162,22 @@ class PipelineStepRunner:
             if self.loss_fn is None:
                 loss = output
             else:
-                loss = self.loss_fn(output, targets) if targets is not None else self.loss_fn(output)
+                with self._forward_context():
+                    loss = self.loss_fn(output, targets) if targets is not None else self.loss_fn(output)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise EplError("The last pipeline stage must produce a scalar loss: pass loss_fn=... to parallelize.")
             self._losses[m] = loss.detach()
             outputs = [loss / self.num_micro_batch]
+            if self.loss_scaler is not None:
+                outputs = [self.loss_scaler.scale_loss(outputs[0])]
         self._in_flight[m] = _InFlight(outputs, received)
+
+    @contextlib.contextmanager
+    def _forward_context(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for enter in self.forward_contexts:
+                stack.enter_context(enter())
+            yield
 
     def _backward(self, m: int, *, split: bool) -> None:
         flight = self._in_flight[m] if split else self._in_flight.pop(m)

@@ -26,6 +26,13 @@ from epl.errors import EplError
     help="Plan one of the manual's examples instead of a script.",
 )
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="Override a config key (repeatable).")
+@click.option(
+    "--optimizer",
+    metavar="NAME",
+    default=None,
+    help="Estimate optimizer states for this torch.optim class (Adam, SGD, ...) instead of the script's "
+    "optimizer [default: the script's; none for --example].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the Plan as JSON.")
 @click.argument("script", required=False, type=click.Path(exists=True, dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
@@ -34,6 +41,7 @@ def plan_command(
     gpu_per_worker: int | None,
     example: str | None,
     settings: tuple[str, ...],
+    optimizer: str | None,
     as_json: bool,
     script: str | None,
     script_args: tuple[str, ...],
@@ -43,13 +51,22 @@ def plan_command(
     Nothing trains and no processes start: the script runs in this process with a
     virtual cluster, and stops at epl.parallelize. Arguments after SCRIPT are
     passed to it. Example: epl plan --world-size 1024 train.py --lr 3e-4
+
+    Under the Plan, the memory each device would hold: parameters, gradients and
+    optimizer states, estimated (with ZeRO and other plugins' adjustments);
+    activations are not estimated.
     """
     if (script is None) == (example is None):
         raise click.UsageError("Give a SCRIPT or --example NAME (one of them).")
     from epl.placement.mode import PlanRequest, plan_example, plan_script  # imports PyTorch: only when planning
 
     try:
-        request = PlanRequest(world_size=world_size, gpu_per_worker=gpu_per_worker, overrides=parse_settings(settings))
+        request = PlanRequest(
+            world_size=world_size,
+            gpu_per_worker=gpu_per_worker,
+            overrides=parse_settings(settings),
+            optimizer=optimizer,
+        )
         plan = plan_script(script, script_args, request) if script else plan_example(example or "", request)
     except EplError as exc:
         raise click.ClickException(str(exc)) from exc

@@ -67,6 +67,13 @@ class Communicator(ABC):
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
         """Reduce ``tensor`` over all members, in place on every member."""
 
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM) -> Work:
+        """Reduce ``tensor`` over all members into member ``dst``'s ``tensor`` (others' are left undefined).
+
+        The default reduces everywhere (an all-reduce); communicators override it to move less.
+        """
+        return self.all_reduce(tensor, op)
+
     @abstractmethod
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
         """Reduce ``input`` (``world_size`` equal chunks) and give member i chunk i in ``output``."""

@@ -109,6 +109,22 @@ MANUAL_KEYS: tuple[ConfigKey, ...] = (
         provided_by=MEMORY,
         doc="Loss scale for AMP: 'dynamic', or a fixed number.",
     ),
+    ConfigKey(
+        name="amp.dtype",
+        types=(str,),
+        default="",
+        choices=("", "float16", "bfloat16"),
+        provided_by=MEMORY,
+        doc="Precision of the operations autocast lowers under amp.level 'O1' ('': float16 on CUDA, bfloat16 on CPU).",
+    ),
+    ConfigKey(
+        name="amp.growth_interval",
+        types=(int,),
+        default=2000,
+        minimum=1,
+        provided_by=MEMORY,
+        doc="With a dynamic loss scale: consecutive steps with finite gradients after which the scale doubles.",
+    ),
     # 6.6 Optimizer
     ConfigKey(
         name="optimizer.num_apply_group",

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from epl.engine.batch import call_model, tensors_in, to_device
-from epl.engine.extensions import ParallelContext, StepRunner
+from epl.engine.extensions import LossScaler, ParallelContext, StepRunner
 from epl.engine.memory import MemoryReport
 from epl.placement.plan import Plan
 
@@ -64,6 +64,11 @@ class Engine:
     def optimizer(self) -> torch.optim.Optimizer | None:
         """This rank's optimizer, after every wrapper (use it for LR schedulers)."""
         return self.context.optimizer
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """The AMP loss scaler (``.scale``; epl-memory's also counts ``.skipped_steps``), or None without AMP."""
+        return self.context.loss_scaler
 
     @property
     def plan(self) -> Plan:
@@ -125,7 +130,7 @@ class Engine:
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self, *, full: bool = False) -> dict[str, Any]:
-        """Model, optimizer and step counter of this rank.
+        """Model, optimizer, step counter and (with AMP) loss scale of this rank.
 
         ``full=True`` gathers every split shard into the whole tensor (a collective:
         every device of the split TaskGraph must call it), so the model's entries
@@ -135,17 +140,18 @@ class Engine:
         from epl.sharding.parameters import gather_whole, shard_spec
 
         tensors = self.model.state_dict(keep_vars=True)
-        if full:
-            model = {key: gather_whole(value) for key, value in tensors.items()}
-        else:
-            model = self.model.state_dict()
         specs = {key: shard_spec(value) for key, value in tensors.items()}
+        gathered = {key: gather_whole(tensors[key]) for key, spec in specs.items() if spec and full}
+        # Values from a plain state_dict: a technique that frees parameters between uses hands copies here.
+        model = {**self.model.state_dict(), **gathered}
         shards = {key: [spec.group.index, spec.group.count] for key, spec in specs.items() if spec and not full}
         return {
             "version": STATE_VERSION,
             "model": model,
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None and not full else None,
             "global_step": self.global_step,
+            #: The loss scaler's state (optional: absent or None without AMP).
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
             #: Which shard of each split tensor ``model`` holds (absent for whole tensors).
             "shards": shards,
         }
@@ -160,6 +166,8 @@ class Engine:
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         self.global_step = int(state["global_step"])
+        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`state_dict` to ``path`` atomically (a crash leaves the old file intact).

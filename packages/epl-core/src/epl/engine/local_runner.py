@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any, Self
 
 import torch
 from torch import nn
 
 from epl.engine.batch import call_model, micro_batches, to_device
-from epl.engine.extensions import GradientReducer, LossFn, ParallelContext
+from epl.engine.extensions import GradientReducer, LossFn, LossScaler, ParallelContext
 from epl.errors import EplError
 
 
@@ -17,6 +19,12 @@ class LocalStepRunner:
 
     Between the last backward and the update, the gradient reducer (data parallelism)
     finishes and gradients are clipped to ``optimizer.max_grad_norm`` if set.
+
+    The forward and the loss run inside ``forward_contexts`` (AMP's autocast), the
+    backward outside them. With a loss scaler (AMP), each loss is scaled before its
+    backward, the gradients are unscaled once, before clipping (which the reducer may
+    call before or after its reduction) or else after the reduction, and the update is
+    skipped (gradients dropped) when the scaler finds a non-finite gradient on any rank.
 
     Each micro-batch's loss is divided by the number of micro-batches before its
     backward, so the accumulated gradients are those of the mean loss over the
@@ -33,6 +41,8 @@ class LocalStepRunner:
         device: torch.device,
         gradient_reducer: GradientReducer | None = None,
         max_grad_norm: float | None = None,
+        loss_scaler: LossScaler | None = None,
+        forward_contexts: Sequence[Callable[[], contextlib.AbstractContextManager[Any]]] = (),
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -41,6 +51,8 @@ class LocalStepRunner:
         self.device = device
         self.gradient_reducer = gradient_reducer
         self.max_grad_norm = max_grad_norm
+        self.loss_scaler = loss_scaler
+        self.forward_contexts = list(forward_contexts)
 
     @classmethod
     def from_context(cls, context: ParallelContext, **extra: Any) -> Self:
@@ -54,6 +66,8 @@ class LocalStepRunner:
             device=context.cluster.device,
             gradient_reducer=context.gradient_reducer,
             max_grad_norm=context.config["optimizer.max_grad_norm"],
+            loss_scaler=context.loss_scaler,
+            forward_contexts=context.forward_contexts,
         )
 
     def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
@@ -64,44 +78,65 @@ class LocalStepRunner:
         self.optimizer.zero_grad(set_to_none=True)
         if self.gradient_reducer is not None:
             self.gradient_reducer.start()
+        if self.loss_scaler is not None:
+            self.loss_scaler.start()
         parts = self.num_micro_batch
         if parts == 1:
             loss = self.loss(inputs, targets)
-            loss.backward()
+            self.backward(loss)
             self.finish_gradients()
-            self.optimizer.step()
+            self.update()
             return loss.detach()
         losses = []
         for micro_inputs, micro_targets in micro_batches(inputs, targets, parts):
             loss = self.loss(micro_inputs, micro_targets)
-            (loss / parts).backward()
+            self.backward(loss / parts)
             losses.append(loss.detach())
         self.finish_gradients()
-        self.optimizer.step()
+        self.update()
         return torch.stack(losses).mean()
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` (multiplied by the loss scale under AMP)."""
+        (loss if self.loss_scaler is None else self.loss_scaler.scale_loss(loss)).backward()
+
+    def update(self) -> None:
+        """The optimizer step, unless the loss scaler finds a non-finite gradient on some rank (then: none)."""
+        assert self.optimizer is not None
+        if self.loss_scaler is None or self.loss_scaler.update(self.model.parameters()):
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
     def finish_gradients(self) -> None:
-        """Reduce gradients over parameter copies (if any) and clip them (if configured)."""
+        """Reduce gradients over parameter copies (if any), clip them (if configured) and unscale them (AMP)."""
         clip = self.clip_gradients if self.max_grad_norm is not None else None
         if self.gradient_reducer is not None:
             self.gradient_reducer.finish(clip)
         elif clip is not None:
             clip()
+        if self.loss_scaler is not None:
+            self.loss_scaler.unscale(self.model.parameters())  # nothing left to do when clipping unscaled them
 
     def clip_gradients(self) -> None:
         """Scale this rank's gradients so that their total norm is at most ``optimizer.max_grad_norm``."""
         assert self.max_grad_norm is not None
+        if self.loss_scaler is not None:
+            self.loss_scaler.unscale(self.model.parameters())  # clip the true gradients
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
 
     def loss(self, inputs: Any, targets: Any) -> torch.Tensor:
-        """The scalar loss of ``inputs`` against ``targets``."""
-        outputs = call_model(self.model, inputs)
-        if self.loss_fn is None:
-            if targets is not None:
-                raise EplError("Engine.step got targets but epl.parallelize() had no loss_fn; pass loss_fn=... .")
-            loss = outputs
-        else:
-            loss = self.loss_fn(outputs, targets) if targets is not None else self.loss_fn(outputs)
+        """The scalar loss of ``inputs`` against ``targets`` (computed inside the forward contexts)."""
+        with contextlib.ExitStack() as forward_context:
+            for enter in self.forward_contexts:
+                forward_context.enter_context(enter())
+            outputs = call_model(self.model, inputs)
+            if self.loss_fn is None:
+                if targets is not None:
+                    raise EplError("Engine.step got targets but epl.parallelize() had no loss_fn; pass loss_fn=... .")
+                loss = outputs
+            else:
+                loss = self.loss_fn(outputs, targets) if targets is not None else self.loss_fn(outputs)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise EplError(f"The loss must be a scalar tensor, got {shape}. Reduce it (e.g. reduction='mean').")

@@ -51,13 +51,21 @@ def tensor_bytes(tensors: Any) -> int:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of the optimizer's state tensors (a wrapper's own count when it keeps the state elsewhere)."""
+    """Bytes of the optimizer's state tensors, leaving out scalars such as step counters.
+
+    A wrapper that keeps the state elsewhere gives its own count (a ``state_bytes()`` method).
+    """
     if optimizer is None:
         return 0
     own = getattr(optimizer, "state_bytes", None)
     if callable(own):
         return int(own())
-    return tensor_bytes(value for state in optimizer.state.values() for value in state.values())
+    return tensor_bytes(
+        value
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    )
 
 
 def parameter_and_gradient_bytes(model: nn.Module) -> tuple[int, int]:

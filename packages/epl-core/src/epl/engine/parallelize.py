@@ -27,8 +27,9 @@ def parallelize(model: nn.Module, optimizer: OptimizerSpec = None, loss_fn: Loss
     moves the model to this rank's device, applies the plugins' model
     transforms, builds the optimizer over this rank's parameters (``optimizer``
     is a factory ``params -> Optimizer``, or an optimizer already built over
-    ``model``'s parameters), applies the plugins' optimizer wrappers and picks
-    the step runner. In ``epl plan`` runs it raises ``PlanReady`` instead.
+    ``model``'s parameters), applies the plugins' optimizer wrappers, asks for
+    the gradient reducer and the loss scaler (AMP) and picks the step runner.
+    In ``epl plan`` runs it raises ``PlanReady`` instead.
     """
     env = Env.get()
     if not isinstance(model, nn.Module):
@@ -36,8 +37,13 @@ def parallelize(model: nn.Module, optimizer: OptimizerSpec = None, loss_fn: Loss
     taskgraphs = _taskgraphs(model, env)
     plan = _plan_for(taskgraphs, env)
     env.annotations.remove()
-    if current_request() is not None:
-        raise PlanReady(plan)
+    request = current_request()
+    if request is not None:
+        if request.optimizer is not None:
+            from epl.placement.estimate import optimizer_class
+
+            optimizer = optimizer_class(request.optimizer)
+        raise PlanReady(_with_memory(plan, model, taskgraphs, env, optimizer))
     model = model.to(env.cluster.device)
     context = ParallelContext(env=env, plan=plan, taskgraphs=taskgraphs, model=model, loss_fn=loss_fn)
     for transform in env.plugins.model_transforms(context):
@@ -47,23 +53,42 @@ def parallelize(model: nn.Module, optimizer: OptimizerSpec = None, loss_fn: Loss
         for wrapper in env.plugins.optimizer_wrappers(context):
             context.optimizer = wrapper(context.optimizer, context)
     context.gradient_reducer = env.plugins.make_gradient_reducer(context)
+    context.loss_scaler = env.plugins.make_loss_scaler(context)
     return Engine(context, env.plugins.make_step_runner(context))
 
 
-def plan(model: nn.Module, *, world_size: int | None = None, gpu_per_worker: int | None = None) -> Plan:
+def plan(
+    model: nn.Module,
+    *,
+    world_size: int | None = None,
+    gpu_per_worker: int | None = None,
+    optimizer: OptimizerSpec = None,
+) -> Plan:
     """The Plan for ``model``'s annotations on ``world_size`` devices, without running anything.
 
-    Defaults to the current cluster. Capturing goes on: call it as often as you like
-    before ``epl.parallelize``.
+    Defaults to the current cluster. ``Plan.memory`` estimates each rank's bytes of
+    parameters, gradients and optimizer states (activations are not estimated; see
+    :mod:`epl.placement.estimate`); ``optimizer`` is what ``epl.parallelize`` takes (a
+    factory, e.g. ``torch.optim.Adam``, or an optimizer over ``model``'s parameters),
+    None for no optimizer. Capturing goes on: call it as often as you like before
+    ``epl.parallelize``.
     """
     env = Env.get()
     taskgraphs = _taskgraphs(model, env)
     if world_size is None:
-        return _plan_for(taskgraphs, env)
+        return _with_memory(_plan_for(taskgraphs, env), model, taskgraphs, env, optimizer)
     for name, value in (("world_size", world_size), ("gpu_per_worker", gpu_per_worker)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise PlacementError(f"epl.plan({name}=...) takes a positive integer, got {value!r}.")
-    return _build(taskgraphs, env.config, world_size, gpu_per_worker)
+    built = _build(taskgraphs, env.config, world_size, gpu_per_worker)
+    return _with_memory(built, model, taskgraphs, env, optimizer)
+
+
+def _with_memory(plan: Plan, model: nn.Module, taskgraphs: list[TaskGraph], env: Env, optimizer: OptimizerSpec) -> Plan:
+    """``plan`` with each rank's memory estimate."""
+    from epl.placement.estimate import with_memory
+
+    return with_memory(plan, model, taskgraphs, config=env.config, plugins=env.plugins, optimizer=optimizer)
 
 
 def _taskgraphs(model: nn.Module, env: Env) -> list[TaskGraph]:

@@ -23,11 +23,16 @@ from epl.placement.plan import Plan
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """The cluster to plan for and config overrides to apply on top of the script's."""
+    """The cluster to plan for, config overrides to apply on top of the script's, and an optimizer to assume.
+
+    ``optimizer`` names a ``torch.optim`` class (:data:`epl.placement.estimate.OPTIMIZER_STATES`)
+    for the memory estimate, in place of the script's optimizer (or of none, for an example).
+    """
 
     world_size: int
     gpu_per_worker: int | None = None
     overrides: Mapping[str, Any] = field(default_factory=dict)
+    optimizer: str | None = None
 
 
 class PlanReady(BaseException):

@@ -22,6 +22,7 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from epl.errors import PlacementError
+from epl.placement.estimate import MemoryEstimate
 
 if TYPE_CHECKING:
     from epl.config import Config
@@ -124,6 +125,9 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     #: One process runs every TaskGraph (no launcher): annotations checked, not applied.
     local: bool = False
+    #: Estimated memory of each rank (index = rank), filled by ``epl.plan``/``epl plan``
+    #: (:mod:`epl.placement.estimate`); empty in the Plan of a run.
+    memory: tuple[MemoryEstimate, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -214,6 +218,7 @@ class Plan:
         )
         fields["slots"] = tuple(tuple(s) for s in data["slots"])
         fields["notes"] = tuple(data.get("notes", ()))
+        fields["memory"] = tuple(MemoryEstimate.from_dict(m) for m in data.get("memory", ()))
         return cls(**fields)
 
     def to_json(self, indent: int | None = 2) -> str:

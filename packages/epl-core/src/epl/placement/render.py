@@ -45,9 +45,34 @@ def render_plan(plan: Plan) -> str:
         more = plan.world_size - len(shown)
         same = "; every replica is laid out like replica 0" if plan.num_replicas > 1 else ""
         lines.append(f"  ... {more} more devices{same} (Plan.assignment(device) describes any of them)")
+    if plan.memory:
+        lines += ["", *render_memory(plan, shown)]
     if plan.notes:
         lines += ["", "notes:"] + [f"  - {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def render_memory(plan: Plan, devices: Sequence[int]) -> list[str]:
+    """The memory estimate of ``devices``: a table, then what it assumes."""
+    from epl.placement.estimate import distinct_notes
+
+    lines = ["memory per device (estimated; activations are not estimated):"]
+    rows = [["device", "parameters", "gradients", "optimizer states", "total"]]
+    for device in devices:
+        m = plan.memory[device]
+        states, total = m.optimizer_state_bytes, m.total_bytes
+        rows.append(
+            [
+                str(device),
+                format_bytes(m.parameter_bytes),
+                format_bytes(m.gradient_bytes),
+                "unknown" if states is None else format_bytes(states),
+                "unknown" if total is None else format_bytes(total),
+            ]
+        )
+    lines += _table(rows)
+    lines += [f"  - {note}" for note in distinct_notes(plan.memory[d] for d in devices)]
+    return lines
 
 
 def format_devices(devices: Sequence[int]) -> str:

@@ -23,11 +23,13 @@ if TYPE_CHECKING:
     from epl.config import Config, ConfigKey
     from epl.engine.extensions import (
         GradientReducer,
+        LossScaler,
         ModelTransform,
         OptimizerWrapper,
         ParallelContext,
         StepRunner,
     )
+    from epl.placement.estimate import MemoryEstimate, MemoryEstimateContext
     from epl.schedule import ScheduleGenerator
     from epl.strategy.split_rule import SplitRule
     from epl.strategy.taskgraph import TaskGraph
@@ -201,6 +203,10 @@ class EplPluginManager:
         """What reduces gradients over parameter copies, or None (``epl_make_gradient_reducer``)."""
         return self._pm.hook.epl_make_gradient_reducer(context=context)
 
+    def make_loss_scaler(self, context: ParallelContext) -> LossScaler | None:
+        """What scales the loss and skips non-finite steps (AMP), or None (``epl_make_loss_scaler``)."""
+        return self._pm.hook.epl_make_loss_scaler(context=context)
+
     def make_step_runner(self, context: ParallelContext) -> StepRunner:
         """What ``Engine.step`` runs on this rank (``epl_make_step_runner``)."""
         runner = self._pm.hook.epl_make_step_runner(context=context)
@@ -211,6 +217,24 @@ class EplPluginManager:
                 "(from a checkout: pip install -e packages/epl-pipeline)."
             )
         return runner
+
+    def adjust_memory_estimate(self, estimate: MemoryEstimate, context: MemoryEstimateContext) -> MemoryEstimate:
+        """``estimate`` after every plugin's ``epl_adjust_memory_estimate``, applied in turn."""
+        from epl.placement.estimate import MemoryEstimate
+
+        arguments = {"estimate": estimate, "context": context}
+        for impl in reversed(self._pm.hook.epl_adjust_memory_estimate.get_hookimpls()):  # pluggy's call order
+            arguments["estimate"] = estimate
+            adjusted = impl.function(*(arguments[name] for name in impl.argnames))
+            if adjusted is None:
+                continue
+            if not isinstance(adjusted, MemoryEstimate):
+                raise PluginError(
+                    f"Plugin {impl.plugin_name!r} returned {adjusted!r} from epl_adjust_memory_estimate; "
+                    "it must return an epl.placement.estimate.MemoryEstimate or None."
+                )
+            estimate = adjusted
+        return estimate
 
     def pipeline_schedules(self) -> dict[str, ScheduleGenerator]:
         """Every registered pipeline schedule by name (``epl_pipeline_schedules``)."""

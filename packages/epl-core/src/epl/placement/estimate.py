@@ -1,0 +1,484 @@
+"""Memory per rank estimated from the Plan, without running: parameters, gradients, optimizer states.
+
+The estimate is what :meth:`Engine.memory_report` counts after a training step,
+computed from the model's parameters and the Plan instead of from a run's tensors:
+
+* parameters: the parameters of the TaskGraphs each rank runs. The modules of a
+  split TaskGraph are sharded by their split rules (the same rules a run uses),
+  applied to copies on the ``meta`` device, so each shard has the size the run
+  gives it and nothing is allocated. Where a rule cannot run here, each parameter
+  is sharded along dimension 0 (the larger shards first) and a note says so.
+* gradients: the bytes of the parameters that require grad.
+* optimizer states: from the optimizer's class and each parameter group's options,
+  by :data:`OPTIMIZER_STATES`: how many state tensors the size of the parameter it
+  keeps for each parameter that requires grad (every parameter it holds, for one
+  that makes its state when built: Adagrad). 0-dim states (Adam's step counter)
+  are left out, as ``memory_report`` leaves them out. A class not in the table gives
+  ``None`` (unknown); a subclass is not assumed to keep its base class's state.
+
+Activations are not estimated: ``Engine.memory_report(inputs, targets)`` measures them.
+
+The core knows no memory technique. Each rank's estimate goes through the
+``epl_adjust_memory_estimate`` hook, whose implementations (e.g. epl-memory's ZeRO)
+return an adjusted estimate in turn, from :class:`MemoryEstimateContext`: the
+tensors the rank holds and the copies of each.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from epl.config import Config
+    from epl.placement.copies import Copies
+    from epl.placement.plan import Plan
+    from epl.plugins.manager import EplPluginManager
+    from epl.strategy.taskgraph import TaskGraph
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated bytes one rank holds during training: parameters, gradients, optimizer states.
+
+    The same quantities as :class:`epl.engine.memory.MemoryReport` after a step;
+    activations are not estimated. ``optimizer_state_bytes`` is None when the
+    optimizer's state is unknown (a class not in :data:`OPTIMIZER_STATES`).
+    ``notes`` say what the numbers assume (the optimizer, a plugin's adjustment).
+    """
+
+    rank: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total_bytes(self) -> int | None:
+        """Parameters, gradients and optimizer states; None when the states are unknown."""
+        if self.optimizer_state_bytes is None:
+            return None
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
+
+    def __str__(self) -> str:
+        from epl.placement.render import format_bytes
+
+        states = "unknown" if self.optimizer_state_bytes is None else format_bytes(self.optimizer_state_bytes)
+        return (
+            f"rank {self.rank}: parameters {format_bytes(self.parameter_bytes)}, "
+            f"gradients {format_bytes(self.gradient_bytes)}, optimizer states {states} (activations not estimated)"
+        )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MemoryEstimate:
+        """Rebuild an estimate from ``dataclasses.asdict`` output."""
+        return cls(**{**data, "notes": tuple(data.get("notes", ()))})
+
+
+@dataclass(frozen=True)
+class EstimatedTensor:
+    """One parameter as a rank would hold it (its shard, where a split rule shards it)."""
+
+    #: Its name in the model (for a shard, the name in the sharded module: ``head.weight``).
+    name: str
+    #: The TaskGraph that holds it.
+    taskgraph: int
+    numel: int
+    element_size: int
+    requires_grad: bool
+    #: A split rule's shard: each device of the split TaskGraph holds a different part.
+    sharded: bool
+    #: Bytes of the optimizer's state tensors shaped like it (Adam: exp_avg, exp_avg_sq), 0 when the
+    #: optimizer does not hold it; None: unknown.
+    state_bytes: int | None
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the tensor."""
+        return self.numel * self.element_size
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes of its gradient (none without ``requires_grad``)."""
+        return self.bytes if self.requires_grad else 0
+
+
+@dataclass(frozen=True)
+class MemoryEstimateContext:
+    """What ``epl_adjust_memory_estimate`` receives besides the estimate: the rank and what it holds."""
+
+    plan: Plan
+    config: Config
+    rank: int
+    #: The parameters the rank holds, in the order of the rank's ``model.parameters()``.
+    tensors: tuple[EstimatedTensor, ...]
+    #: The optimizer's class name; None without an optimizer.
+    optimizer: str | None
+    #: Copies by (TaskGraph, sharded, slot), shared by the ranks of one estimate.
+    _copies: dict[tuple[int, bool, int], Copies] = field(default_factory=dict, compare=False, repr=False)
+
+    def copies(self, tensor: EstimatedTensor) -> Copies:
+        """The devices holding copies of ``tensor`` (what data parallelism reduces over)."""
+        from epl.placement.copies import copies_of
+
+        # The copies of a TaskGraph's tensors depend on the device's slot in its replica only.
+        key = (tensor.taskgraph, tensor.sharded, self.plan.locate(self.rank)[1])
+        if key not in self._copies:
+            self._copies[key] = copies_of(self.plan, tensor.taskgraph, self.rank, sharded=tensor.sharded)
+        return self._copies[key]
+
+
+@dataclass(frozen=True)
+class OptimizerStates:
+    """The state a ``torch.optim`` class keeps per parameter, from its parameter group's options."""
+
+    #: How many state tensors of the parameter's shape and dtype (0-dim ones are not counted).
+    tensors: Callable[[Mapping[str, Any]], int]
+    #: What it keeps, for notes.
+    doc: str = ""
+    #: Made when the optimizer is built, for every parameter (frozen ones too), not at its first step.
+    eager: bool = False
+
+
+def _adam(options: Mapping[str, Any]) -> int:
+    return 3 if options.get("amsgrad") else 2
+
+
+def _rmsprop(options: Mapping[str, Any]) -> int:
+    return 1 + bool(options.get("momentum")) + bool(options.get("centered"))
+
+
+def _two(options: Mapping[str, Any]) -> int:
+    return 2
+
+
+def _one(options: Mapping[str, Any]) -> int:
+    return 1
+
+
+#: torch.optim class name -> the state tensors it keeps per parameter (the tests check them against torch).
+OPTIMIZER_STATES: dict[str, OptimizerStates] = {
+    "SGD": OptimizerStates(lambda o: 1 if o.get("momentum") else 0, "a momentum buffer (with momentum != 0)"),
+    "Adam": OptimizerStates(_adam, "exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad)"),
+    "AdamW": OptimizerStates(_adam, "exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad)"),
+    "Adamax": OptimizerStates(_two, "exp_avg, exp_inf"),
+    "NAdam": OptimizerStates(_two, "exp_avg, exp_avg_sq"),
+    "RAdam": OptimizerStates(_two, "exp_avg, exp_avg_sq"),
+    "Adagrad": OptimizerStates(_one, "sum", eager=True),
+    "Adadelta": OptimizerStates(_two, "square_avg, acc_delta"),
+    "RMSprop": OptimizerStates(_rmsprop, "square_avg (and momentum_buffer with momentum, grad_avg when centered)"),
+    "Rprop": OptimizerStates(_two, "prev, step_size"),
+    "ASGD": OptimizerStates(_one, "ax"),
+}
+
+
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """The ``torch.optim`` class of :data:`OPTIMIZER_STATES` called ``name`` (any case)."""
+    import torch
+
+    from epl.errors import EplError
+
+    for known in OPTIMIZER_STATES:
+        if known.lower() == name.lower():
+            return cast("type[torch.optim.Optimizer]", getattr(torch.optim, known))
+    raise EplError(f"No optimizer {name!r} to estimate with; known: {', '.join(OPTIMIZER_STATES)}.")
+
+
+def with_memory(
+    plan: Plan,
+    model: nn.Module,
+    taskgraphs: list[TaskGraph],
+    *,
+    config: Config,
+    plugins: EplPluginManager,
+    optimizer: Any = None,
+) -> Plan:
+    """``plan`` with :attr:`Plan.memory` (see :func:`estimate_memory`).
+
+    The split TaskGraphs' shard sizes (``TaskGraphSpec.shard_parameters``/``shard_bytes``,
+    estimated along dimension 0 when the Plan is built) become those of their split rules.
+    """
+    from dataclasses import replace
+
+    memory, holdings = _estimate(plan, model, taskgraphs, config=config, plugins=plugins, optimizer=optimizer)
+    specs = tuple(
+        replace(tg, **dict(zip(("shard_parameters", "shard_bytes"), holdings.shard_sizes(tg.index), strict=True)))
+        if tg.index in holdings.split
+        else tg
+        for tg in plan.taskgraphs
+    )
+    return replace(plan, taskgraphs=specs, memory=memory)
+
+
+def estimate_memory(
+    plan: Plan,
+    model: nn.Module,
+    taskgraphs: list[TaskGraph],
+    *,
+    config: Config,
+    plugins: EplPluginManager,
+    optimizer: Any = None,
+) -> tuple[MemoryEstimate, ...]:
+    """Each rank's estimate (index = rank) for ``model`` placed by ``plan``, adjusted by the plugins.
+
+    ``optimizer`` is what ``epl.parallelize`` takes: None, an optimizer built over
+    ``model``'s parameters, or a factory ``params -> Optimizer`` (a ``torch.optim``
+    class is one). A factory is called once, on ``meta`` copies of the parameters.
+    """
+    return _estimate(plan, model, taskgraphs, config=config, plugins=plugins, optimizer=optimizer)[0]
+
+
+def _estimate(
+    plan: Plan,
+    model: nn.Module,
+    taskgraphs: list[TaskGraph],
+    *,
+    config: Config,
+    plugins: EplPluginManager,
+    optimizer: Any,
+) -> tuple[tuple[MemoryEstimate, ...], _Holdings]:
+    view = _OptimizerView.of(optimizer, model)
+    holdings = _Holdings(plan, model, taskgraphs, plugins, view)
+    copies: dict[tuple[int, bool, int], Copies] = {}
+    estimates = []
+    for rank in range(plan.world_size):
+        tensors, notes = holdings.of(rank)
+        states = [t.state_bytes for t in tensors]
+        base = MemoryEstimate(
+            rank=rank,
+            parameter_bytes=sum(t.bytes for t in tensors),
+            gradient_bytes=sum(t.gradient_bytes for t in tensors),
+            optimizer_state_bytes=None if None in states else sum(cast("list[int]", states)),
+            notes=(*view.notes, *notes),
+        )
+        context = MemoryEstimateContext(
+            plan=plan, config=config, rank=rank, tensors=tensors, optimizer=view.name, _copies=copies
+        )
+        estimates.append(plugins.adjust_memory_estimate(base, context))
+    return tuple(estimates), holdings
+
+
+# -- the optimizer -------------------------------------------------------------------------
+
+
+@dataclass
+class _OptimizerView:
+    """The optimizer's class and the options of the group of each parameter of the model."""
+
+    name: str | None = None
+    states: OptimizerStates | None = None
+    #: id(model parameter) -> its group's options.
+    groups: dict[int, Mapping[str, Any]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, optimizer: Any, model: nn.Module) -> _OptimizerView:
+        import torch
+        from torch import nn
+        from torch.nn.parameter import is_lazy
+
+        if optimizer is None:
+            return cls(notes=("no optimizer: no optimizer states",))
+        params = [p for p in model.parameters() if not is_lazy(p)]
+        if isinstance(optimizer, torch.optim.Optimizer):
+            built, stand_ins = optimizer, params
+        else:
+            stand_ins = [
+                nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad) for p in params
+            ]
+            try:
+                built = optimizer(stand_ins)
+            except Exception:  # noqa: BLE001 - e.g. fused=True refuses meta tensors: build over the real ones
+                try:
+                    built, stand_ins = optimizer(params), params
+                except Exception as exc:  # noqa: BLE001 - the run would fail too; the plan says why
+                    return cls(notes=(f"optimizer states unknown: the optimizer factory failed ({exc})",))
+            if not isinstance(built, torch.optim.Optimizer):
+                return cls(notes=(f"optimizer states unknown: the factory returned {type(built).__name__}",))
+        name = type(built).__name__
+        states = OPTIMIZER_STATES.get(name) if type(built) is getattr(torch.optim, name, None) else None
+        original = {id(s): p for s, p in zip(stand_ins, params, strict=True)}
+        groups: dict[int, Mapping[str, Any]] = {}
+        for group in built.param_groups:
+            options = {key: value for key, value in group.items() if key != "params"}
+            for param in group["params"]:
+                if id(param) in original:
+                    groups.setdefault(id(original[id(param)]), options)
+        if states is None:
+            note = f"optimizer states unknown: {name} is not in epl.placement.estimate.OPTIMIZER_STATES"
+        else:
+            note = f"optimizer states: {name} keeps {states.doc} per parameter (0-dim step counters not counted)"
+        return cls(name=name, states=states, groups=groups, notes=(note,))
+
+    def state_bytes(self, original: nn.Parameter, tensor: torch.Tensor) -> int | None:
+        """Bytes of the state tensors kept for ``tensor`` (``original`` or its shard); None: unknown."""
+        options = self.groups.get(id(original))
+        if options is None:
+            return 0
+        if self.states is None:
+            return None
+        if not tensor.requires_grad and not self.states.eager:  # never given a gradient: never stepped
+            return 0
+        return self.states.tensors(options) * tensor.numel() * tensor.element_size()
+
+
+# -- what each rank holds ------------------------------------------------------------------
+
+Pieces = list[tuple[str, "torch.Tensor", bool]]
+
+
+class _Holdings:
+    """The parameters each rank holds, computed once per set of (TaskGraph, position) it runs."""
+
+    def __init__(
+        self, plan: Plan, model: nn.Module, taskgraphs: list[TaskGraph], plugins: EplPluginManager, view: _OptimizerView
+    ) -> None:
+        from torch.nn.parameter import is_lazy
+
+        self.plan, self.model, self.view, self.plugins = plan, model, view, plugins
+        self.owner = {id(t): tg.index for tg in taskgraphs for t in tg.tensors}
+        self.params = [(name, p) for name, p in model.named_parameters() if not is_lazy(p)]
+        self.split = {tg.index: tg for tg in taskgraphs if tg.strategy.kind == "split"} if not plan.local else {}
+        self._targets: dict[int, list[Any]] | None = None
+        self._roles: dict[str, Any] = {}
+        self._cache: dict[tuple[tuple[int, int], ...], tuple[tuple[EstimatedTensor, ...], tuple[str, ...]]] = {}
+        self._shard_cache: dict[tuple[int, int], tuple[dict[int, tuple[int, Pieces]], str | None]] = {}
+
+    def of(self, rank: int) -> tuple[tuple[EstimatedTensor, ...], tuple[str, ...]]:
+        """The tensors ``rank`` holds, in its model's order, and notes on how they were estimated."""
+        held = self.plan.assignment(rank).taskgraphs
+        if held not in self._cache:
+            self._cache[held] = self._compute(dict(held))
+        return self._cache[held]
+
+    def _compute(self, positions: dict[int, int]) -> tuple[tuple[EstimatedTensor, ...], tuple[str, ...]]:
+        notes: list[str] = []
+        shards = {index: self._shards(index, positions[index], notes) for index in self.split if index in positions}
+        rows: list[EstimatedTensor] = []
+        emitted: set[int] = set()
+        for name, param in self.params:
+            taskgraph = self.owner.get(id(param), 0)
+            if taskgraph not in positions:
+                continue
+            replaced = shards.get(taskgraph, {}).get(id(param))
+            if replaced is None:
+                rows.append(self._row(name, param, param, taskgraph, sharded=False))
+                continue
+            key, pieces = replaced  # the shard module takes the place of its module: its parameters, in order
+            if key not in emitted:
+                emitted.add(key)
+                rows += [self._row(n, param, piece, taskgraph, sharded) for n, piece, sharded in pieces]
+        return tuple(rows), tuple(notes)
+
+    def _row(
+        self, name: str, original: nn.Parameter, tensor: torch.Tensor, taskgraph: int, sharded: bool
+    ) -> EstimatedTensor:
+        return EstimatedTensor(
+            name=name,
+            taskgraph=taskgraph,
+            numel=tensor.numel(),
+            element_size=tensor.element_size(),
+            requires_grad=tensor.requires_grad,
+            sharded=sharded,
+            state_bytes=self.view.state_bytes(original, tensor),
+        )
+
+    # -- split TaskGraphs ------------------------------------------------------------------
+    def shard_sizes(self, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(parameters, bytes) each position of split TaskGraph ``index`` holds."""
+        numels, sizes = [], []
+        for position in range(self.split[index].strategy.device_count):
+            shards = {key: pieces for key, pieces in self._shards(index, position, []).values()}
+            held = [piece for pieces in shards.values() for _, piece, _ in pieces]
+            numels.append(sum(p.numel() for p in held))
+            sizes.append(sum(p.numel() * p.element_size() for p in held))
+        return tuple(numels), tuple(sizes)
+
+    def _shards(self, index: int, position: int, notes: list[str]) -> dict[int, tuple[int, Pieces]]:
+        """id(parameter) -> (its module, the shard's parameters) at ``position`` of split TaskGraph ``index``."""
+        if (index, position) not in self._shard_cache:
+            taskgraph = self.split[index]
+            count = taskgraph.strategy.device_count
+            try:
+                self._shard_cache[index, position] = self._by_rules(index, position, count), None
+            except Exception as exc:  # noqa: BLE001 - a rule that needs the devices: estimate along dimension 0
+                note = (
+                    f"{taskgraph.name}: parameters sharded along dimension 0 as an estimate "
+                    f"(its split rules could not run without the devices: {exc})"
+                )
+                self._shard_cache[index, position] = self._along_dim0(taskgraph, position, count), note
+        shards, note = self._shard_cache[index, position]
+        if note:
+            notes.append(note)
+        return shards
+
+    def _by_rules(self, index: int, position: int, count: int) -> dict[int, tuple[int, Pieces]]:
+        from epl.sharding.group import ShardGroup
+        from epl.sharding.layout import assign_roles
+        from epl.sharding.linear import shard_linear
+        from epl.sharding.parameters import is_sharded
+        from epl.sharding.transform import _targets
+        from epl.strategy.split_rule import ShardContext
+
+        if self._targets is None:
+            rules = self.plugins.split_rules()
+            self._targets = {i: _targets(self.model, tg, rules) for i, tg in self.split.items()}
+            linears = {t.name for targets in self._targets.values() for t in targets if t.rule is shard_linear}
+            self._roles = assign_roles(self.model, linears, loss_is_cross_entropy=False)
+        group = ShardGroup(cast(Any, _Seat(position, count)), batch_split=self.plan.batch_parts(index) > 1)
+        found: dict[int, tuple[int, Pieces]] = {}
+        for key, target in enumerate(self._targets[index]):
+            role = self._roles.get(target.name, "alone")
+            shard = target.rule(_meta_copy(target.module), ShardContext(group, target.name, role))
+            prefix = f"{target.name}." if target.name else ""
+            pieces = [(prefix + name, p, is_sharded(p)) for name, p in shard.named_parameters()]
+            for param in target.module.parameters():
+                found[id(param)] = (key, pieces)
+        return found
+
+    def _along_dim0(self, taskgraph: TaskGraph, position: int, count: int) -> dict[int, tuple[int, Pieces]]:
+        import torch
+
+        from epl.placement.plan import _dim0_shard_numels
+
+        names = {id(p): name for name, p in self.params}
+        found: dict[int, tuple[int, Pieces]] = {}
+        for key, param in enumerate(taskgraph.parameters):
+            if id(param) in names:
+                numel = _dim0_shard_numels(param, count)[position]
+                piece = torch.empty(numel, dtype=param.dtype, device="meta").requires_grad_(param.requires_grad)
+                found[id(param)] = (-1 - key, [(names[id(param)], piece, True)])
+        return found
+
+
+@dataclass(frozen=True)
+class _Seat:
+    """Stands in for a shard group's communicator while split rules run for an estimate: a position, no peers."""
+
+    rank: int
+    world_size: int
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose parameters and buffers live on the ``meta`` device (nothing allocated)."""
+    import torch
+    from torch import nn
+
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = (
+            nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+        )
+    return copy.deepcopy(module, memo)
+
+
+def distinct_notes(estimates: Iterable[MemoryEstimate]) -> list[str]:
+    """The distinct notes of ``estimates``, in order."""
+    return list(dict.fromkeys(note for estimate in estimates for note in estimate.notes))

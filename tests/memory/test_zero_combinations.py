@@ -1,0 +1,250 @@
+"""ZeRO v1/v2 with the rest of EPL: pipelines, gradient checkpointing, accumulation, checkpoints; and its errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import epl
+from tests.helpers.distributed import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh(), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+def tower() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), Block(16), Block(16), nn.Linear(16, 3)).double()
+
+
+def two_stages() -> nn.Module:
+    torch.manual_seed(0)
+    with epl.replicate(1, name="stage_0"):
+        first = nn.Sequential(nn.Linear(6, 16), Block(16))
+    with epl.replicate(1, name="stage_1"):
+        second = nn.Sequential(Block(16), nn.Linear(16, 3))
+    return nn.Sequential(first, second).double()
+
+
+class Body(nn.Module):
+    """Stage roots below a module that is not a container (the runner calls them, never the body)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with epl.replicate(1, name="stage_0"):
+            self.first = nn.Sequential(nn.Linear(6, 16), Block(16))
+        with epl.replicate(1, name="stage_1"):
+            self.second = nn.Sequential(Block(16), nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+class Root(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Body()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def nested_stages() -> nn.Module:
+    torch.manual_seed(0)
+    return Root().double()
+
+
+class SparseLookup(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, 6, sparse=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x.abs() * 10).long().clamp(max=9)[:, :2]  # rows 0..9; some rows unused on a device
+        return self.head(self.embedding(ids).mean(1))
+
+
+def sparse_lookup() -> nn.Module:
+    torch.manual_seed(0)
+    return SparseLookup().double()
+
+
+def batches(replicas: int, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    share = 8 // replicas
+    rows = slice(share * index, share * (index + 1))
+    result = []
+    for _ in range(3):
+        x = torch.randn(8, 6, generator=generator, dtype=torch.float64)
+        y = torch.randn(8, 3, generator=generator, dtype=torch.float64)
+        result.append((x[rows], y[rows]))
+    return result
+
+
+def train(config: dict[str, Any], build: Any = tower) -> dict[str, Any]:
+    epl.init(epl.Config(config))
+    sparse = build is sparse_lookup
+    optimizer = (lambda p: torch.optim.SGD(p, lr=0.1)) if sparse else (lambda p: torch.optim.AdamW(p, lr=0.01))
+    model = build()
+    dtype = next(model.parameters()).dtype
+    engine = epl.parallelize(model, optimizer=optimizer, loss_fn=nn.MSELoss())
+    data = [(x.to(dtype), y.to(dtype)) for x, y in batches(engine.num_replicas, engine.replica_index)]
+    if config.get("amp.level"):  # a step whose gradients overflow: skipped by every device
+        data.insert(1, (torch.full_like(data[0][0], 3e38), data[0][1]))
+    losses = [float(engine.step(x, y)) for x, y in data]
+    x = data[0][0]
+    prediction = engine.predict(x) if engine.plan.num_stages == 1 else None
+    scaler = engine.loss_scaler
+    return {
+        "losses": losses,
+        "state": engine.model.state_dict(),
+        "prediction": prediction,
+        "scale": None if scaler is None else (scaler.scale, scaler.skipped_steps),
+    }
+
+
+def plain_and_zero(config: dict[str, Any], build: Any) -> dict[str, Any]:
+    return {level: train({**config, "zero.level": level}, build) for level in ("", "v1", "v2")}
+
+
+def assert_zero_equals_plain(results: list[dict[str, Any]]) -> None:
+    """Two copies of each parameter: every sum is of two numbers, so ZeRO is bit for bit plain DP."""
+    for result in results:
+        for level in ("v1", "v2"):
+            assert repr(result[level]["losses"]) == repr(result[""]["losses"]), level  # nan (a skipped step) too
+            for key, value in result[""]["state"].items():
+                assert torch.equal(result[level]["state"][key], value), (level, key)
+            if result[""]["prediction"] is not None:
+                assert torch.equal(result[level]["prediction"], result[""]["prediction"])
+            assert result[level]["scale"] == result[""]["scale"]
+
+
+def test_with_gradient_checkpointing_and_accumulation() -> None:
+    config = {"gradient_checkpoint.type": "auto", "pipeline.num_micro_batch": 2}
+    assert_zero_equals_plain(run_ranks(plain_and_zero, 2, config, tower, timeout=180))
+
+
+def test_with_the_communication_keys() -> None:
+    """fp16 on the wire, two communicators, more buckets, the sum instead of the mean."""
+    config = {
+        "communication.fp16": True,
+        "communication.num_communicators": 2,
+        "communication.max_splits": 3,
+        "communication.gradients_reduce_method": "sum",
+    }
+    assert_zero_equals_plain(run_ranks(plain_and_zero, 2, config, tower, timeout=180))
+
+
+def float32_tower() -> nn.Module:
+    return tower().float()
+
+
+def test_with_amp_and_a_skipped_step() -> None:
+    """bfloat16 autocast, dynamic loss scale; an overflowing step is skipped on every device alike."""
+    results = run_ranks(plain_and_zero, 2, {"amp.level": "O1"}, float32_tower, timeout=180)
+    assert_zero_equals_plain(results)
+    assert all(result["v2"]["scale"] == (2.0**14, 1) for result in results)
+
+
+def test_with_sparse_gradients() -> None:
+    assert_zero_equals_plain(run_ranks(plain_and_zero, 2, {}, sparse_lookup, timeout=180))
+
+
+def pipelines(config: dict[str, Any]) -> list[dict[str, Any]]:
+    return [plain_and_zero(config, build) for build in (two_stages, nested_stages)]
+
+
+def test_with_a_pipeline_of_two_stages_and_two_replicas() -> None:
+    """Stage roots as items of the root, and below a module the runner never calls."""
+    config = {"pipeline.num_micro_batch": 2, "gradient_checkpoint.type": "auto"}
+    for results in zip(*run_ranks(pipelines, 4, config, timeout=300), strict=True):
+        assert_zero_equals_plain(list(results))
+
+
+def save_and_resume(directory: str) -> dict[str, Any]:
+    """Two steps, save, a fresh engine loads the files, one more step: as if it had never stopped."""
+    config = epl.Config({"zero.level": "v2"})
+    epl.init(config)
+    engine = epl.parallelize(tower(), optimizer=lambda p: torch.optim.Adam(p, lr=0.01), loss_fn=nn.MSELoss())
+    data = batches(engine.num_replicas, engine.replica_index)
+    for x, y in data[:2]:
+        engine.step(x, y)
+    path = Path(directory) / f"rank{epl.Env.get().cluster.rank}.pt"
+    engine.save(path)
+    whole = {key: value.clone() for key, value in engine.model.state_dict().items()}
+    full = engine.state_dict(full=True)["model"]
+    engine.step(*data[2])
+    # what the step released on this device was handed out as copies: still whole and readable
+    assert all(value.untyped_storage().nbytes() == value.numel() * 8 for value in full.values())
+    straight = engine.model.state_dict()
+    epl.init(config)
+    resumed = epl.parallelize(tower(), optimizer=lambda p: torch.optim.Adam(p, lr=0.01), loss_fn=nn.MSELoss())
+    resumed.load(path)
+    resumed.step(*data[2])
+    saved = torch.load(path, weights_only=True)["model"]
+    return {"straight": straight, "resumed": resumed.model.state_dict(), "saved": saved, "whole": whole}
+
+
+def test_v2_checkpoints_hold_whole_parameters_and_resume(tmp_path: Path) -> None:
+    for result in run_ranks(save_and_resume, 2, str(tmp_path), timeout=120):
+        for key, value in result["whole"].items():
+            assert torch.equal(result["saved"][key], value), key
+        for key, value in result["straight"].items():
+            assert torch.equal(result["resumed"][key], value), key
+
+
+class ReadsAnotherBlocksWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.nn.functional.linear(x, self.first.weight))
+
+
+def read_another_blocks_weight() -> str:
+    epl.init(epl.Config({"zero.level": "v2"}))
+    torch.manual_seed(0)
+    engine = epl.parallelize(ReadsAnotherBlocksWeight(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    try:
+        engine.step(torch.randn(2, 4))
+    except Exception as exc:  # the device that explains stops; its peer then loses the connection
+        return str(exc)
+    return "no error"
+
+
+def test_v2_explains_a_forward_that_reads_another_blocks_parameter() -> None:
+    messages = run_ranks(read_another_blocks_weight, 2, timeout=120)
+    # the partition gives first.weight to one device: that device runs on, the other explains
+    assert any("reads another block's parameter directly" in m for m in messages), messages
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        (
+            {"zero.level": "v1", "optimizer.max_grad_norm": 1.0, "communication.clip_after_allreduce": True},
+            "cannot be clipped after the all-reduce",
+        ),
+        ({"zero.level": "v2", "offload.level": "v0"}, "both decide where parameters live"),
+    ],
+)
+def test_combinations_that_cannot_work_are_named(config: dict[str, Any], match: str) -> None:
+    epl.init(epl.Config(config))
+    with pytest.raises(epl.ConfigError, match=match):
+        epl.parallelize(tower(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
