@@ -47,6 +47,7 @@ from tests.helpers.distributed import run_ranks
 from torch import nn
 
 from benchmarks.harness import save_result, short_mode
+from epl_memory.measure import steady_peak_allocated_bytes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -65,7 +66,6 @@ LOSS_RTOL = 1e-5
 #: CI (short mode) only catches gross regressions; a full run records the figures.
 MAX_RATIO = 3.0
 #: The profiler region that separates the two profiled steps of :func:`step_peak_bytes`.
-BOUNDARY = "epl-bench-step-boundary"
 #: What a ConfigError says when the level is not built yet.
 NOT_BUILT = re.compile(r"only so far|not (yet|implemented)|does not implement", re.IGNORECASE)
 
@@ -91,28 +91,6 @@ def batches(rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         rows = slice(BATCH * rank, BATCH * (rank + 1))
         out.append((x[rows], y[rows]))
     return out
-
-
-def step_peak_bytes(step: Any) -> int:
-    """Peak bytes a training step allocates above what was allocated when it began (the second of two)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from epl_memory.measure import trace_events
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-        with record_function(BOUNDARY):
-            pass
-        step()
-    events = trace_events(prof)
-    boundary = next(e for e in events if e.get("name") == BOUNDARY and e.get("ph") == "X")
-    memory = sorted(
-        (e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
-        key=lambda e: e["ts"],
-    )
-    before = [e["args"]["Total Allocated"] for e in memory if e["ts"] <= boundary["ts"]]
-    after = [e["args"]["Total Allocated"] for e in memory if e["ts"] >= boundary["ts"] + boundary.get("dur", 0)]
-    return max(after) - before[-1]
 
 
 def reducer_buffer_bytes(engine: Any) -> int:
@@ -213,9 +191,9 @@ def race(level: str, rounds: int, calls: int) -> dict[str, Any]:
         }
     }
     held.update({kind: side.held_bytes() for kind, side in sides.items()})
-    peaks = {"epl": step_peak_bytes(lambda: engine.step(x, y))}
+    peaks = {"epl": steady_peak_allocated_bytes(lambda: engine.step(x, y))}
     for kind, side in sides.items():
-        peaks[kind] = step_peak_bytes(lambda side=side: side.step(x, y))
+        peaks[kind] = steady_peak_allocated_bytes(lambda side=side: side.step(x, y))
 
     timing = {}
     for kind, side in sides.items():

@@ -37,6 +37,33 @@ def peak_allocated_bytes(fn: Callable[[], object]) -> int:
     return max(totals) - base
 
 
+def steady_peak_allocated_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes ``fn``'s second call holds above what was allocated when it began (``fn`` runs twice).
+
+    For code that frees tensors made before it and makes them again (a training step's
+    ``zero_grad`` and new gradients): the profiler reports no free of a block allocated
+    before profiling began, so :func:`peak_allocated_bytes` would count such tensors twice.
+    Here every block the second call frees was allocated under the profiler.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    marker = "epl.measure.second_call"
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+        with record_function(marker):
+            pass
+        fn()
+    events = trace_events(prof)
+    boundary = next(e for e in events if e.get("name") == marker and e.get("ph") == "X")
+    memory = sorted(
+        (e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
+        key=lambda e: e["ts"],
+    )
+    before = [e["args"]["Total Allocated"] for e in memory if e["ts"] <= boundary["ts"]]
+    after = [e["args"]["Total Allocated"] for e in memory if e["ts"] >= boundary["ts"] + boundary.get("dur", 0)]
+    return max(after) - before[-1]
+
+
 def kept_allocated_bytes(fn: Callable[[], object]) -> int:
     """Bytes that ``fn`` left allocated when it returned (what it made and kept), above what was live before it.
 
