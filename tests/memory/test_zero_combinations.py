@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import epl
@@ -183,7 +184,7 @@ def save_and_resume(directory: str) -> dict[str, Any]:
     data = batches(engine.num_replicas, engine.replica_index)
     for x, y in data[:2]:
         engine.step(x, y)
-    path = Path(directory) / f"rank{epl.Env.get().cluster.rank}.pt"
+    path = Path(directory) / "checkpoint"
     engine.save(path)
     whole = {key: value.clone() for key, value in engine.model.state_dict().items()}
     full = engine.state_dict(full=True)["model"]
@@ -195,7 +196,10 @@ def save_and_resume(directory: str) -> dict[str, Any]:
     resumed = epl.parallelize(tower(), optimizer=lambda p: torch.optim.Adam(p, lr=0.01), loss_fn=nn.MSELoss())
     resumed.load(path)
     resumed.step(*data[2])
-    saved = torch.load(path, weights_only=True)["model"]
+    reader = dcp.FileSystemReader(str(path))
+    keys = reader.read_metadata().state_dict_metadata
+    saved = {key: torch.empty(keys[f"model/{key}"].size, dtype=torch.float64) for key in whole}
+    dcp.load({f"model/{key}": value for key, value in saved.items()}, storage_reader=reader, no_dist=True)
     return {"straight": straight, "resumed": resumed.model.state_dict(), "saved": saved, "whole": whole}
 
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from epl.comm import Communicator, ReduceOp, Work
     from epl.config import Config, ConfigKey
     from epl.engine import Engine, parallelize, plan
+    from epl.engine.checkpoint import read_model_state
     from epl.env import Env, init
     from epl.errors import (
         AnnotationError,
@@ -50,6 +51,7 @@ _EXPORTS = {
     "Engine": "epl.engine",
     "parallelize": "epl.engine",
     "plan": "epl.engine",
+    "read_model_state": "epl.engine.checkpoint",
     "Env": "epl.env",
     "init": "epl.env",
     "AnnotationError": "epl.errors",
@@ -99,6 +101,7 @@ __all__ = [
     "nn",
     "parallelize",
     "plan",
+    "read_model_state",
     "replicate",
     "set_default_strategy",
     "split",

@@ -129,6 +129,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             params = [p for p in group["params"] if id(p) in owned or id(p) not in shared]
             if params:
                 self._local_groups.append((index, {**_options(group), "params": params}))
+        self._owned = owned | {id(p) for _, group in self._local_groups for p in group["params"]}
         kind = type(optimizer)
         accepted = inspect.signature(kind.__init__).parameters
         defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
@@ -140,6 +141,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"{kind.__name__}(param_groups, **defaults), which failed: {exc}. "
                 "Use a torch.optim optimizer, or leave zero.level unset."
             ) from exc
+        #: The state this device keeps: the partition optimizer's (checkpoints read and fill it).
+        self.state = self.local.state
+
+    def holds_state(self, param: nn.Parameter) -> bool:
+        """Whether this device keeps ``param``'s optimizer state (it owns it, or nobody shares it)."""
+        return id(param) in self._owned
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -170,26 +168,23 @@ class Engine:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write :meth:`state_dict` to ``path`` atomically (a crash leaves the old file intact).
+        """Write a checkpoint directory at ``path`` that any layout can load (every rank calls it).
 
-        It holds this rank's part: with split TaskGraphs, every device saves its own file
-        (or write ``state_dict(full=True)`` from every device's call, once).
+        Built on ``torch.distributed.checkpoint``: every rank writes its part in parallel;
+        tensors are whole and named as in the model the user wrote; optimizer states,
+        the loss scaler, the step counter and every rank's RNG states are included. A
+        crash while saving leaves the previous checkpoint at ``path`` intact. See
+        :mod:`epl.engine.checkpoint`.
         """
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(handle, "wb") as file:
-                torch.save(self.state_dict(), file)
-            os.replace(temporary, target)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+        from epl.engine.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path)
 
     def load(self, path: str | os.PathLike[str]) -> None:
-        """Restore a checkpoint written by :meth:`save`."""
-        state = torch.load(path, map_location=self.context.cluster.device, weights_only=True)
-        self.load_state_dict(state)
+        """Restore a checkpoint written by :meth:`save`, under this engine's layout (every rank calls it)."""
+        from epl.engine.checkpoint import load_checkpoint
+
+        load_checkpoint(self, path)
 
     def __repr__(self) -> str:
         return (
