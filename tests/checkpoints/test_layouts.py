@@ -38,6 +38,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "pipeline 2x2": {"stages": True, "config": {"pipeline.num_micro_batch": 2}},
     "split": {"split": True},
     "zero v2": {"config": {"zero.level": "v2"}},
+    "amp": {"config": {"amp.level": "O1", "amp.growth_interval": 1}},
 }
 
 

@@ -25,9 +25,11 @@ def straight_and_resumed(layout: str, folder: str) -> dict[str, Any]:
     resumed_engine = engine_for(layout, dropout=0.3)
     resumed_engine.load(Path(folder) / layout)
     resumed = straight[:2] + [step(resumed_engine, i) for i in range(2, 4)]
+    scalers = [e.loss_scaler for e in (engine, resumed_engine)]
     return {
         "straight": straight,
         "resumed": resumed,
+        "scales": [None if scaler is None else (scaler.scale, scaler.skipped_steps) for scaler in scalers],
         # state_dict, not parameters(): under ZeRO v2 a device holds the data of the parameters it owns only
         "same_weights": all(
             torch.equal(a, b)
@@ -38,9 +40,14 @@ def straight_and_resumed(layout: str, folder: str) -> dict[str, Any]:
 
 def test_a_resumed_run_has_exactly_the_losses_of_an_uninterrupted_one(tmp_path: Path) -> None:
     """Random state (dropout), AdamW states and the step counter come back: bit for bit."""
-    local = straight_and_resumed("local", str(tmp_path))
-    assert local["resumed"] == local["straight"] and local["same_weights"]
+    for layout in ("local", "amp"):  # amp: the loss scale grows every step, and must come back
+        local = straight_and_resumed(layout, str(tmp_path))
+        assert local["resumed"] == local["straight"] and local["same_weights"]
+        assert local["scales"][0] == local["scales"][1]
+    assert local["scales"][0] == (2.0**19, 0)  # 2^15, doubled after each of the 4 steps
     for result in run_ranks(straight_and_resumed, 2, "zero v2", str(tmp_path), timeout=180):
+        assert result["resumed"] == result["straight"] and result["same_weights"]
+    for result in run_ranks(straight_and_resumed, 4, "pipeline 2x2", str(tmp_path), timeout=240):
         assert result["resumed"] == result["straight"] and result["same_weights"]
 
 
