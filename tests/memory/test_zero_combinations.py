@@ -161,6 +161,31 @@ def test_with_amp_and_a_skipped_step() -> None:
     assert all(result["v2"]["scale"] == (2.0**14, 1) for result in results)
 
 
+class TiedLookup(nn.Module):
+    """The output layer's weight is the embedding's: two blocks use one parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, 6)
+        self.mix = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x.abs() * 10).long().clamp(max=9)[:, 0]
+        return self.head(torch.tanh(self.mix(self.embedding(ids))))[:, :3]
+
+
+def tied_lookup() -> nn.Module:
+    torch.manual_seed(0)
+    return TiedLookup().double()
+
+
+def test_with_tied_weights() -> None:
+    """v2 keeps a parameter two blocks use on every copy; its owner's update is broadcast after the step."""
+    assert_zero_equals_plain(run_ranks(plain_and_zero, 2, {}, tied_lookup, timeout=180))
+
+
 def test_with_sparse_gradients() -> None:
     assert_zero_equals_plain(run_ranks(plain_and_zero, 2, {}, sparse_lookup, timeout=180))
 

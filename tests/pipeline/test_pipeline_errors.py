@@ -93,3 +93,29 @@ def test_an_unknown_schedule_names_the_registered_ones() -> None:
         EplError, match=r"registered: PreferBackward, PreferForward, ZeroBubble\. Did you mean 'ZeroBubble'"
     ):
         _schedule(context, 2, 4)  # type: ignore[arg-type]
+
+
+def _tied_across_stages() -> str:
+    import torch
+    from torch import nn
+
+    import epl
+
+    epl.init(epl.Config({"pipeline.num_micro_batch": 2}))
+    with epl.replicate(1, name="s0"):
+        embedding = nn.Embedding(10, 4)
+    with epl.replicate(1, name="s1"):
+        head = nn.Linear(4, 10, bias=False)
+    head.weight = embedding.weight
+    try:
+        epl.parallelize(nn.Sequential(embedding, head), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    except epl.PlacementError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_weights_tied_across_stages_are_named() -> None:
+    from tests.helpers.distributed import run_ranks
+
+    for message in run_ranks(_tied_across_stages, 2, timeout=60):
+        assert "Pipeline stage 's1' holds no module" in message

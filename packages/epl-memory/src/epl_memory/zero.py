@@ -13,7 +13,7 @@ imbalance.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -116,12 +116,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, partitions: Sequence[Partition], *, share_updates: bool = True
+        self,
+        optimizer: torch.optim.Optimizer,
+        partitions: Sequence[Partition],
+        *,
+        fetched_when_used: Collection[nn.Parameter] = (),
     ) -> None:
         super().__init__([dict(group) for group in optimizer.param_groups], optimizer.defaults)
         self.partitions = list(partitions)
-        #: Broadcast updated parameters to the other copies after each step (v0, v1; v2 fetches them when used).
-        self.share_updates = share_updates
+        #: Parameters the other copies fetch from the owner when they use them (v2): not broadcast after a step.
+        #: Every other parameter's new value is (v0, v1, and v2's tied weights, which stay on every copy).
+        self._fetched_when_used = {id(p) for p in fetched_when_used}
         shared = {id(p) for part in self.partitions for owners in part.owners for p in owners}
         owned = {id(p) for part in self.partitions for p in part.mine}
         self._local_groups: list[tuple[int, dict[str, Any]]] = []
@@ -154,11 +159,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for (index, _), local in zip(self._local_groups, self.local.param_groups, strict=True):
             local.update(_options(self.param_groups[index]))
         loss = self.local.step(closure) if self._local_groups else None
-        if not self.share_updates:
-            return loss
         for part in self.partitions:
             for owner, params in enumerate(part.owners):
-                broadcast_tensors(params, part.communicator, src=owner)
+                kept = [p for p in params if id(p) not in self._fetched_when_used]
+                if kept:
+                    broadcast_tensors(kept, part.communicator, src=owner)
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -220,9 +225,9 @@ class ZeroStatePartition:
     def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
         """Rebuild ``optimizer`` over this device's partition (made by :class:`ZeroPartitioning`)."""
         shared = context.extras[PLUGIN]
-        level = context.config["zero.level"]
-        zero = ZeroOptimizer(optimizer, shared["zero_partitions"], share_updates=level != "v2")
         moving = shared.get("zero_residency")
+        fetched = moving.params if moving is not None else ()
+        zero = ZeroOptimizer(optimizer, shared["zero_partitions"], fetched_when_used=fetched)
         if moving is not None:  # what a step fetched but no gradient released (frozen or unused parameters)
             zero.register_step_post_hook(lambda *_: moving.release_all())
         return zero

@@ -63,6 +63,13 @@ class KeepLocalStage:
             )
         stage = plan.taskgraphs_on(context.cluster.rank)[0]
         roots = stage_roots(model, context.taskgraphs)
+        empty = [tg.name for tg in plan.taskgraphs if tg.index not in set(roots.values())]
+        if empty:
+            raise PlacementError(
+                f"Pipeline stage {empty[0]!r} holds no module of the model: the tensors created in its scope are "
+                "no longer the model's (a module's parameter replaced by another stage's, e.g. tied weights "
+                "head.weight = embedding.weight). Keep modules that share a tensor in one stage."
+            )
         owner = {id(t): tg.index for tg in context.taskgraphs for t in tg.tensors}
         staged = trace_stages(model, roots, plan.num_stages, owner)
         context.extras[PLUGIN] = {"stage": stage, "staged": staged}
