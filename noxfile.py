@@ -14,7 +14,7 @@ import nox
 ROOT = Path(__file__).parent
 PACKAGES = sorted(str(p.parent) for p in (ROOT / "packages").glob("*/pyproject.toml"))
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
-TEST_TOOLS = ("pytest", "pytest-timeout", "pytest-benchmark", "numpy", "mpi4py", "mpich")
+TEST_TOOLS = ("pytest", "pytest-timeout", "pytest-benchmark", "numpy", "mpi4py", "mpich", "transformers")
 SINGLE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 nox.options.sessions = ["lint", "tests"]
@@ -44,9 +44,14 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Every benchmark, EPL against PyTorch's own equivalent; ratios land in benchmarks/results/."""
+    """Every benchmark, EPL against PyTorch's own equivalent (results in benchmarks/results/), then the
+    report docs/benchmarks.md and its plots docs/benchmarks/*.svg; the report is written even when a
+    benchmark fails (from the results there are), and the session still fails."""
     install_packages(session, *TEST_TOOLS)
-    session.run("pytest", "benchmarks", "-s", *session.posargs, env=SINGLE_THREAD)
+    try:
+        session.run("pytest", "benchmarks", "-s", *session.posargs, env=SINGLE_THREAD)
+    finally:
+        session.run("python", "-m", "benchmarks.report")
 
 
 @nox.session(name="bench-short", tags=["ci"])
@@ -59,9 +64,19 @@ def bench_short(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The demo job: the quick start data parallel and the two-stage pipeline on 2 processes
-    (epl launch), then the pipeline planned for 8 devices and the MoE example for 1024."""
+    (epl launch), the other examples (ResNet data parallel with checkpointing and ZeRO, BERT
+    pipeline, MoE expert parallel, the by-hand model) on 2 processes, then the pipeline planned
+    for 8 devices and the MoE example for 1024."""
     install_packages(session, "numpy")
     session.run("epl", "launch", "--nproc-per-node", "2", "examples/quickstart/train.py", env=SINGLE_THREAD)
     session.run("epl", "launch", "--nproc-per-node", "2", "examples/pipeline/train.py", env=SINGLE_THREAD)
+    for example, flags in [
+        ("resnet_dp", ["--checkpointing", "--zero", "v1"]),
+        ("bert_pipeline", []),
+        ("moe_transformer", []),
+        ("model_parallel_by_hand", []),
+    ]:
+        script = f"examples/{example}/train.py"
+        session.run("epl", "launch", "--nproc-per-node", "2", script, *flags, env=SINGLE_THREAD)
     session.run("epl", "plan", "--world-size", "8", "--gpu-per-worker", "4", "examples/pipeline/train.py")
     session.run("epl", "plan", "--world-size", "1024", "--gpu-per-worker", "8", "--example", "moe")

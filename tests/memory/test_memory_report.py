@@ -57,3 +57,27 @@ def test_zero_v0_holds_one_nth_of_the_states_per_device() -> None:
         assert each.parameter_bytes == 4 * PSI and each.gradient_bytes == 4 * PSI
         assert abs(each.optimizer_state_bytes - 8 * PSI / 2) <= 8 * 64 * 40
     assert sum(each.optimizer_state_bytes for each in reports) == 8 * PSI
+
+
+def replica_of_two_devices() -> dict[str, int]:
+    """replicate(2): one replica whose two devices split its batch; the report measures this device's half."""
+    from epl.engine.activations import SavedActivations
+
+    epl.init(epl.Config({}))
+    torch.manual_seed(0)
+    with epl.replicate(2):
+        model = build()
+    plain = build()
+    engine = epl.parallelize(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.MSELoss())
+    x, y = torch.randn(8, 32), torch.randn(8, 8)
+    measured = engine.memory_report(x, y).activation_peak_bytes
+    meter = SavedActivations(exclude=[*plain.parameters(), x, y])  # like the report: not the batch itself
+    half = slice(4 * engine.context.cluster.rank, 4 * (engine.context.cluster.rank + 1))
+    with meter:
+        nn.functional.mse_loss(plain(x[half]), y[half]).backward()
+    return {"report": measured or 0, "half": meter.peak}
+
+
+def test_a_replica_split_over_devices_measures_each_devices_part() -> None:
+    for result in run_ranks(replica_of_two_devices, 2, timeout=60):
+        assert result["report"] == result["half"] > 0

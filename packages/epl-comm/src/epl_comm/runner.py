@@ -25,13 +25,18 @@ class DataParallelStepRunner(LocalStepRunner):
         self.num_shards = num_shards
         self.replica = replica
 
-    def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
-        """Train on this rank's share of one replica batch; return the replica's mean loss."""
+    def share(self, inputs: Any, targets: Any = None) -> tuple[Any, Any]:
+        """This rank's part of a replica batch (all of it when the replica's devices do not split the batch)."""
         if self.num_shards > 1:
             what = f"replicate(device_count={self.num_shards})"
             inputs = split_batch(inputs, self.num_shards, what=what)[self.shard_index]
             if targets is not None:
                 targets = split_batch(targets, self.num_shards, what=what)[self.shard_index]
+        return inputs, targets
+
+    def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
+        """Train on this rank's share of one replica batch; return the replica's mean loss."""
+        inputs, targets = self.share(inputs, targets)
         loss = super().step(inputs, targets)
         if self.replica is not None:
             loss = loss.clone()

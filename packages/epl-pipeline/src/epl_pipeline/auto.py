@@ -6,10 +6,13 @@ live), and the model's other submodules; a block is opened further only when the
 fewer blocks than stages. Each block's cost is estimated by its number of parameters
 (proportional to the multiply-adds of linear and convolution layers per sample), the
 blocks are put in the order ``forward`` calls them (from a ``torch.fx`` trace), and the
-contiguous cut with the smallest most expensive stage is chosen.
+contiguous cut with the smallest most expensive stage is chosen. Blocks that share a tensor
+(tied weights) stay on one stage: EPL keeps no copies of one tensor in step across stages.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 from torch import nn
 
@@ -29,11 +32,25 @@ def partition(model: nn.Module, taskgraphs: list[TaskGraph], num_stages: int) ->
             "Remove the annotations, or set auto.auto_parallel to False to use them."
         )
     blocks = _in_call_order(model, _blocks(model, num_stages))
-    cuts = balanced_cuts([_cost(module) for _, module in blocks], num_stages)
+    tied = _tied_spans(model, blocks)
+    allowed = set(range(1, len(blocks))) - {cut for begin, end, _ in tied for cut in range(begin + 1, end + 1)}
+    try:
+        cuts = balanced_cuts([_cost(module) for _, module in blocks], num_stages, allowed)
+    except PlacementError:
+        if not tied:
+            raise
+        shared = "; ".join(f"{blocks[begin][0]!r} and {blocks[end][0]!r} share {name!r}" for begin, end, name in tied)
+        raise PlacementError(
+            f"Cannot cut {type(model).__name__} into {num_stages} pipeline stages: blocks that share a tensor "
+            f"(tied weights) must stay on one stage, and {shared}. EPL does not keep copies of one tensor in "
+            "step across pipeline stages; untie the weights (for a transformers model: "
+            "tie_word_embeddings=False) or use fewer stages."
+        ) from None
     stages = []
     for index, (begin, end) in enumerate(zip([0, *cuts], [*cuts, len(blocks)], strict=True)):
         members = blocks[begin:end]
-        tensors = [t for _, module in members for t in [*module.parameters(), *module.buffers()]]
+        unique = {id(t): t for _, module in members for t in [*module.parameters(), *module.buffers()]}
+        tensors = list(unique.values())
         stage = TaskGraph(index=index, strategy=replicate(1, name=f"stage_{index}"), tensors=tensors)
         stage.modules = [name for name, _ in members]
         stages.append(stage)
@@ -47,8 +64,11 @@ def partition(model: nn.Module, taskgraphs: list[TaskGraph], num_stages: int) ->
     return stages
 
 
-def balanced_cuts(costs: list[int], parts: int) -> list[int]:
-    """The ``parts - 1`` cut positions that split ``costs`` into contiguous parts with the smallest maximum sum."""
+def balanced_cuts(costs: list[int], parts: int, allowed: Collection[int] | None = None) -> list[int]:
+    """The ``parts - 1`` cut positions that split ``costs`` into contiguous parts with the smallest maximum sum.
+
+    A cut at position ``i`` ends a part before block ``i``; ``allowed`` (default: every position) limits them.
+    """
     if parts > len(costs):
         raise PlacementError(f"Cannot cut {len(costs)} blocks into {parts} pipeline stages.")
     prefix = [0]
@@ -62,14 +82,28 @@ def balanced_cuts(costs: list[int], parts: int) -> list[int]:
     for k in range(1, parts + 1):
         for i in range(k, len(costs) + 1):
             for j in range(k - 1, i):
+                if j and allowed is not None and j not in allowed:
+                    continue
                 value = max(best[k - 1][j], prefix[i] - prefix[j])
                 if value < best[k][i]:
                     best[k][i], cut_at[k][i] = value, j
+    if best[parts][len(costs)] == infinity:
+        raise PlacementError(f"Cannot cut {len(costs)} blocks into {parts} pipeline stages at the allowed positions.")
     cuts, i = [], len(costs)
     for k in range(parts, 1, -1):
         i = cut_at[k][i]
         cuts.append(i)
     return sorted(cuts)
+
+
+def _tied_spans(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[int, int, str]]:
+    """(first block, last block, tensor name) for each tensor that several blocks hold."""
+    names = {id(t): name for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    holders: dict[int, list[int]] = {}
+    for index, (_, module) in enumerate(blocks):
+        for key in dict.fromkeys(id(t) for t in [*module.parameters(), *module.buffers()]):
+            holders.setdefault(key, []).append(index)
+    return [(min(at), max(at), names.get(key, "?")) for key, at in holders.items() if len(at) > 1]
 
 
 def _cost(module: nn.Module) -> int:

@@ -41,6 +41,14 @@ class Engine:
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
         """The model's outputs for ``inputs``, without gradients (the model's mode is unchanged)."""
+        if self.plan.num_stages > 1:
+            from epl.errors import EplError
+
+            raise EplError(
+                "Engine.predict runs one-stage plans; a pipeline's stages live on different ranks. To evaluate, "
+                "save a checkpoint (engine.save) and load it into a one-stage engine, or into the plain model "
+                "with epl.read_model_state."
+            )
         return call_model(self.model, to_device(inputs, self.context.cluster.device))
 
     def train(self, mode: bool = True) -> Engine:
@@ -90,10 +98,11 @@ class Engine:
     def memory_report(self, inputs: Any = None, targets: Any = None) -> MemoryReport:
         """Bytes this rank holds: parameters, gradients and optimizer states, counted from its tensors.
 
-        Given a batch, one forward and backward of it also measures the peak of the
-        activations autograd saves; the gradients are restored afterwards and nothing is
-        updated. That is a forward like ``step``'s: with split TaskGraphs every device of
-        the replica calls it. Pipelines measure activations per stage in their timeline.
+        Given a replica batch (what ``step`` takes), one forward and backward of this
+        rank's part of it also measures the peak of the activations autograd saves; the
+        gradients are restored afterwards and nothing is updated. That is a forward like
+        ``step``'s: with split TaskGraphs every device of the replica calls it. Pipelines
+        measure activations per stage in their timeline.
         """
         from epl.engine.activations import SavedActivations
         from epl.engine.memory import MemoryReport, optimizer_state_bytes, parameter_and_gradient_bytes
@@ -108,6 +117,9 @@ class Engine:
                     "Engine.memory_report(batch) measures activations of one-stage plans; for pipelines, "
                     "the runner's peak_in_flight and epl_pipeline.recording give them per stage."
                 )
+            share = getattr(self.runner, "share", None)  # the part of the replica batch a step gives this rank
+            if callable(share):
+                inputs, targets = share(inputs, targets)
             kept = {p: p.grad for p in self.model.parameters()}
             for param in kept:
                 param.grad = None
