@@ -8,8 +8,10 @@ benchmark working, not to measure.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -93,6 +95,57 @@ def compare(
 
 
 def save_result(name: str, data: dict[str, object]) -> None:
-    """Write ``data`` to benchmarks/results/NAME.json."""
+    """Write ``data`` to benchmarks/results/NAME.json, with the run's date, mode and machine under ``"run"``."""
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2))
+    (RESULTS / f"{name}.json").write_text(json.dumps({**data, "run": run_info()}, indent=2))
+
+
+def run_info() -> dict[str, object]:
+    """When (UTC), in which mode and on which machine a result was measured (read by benchmarks/report.py)."""
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "short_mode": short_mode(),
+        "machine": machine_info(),
+    }
+
+
+def machine_info() -> dict[str, object]:
+    """CPU model, cores, memory, OS, Python and torch versions, and the load average when the result was saved."""
+    info: dict[str, object] = {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_gib": _memory_gib(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        info["torch"] = None
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
