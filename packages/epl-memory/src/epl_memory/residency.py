@@ -180,13 +180,6 @@ class JustInTimeParameters:
                 state[key] = value.clone()
         self.release_all()
 
-    def remove(self) -> None:
-        """Fetch everything and take the hooks off (the model behaves as before)."""
-        self.fetch_all()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
 
 def stage_entries(model: nn.Module, context: ParallelContext) -> list[nn.Module]:
     """This rank's pipeline stage roots (the runner calls them, not ``model``); none for one-stage plans.

@@ -22,6 +22,7 @@ from torch import nn
 
 from epl.comm.broadcast import broadcast_tensors
 from epl.comm.protocol import Communicator
+from epl.engine.optimizer_groups import group_options
 from epl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -133,7 +134,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if id(p) in owned or id(p) not in shared]
             if params:
-                self._local_groups.append((index, {**_options(group), "params": params}))
+                self._local_groups.append((index, {**group_options(group), "params": params}))
         self._owned = owned | {id(p) for _, group in self._local_groups for p in group["params"]}
         kind = type(optimizer)
         accepted = inspect.signature(kind.__init__).parameters
@@ -157,7 +158,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Apply the optimizer to this device's partition, then share every partition's new values."""
         for (index, _), local in zip(self._local_groups, self.local.param_groups, strict=True):
-            local.update(_options(self.param_groups[index]))
+            local.update(group_options(self.param_groups[index]))
         loss = self.local.step(closure) if self._local_groups else None
         for part in self.partitions:
             for owner, params in enumerate(part.owners):
@@ -173,16 +174,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned on this device."""
         self.local.load_state_dict(state_dict)
-
-    def state_bytes(self) -> int:
-        """Bytes of the optimizer state this device keeps: its state tensors, not the scalar step counters."""
-        from epl.engine.memory import optimizer_state_bytes
-
-        return optimizer_state_bytes(self.local)
-
-
-def _options(group: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in group.items() if key != "params"}
 
 
 class ZeroPartitioning:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +13,7 @@ from torch import fx, nn
 from epl.comm.protocol import Communicator
 from epl.engine.batch import micro_batches, to_device
 from epl.engine.extensions import GradientReducer, LossFn, LossScaler
+from epl.engine.local_runner import ForwardContext, inside, step_or_skip
 from epl.errors import EplError
 from epl.schedule import Action, ActionKind, Schedule
 from epl_pipeline.channel import Channel
@@ -58,7 +58,7 @@ class PipelineStepRunner:
         device: torch.device,
         gradient_reducer: GradientReducer | None,
         loss_scaler: LossScaler | None = None,
-        forward_contexts: Sequence[Callable[[], contextlib.AbstractContextManager[Any]]] = (),
+        forward_contexts: Sequence[ForwardContext] = (),
     ) -> None:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.staged, self.stage, self.num_micro_batch = staged, stage, num_micro_batch
@@ -110,14 +110,9 @@ class PipelineStepRunner:
         self.last_timeline = timeline
         if self.gradient_reducer is not None:
             self.gradient_reducer.finish(None)
-        if self.loss_scaler is None:
-            self.optimizer.step()
-        else:
+        if self.loss_scaler is not None:
             self.loss_scaler.unscale(self._params)
-            if self.loss_scaler.update(self._params):  # a collective of every rank: all stages skip together
-                self.optimizer.step()
-            else:
-                self.optimizer.zero_grad(set_to_none=True)
+        step_or_skip(self.optimizer, self.loss_scaler, self._params)
         loss = (
             torch.stack([self._losses[m] for m in range(self.num_micro_batch)]).mean() if self.last else torch.zeros(())
         )
@@ -149,7 +144,7 @@ class PipelineStepRunner:
             values, received = self.inbound.receive()
             self._started = time.time()
             env = dict(zip(self.staged.boundaries[self.stage - 1], values, strict=True))
-        with self._forward_context():
+        with inside(self.forward_contexts):
             run_nodes(self.model, self.nodes, env)
         if self.outbound is not None:
             boundary = self.staged.boundaries[self.stage]
@@ -162,7 +157,7 @@ class PipelineStepRunner:
             if self.loss_fn is None:
                 loss = output
             else:
-                with self._forward_context():
+                with inside(self.forward_contexts):
                     loss = self.loss_fn(output, targets) if targets is not None else self.loss_fn(output)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise EplError("The last pipeline stage must produce a scalar loss: pass loss_fn=... to parallelize.")
@@ -171,13 +166,6 @@ class PipelineStepRunner:
             if self.loss_scaler is not None:
                 outputs = [self.loss_scaler.scale_loss(outputs[0])]
         self._in_flight[m] = _InFlight(outputs, received)
-
-    @contextlib.contextmanager
-    def _forward_context(self) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for enter in self.forward_contexts:
-                stack.enter_context(enter())
-            yield
 
     def _backward(self, m: int, *, split: bool) -> None:
         flight = self._in_flight[m] if split else self._in_flight.pop(m)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from epl.engine.optimizer_groups import group_options
 from epl.errors import EplError
 
 if TYPE_CHECKING:
@@ -49,12 +50,13 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> None:
     """Write ``engine``'s logical state to the directory ``path`` (a collective: every rank calls it)."""
     import torch.distributed.checkpoint as dcp
 
+    _require_default_group(engine)
     target = Path(path)
     partial = target.with_name(target.name + ".partial")
     items = _logical_items(engine)
     _everyone(engine, lambda: _remove(partial))
     with _quiet_when_alone(engine):
-        dcp.save(items, checkpoint_id=str(partial), process_group=_process_group(engine), no_dist=_alone(engine))
+        dcp.save(items, checkpoint_id=str(partial), no_dist=_alone(engine))
     _everyone(engine, lambda: _replace(partial, target))
 
 
@@ -81,7 +83,7 @@ def _logical_items(engine: Engine) -> dict[str, Any]:
     meta = {
         "format": FORMAT,
         "global_step": engine.global_step,
-        "param_groups": [_options(group) for group in optimizer.param_groups] if optimizer is not None else None,
+        "param_groups": [group_options(group) for group in optimizer.param_groups] if optimizer is not None else None,
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
     }
     items["engine/meta"] = _pickled(meta)
@@ -94,6 +96,7 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> None:
     """Restore what :func:`save_checkpoint` wrote, into ``engine``'s layout (every rank calls it)."""
     import torch.distributed.checkpoint as dcp
 
+    _require_default_group(engine)
     folder = _readable(Path(path))
     saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     if "engine/meta" not in saved:
@@ -116,7 +119,7 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> None:
     states = _wanted_states(engine, saved)
     wanted.update({key: torch.empty(saved[key].size, dtype=_dtype(saved[key])) for _, keys in states for key in keys})
     with _quiet_when_alone(engine):
-        dcp.load(wanted, checkpoint_id=str(folder), process_group=_process_group(engine), no_dist=_alone(engine))
+        dcp.load(wanted, checkpoint_id=str(folder), no_dist=_alone(engine))
 
     meta = _unpickled(wanted["engine/meta"])
     whole = {key: wanted[f"model/{key}"] for key in local}
@@ -138,16 +141,16 @@ def _wanted_states(engine: Engine, saved: dict[str, Any]) -> list[tuple[tuple[nn
         return []
     holds = getattr(optimizer, "holds_state", lambda param: True)
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    by_parameter: dict[str, dict[str, list[str]]] = {}  # "optim/<name>/<state>[/<piece>]", read once
+    for key in saved:
+        if key.startswith("optim/"):
+            _, name, state_name, *_ = key.split("/")
+            by_parameter.setdefault(name, {}).setdefault(state_name, []).append(key)
     result = []
     for name, param in engine.model.named_parameters():
         if id(param) not in in_optimizer or not holds(param):
             continue
-        prefix = f"optim/{name}/"
-        by_state: dict[str, list[str]] = {}
-        for key in saved:
-            if key.startswith(prefix):
-                by_state.setdefault(key[len(prefix) :].split("/")[0], []).append(key)
-        for state_name, keys in by_state.items():
+        for state_name, keys in by_parameter.get(name, {}).items():
             result.append(((param, state_name), sorted(keys, key=_piece_index)))
     return result
 
@@ -194,10 +197,6 @@ def _dtype(metadata: Any) -> torch.dtype:
     return metadata.properties.dtype
 
 
-def _options(group: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in group.items() if key != "params"}
-
-
 def _pickled(value: Any) -> io.BytesIO:
     buffer = io.BytesIO()
     torch.save(value, buffer)
@@ -238,18 +237,15 @@ def _quiet_when_alone(engine: Engine) -> Iterator[None]:
         yield
 
 
-def _process_group(engine: Engine) -> Any:
-    """torch.distributed's default group (DCP coordinates on it); None in one process."""
+def _require_default_group(engine: Engine) -> None:
+    """DCP coordinates on torch.distributed's default process group: a job of several processes needs one."""
     import torch.distributed as dist
 
-    if _alone(engine):
-        return None
-    if not dist.is_initialized():
+    if not _alone(engine) and not dist.is_initialized():
         raise EplError(
             "engine.save/load coordinate through torch.distributed's default process group, which this job "
             "does not have (communication.backend 'cupy'?). Use communication.backend 'auto' or 'torch'."
         )
-    return None  # the default group
 
 
 def _everyone(engine: Engine, action: Callable[[], None]) -> None:

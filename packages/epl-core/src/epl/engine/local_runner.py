@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Self
 
 import torch
@@ -12,6 +12,30 @@ from torch import nn
 from epl.engine.batch import call_model, micro_batches, to_device
 from epl.engine.extensions import GradientReducer, LossFn, LossScaler, ParallelContext
 from epl.errors import EplError
+
+ForwardContext = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+@contextlib.contextmanager
+def inside(forward_contexts: Sequence[ForwardContext]) -> Iterator[None]:
+    """Enter every one of ``forward_contexts`` (e.g. AMP's autocast) for a forward and its loss."""
+    with contextlib.ExitStack() as stack:
+        for enter in forward_contexts:
+            stack.enter_context(enter())
+        yield
+
+
+def step_or_skip(
+    optimizer: torch.optim.Optimizer, loss_scaler: LossScaler | None, params: Iterable[nn.Parameter]
+) -> None:
+    """The optimizer step, unless the loss scaler finds a non-finite gradient on some rank (then drop them).
+
+    The scaler's decision is a collective of every rank of the job, so all of them skip together.
+    """
+    if loss_scaler is None or loss_scaler.update(params):
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
 
 
 class LocalStepRunner:
@@ -42,7 +66,7 @@ class LocalStepRunner:
         gradient_reducer: GradientReducer | None = None,
         max_grad_norm: float | None = None,
         loss_scaler: LossScaler | None = None,
-        forward_contexts: Sequence[Callable[[], contextlib.AbstractContextManager[Any]]] = (),
+        forward_contexts: Sequence[ForwardContext] = (),
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -103,10 +127,7 @@ class LocalStepRunner:
     def update(self) -> None:
         """The optimizer step, unless the loss scaler finds a non-finite gradient on some rank (then: none)."""
         assert self.optimizer is not None
-        if self.loss_scaler is None or self.loss_scaler.update(self.model.parameters()):
-            self.optimizer.step()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
+        step_or_skip(self.optimizer, self.loss_scaler, self.model.parameters())
 
     def finish_gradients(self) -> None:
         """Reduce gradients over parameter copies (if any), clip them (if configured) and unscale them (AMP)."""
@@ -127,9 +148,7 @@ class LocalStepRunner:
 
     def loss(self, inputs: Any, targets: Any) -> torch.Tensor:
         """The scalar loss of ``inputs`` against ``targets`` (computed inside the forward contexts)."""
-        with contextlib.ExitStack() as forward_context:
-            for enter in self.forward_contexts:
-                forward_context.enter_context(enter())
+        with inside(self.forward_contexts):
             outputs = call_model(self.model, inputs)
             if self.loss_fn is None:
                 if targets is not None:

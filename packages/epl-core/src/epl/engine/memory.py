@@ -53,13 +53,10 @@ def tensor_bytes(tensors: Any) -> int:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes of the optimizer's state tensors, leaving out scalars such as step counters.
 
-    A wrapper that keeps the state elsewhere gives its own count (a ``state_bytes()`` method).
+    A wrapper that keeps the state elsewhere (ZeRO's partition optimizer) exposes it as ``state``.
     """
     if optimizer is None:
         return 0
-    own = getattr(optimizer, "state_bytes", None)
-    if callable(own):
-        return int(own())
     return tensor_bytes(
         value
         for state in optimizer.state.values()

@@ -283,6 +283,8 @@ class _OptimizerView:
         from torch import nn
         from torch.nn.parameter import is_lazy
 
+        from epl.engine.optimizer_groups import group_options
+
         if optimizer is None:
             return cls(notes=("no optimizer: no optimizer states",))
         params = [p for p in model.parameters() if not is_lazy(p)]
@@ -306,7 +308,7 @@ class _OptimizerView:
         original = {id(s): p for s, p in zip(stand_ins, params, strict=True)}
         groups: dict[int, Mapping[str, Any]] = {}
         for group in built.param_groups:
-            options = {key: value for key, value in group.items() if key != "params"}
+            options = group_options(group)
             for param in group["params"]:
                 if id(param) in original:
                     groups.setdefault(id(original[id(param)]), options)
