@@ -55,10 +55,7 @@ def steady_peak_allocated_bytes(fn: Callable[[], object]) -> int:
         fn()
     events = trace_events(prof)
     boundary = next(e for e in events if e.get("name") == marker and e.get("ph") == "X")
-    memory = sorted(
-        (e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
-        key=lambda e: e["ts"],
-    )
+    memory = _cpu_allocator_events(events)
     before = [e["args"]["Total Allocated"] for e in memory if e["ts"] <= boundary["ts"]]
     after = [e["args"]["Total Allocated"] for e in memory if e["ts"] >= boundary["ts"] + boundary.get("dur", 0)]
     return max(after) - before[-1]
@@ -79,11 +76,16 @@ def _allocator_totals(fn: Callable[[], object]) -> tuple[int, list[int]]:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    memory = sorted(
-        (e for e in trace_events(prof) if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
-        key=lambda e: e["ts"],
-    )
+    memory = _cpu_allocator_events(trace_events(prof))
     assert memory, "the profiler recorded no CPU allocation"
     # The running total may carry what earlier profiled code left allocated; start from it.
     first = memory[0]["args"]
     return first["Total Allocated"] - first["Bytes"], [e["args"]["Total Allocated"] for e in memory]
+
+
+def _cpu_allocator_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The CPU allocator's allocation and free events of a trace, in time order."""
+    return sorted(
+        (e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
+        key=lambda e: e["ts"],
+    )
