@@ -17,9 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from epl.cluster import Cluster
-from epl.comm.protocol import Communicator, ReduceOp, Work
-from epl.errors import MissingPluginError
+from epl.plugin_api import Cluster, Communicator, MissingPluginError, ReduceOp, Work
 from epl_comm.diagnostics import CollectiveLog, CollectiveRecord, DiagnosedWork
 from epl_comm.rendezvous import join_process_group
 

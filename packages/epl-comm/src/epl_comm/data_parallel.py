@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from epl.comm.protocol import Communicator, CompletedWork, ReduceOp, Work
+from epl.plugin_api import Communicator, CompletedWork, ReduceOp, Work
 from epl_comm.buckets import plan_buckets
 
 

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from epl.comm.protocol import Work
-from epl.errors import EplError
+from epl.plugin_api import EplError, Work
 
 #: Seconds between two publications of this rank's progress.
 HEARTBEAT_SECONDS = 0.2

@@ -8,12 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epl.comm.partition import communicators_for, copy_communicators
-from epl.comm.protocol import Communicator
-from epl.engine.extensions import ParallelContext
-from epl.placement.copies import Copies, every_copy_group
-
-PLUGIN = "epl-comm"
+from epl.plugin_api import Communicator, Copies, ParallelContext, communicators_for, every_copy_group
 
 
 @dataclass(frozen=True)
@@ -39,15 +34,22 @@ class DataParallelGroups:
 
 def groups_for(context: ParallelContext) -> DataParallelGroups:
     """The data-parallel groups of ``context``, made on first use and shared by all hooks."""
-    cached = context.extras.get(PLUGIN)
-    if cached is None:
-        cached = context.extras[PLUGIN] = _make_groups(context)
-    return cached
+    cached = context.state(_MadeGroups)
+    if cached.groups is None:
+        cached.groups = _make_groups(context)
+    return cached.groups
+
+
+@dataclass
+class _MadeGroups:
+    """epl-comm's state in a ParallelContext: its groups, once made."""
+
+    groups: DataParallelGroups | None = None
 
 
 def _make_groups(context: ParallelContext) -> DataParallelGroups:
     plan, world = context.plan, context.communicator
-    copies = {group: [communicator] for group, communicator in copy_communicators(context).items()}
+    copies = {group: [communicator] for group, communicator in context.copy_communicators().items()}
     for _ in range(context.config["communication.num_communicators"] - 1):
         for group, communicator in communicators_for(world, every_copy_group(plan)).items():
             copies[group].append(communicator)

@@ -4,16 +4,32 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from epl.plugins import hookimpl
+from epl.plugin_api import TransformPhase, hookimpl
 
 # Imported inside the hooks: loading this plugin (e.g. for `epl launch`) must not import PyTorch.
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from torch import nn
 
-    from epl.cluster import Cluster
-    from epl.comm.protocol import Communicator
-    from epl.config import Config
-    from epl.engine.extensions import GradientReducer, ModelTransform, ParallelContext, StepRunner
+    from epl.plugin_api import (
+        Cluster,
+        Communicator,
+        Config,
+        ConfigKey,
+        GradientReducer,
+        ModelTransform,
+        ParallelContext,
+        StepRunner,
+    )
+
+
+@hookimpl
+def epl_config_keys() -> Sequence[ConfigKey]:
+    """This package's keys: ``communication.*``: fusion, fp16, clipping order, reduction, backend, timeout."""
+    from epl_comm.config_keys import KEYS
+
+    return KEYS
 
 
 @hookimpl
@@ -37,17 +53,16 @@ class BroadcastInitialWeights:
     """Model transform: every copy starts from the first copy's parameters and buffers."""
 
     name = "broadcast_initial_weights"
-    order = -100
+    phase = TransformPhase.SYNC_WEIGHTS
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """Broadcast ``model``'s tensors from the first copy of each; return it."""
-        from epl.comm.broadcast import broadcast_tensors
-        from epl.placement.copies import copies_of_tensors
+        from epl.plugin_api import broadcast_tensors
         from epl_comm.groups import groups_for
 
         groups = groups_for(context)
         tensors = [*model.parameters(), *model.buffers()]
-        for copies, members in copies_of_tensors(context, tensors).items():
+        for copies, members in context.copies_of_tensors(tensors).items():
             if len(copies.devices) > 1:
                 broadcast_tensors(members, groups.communicators(copies)[0])
         return model
@@ -64,7 +79,6 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
     """Bucketed, overlapped gradient reduction over every copy of this rank's parameters."""
     from torch import nn
 
-    from epl.placement.copies import copies_of_tensors
     from epl_comm.data_parallel import DataParallelReducer, ReducePolicy, ReducerSet
     from epl_comm.groups import groups_for
 
@@ -79,7 +93,7 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
     }
     clip_first = config["optimizer.max_grad_norm"] is not None and not config["communication.clip_after_allreduce"]
     reducers = []
-    for copies, params in copies_of_tensors(context, list(context.model.parameters())).items():
+    for copies, params in context.copies_of_tensors(list(context.model.parameters())).items():
         if copies.divisor == 1:
             continue
         policy = ReducePolicy(

@@ -8,8 +8,7 @@ import os
 
 import torch.distributed as dist
 
-from epl.cluster import Cluster
-from epl.errors import ClusterError
+from epl.plugin_api import Cluster, ClusterError
 from epl_comm.diagnostics import stop_all_heartbeats
 
 

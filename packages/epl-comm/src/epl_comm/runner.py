@@ -6,9 +6,7 @@ from typing import Any
 
 import torch
 
-from epl.comm.protocol import Communicator, ReduceOp
-from epl.engine.batch import split_batch
-from epl.engine.local_runner import LocalStepRunner
+from epl.plugin_api import Communicator, LocalStepRunner, ReduceOp, split_batch
 
 
 class DataParallelStepRunner(LocalStepRunner):

@@ -9,8 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from epl.cluster import Cluster
-from epl.comm.protocol import Communicator, ReduceOp, Work
+from epl.plugin_api import Cluster, Communicator, ReduceOp, Work
 from epl_comm.diagnostics import CollectiveLog, CollectiveRecord, DiagnosedWork
 from epl_comm.rendezvous import default_store, join_process_group
 

@@ -5,7 +5,9 @@ Annotate a local model with :func:`replicate`, :func:`split` and
 last, and train with ``engine.step(x, y)``.
 
 Names are imported on first use, so that ``import epl`` (and the ``epl``
-command, e.g. ``epl launch``) starts without importing PyTorch.
+command, e.g. ``epl launch``) starts without importing PyTorch. This module is
+the top of epl-core's layers (see docs/architecture.md); plugins import from
+:mod:`epl.plugin_api` instead.
 """
 
 from __future__ import annotations
@@ -16,12 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from epl import io, nn
-    from epl.cluster import Cluster
-    from epl.comm import Communicator, ReduceOp, Work
-    from epl.config import Config, ConfigKey
-    from epl.engine import Engine, parallelize, plan
-    from epl.engine.checkpoint import read_model_state
-    from epl.env import Env, init
+    from epl.annotations import Strategy, TaskGraph, replicate, set_default_strategy, split
+    from epl.config import Config
     from epl.errors import (
         AnnotationError,
         BatchError,
@@ -33,27 +31,32 @@ if TYPE_CHECKING:
         PlacementError,
         PluginError,
     )
+    from epl.interfaces.cluster import Cluster
+    from epl.interfaces.communicator import Communicator, ReduceOp, Work
+    from epl.interfaces.config_key import ConfigKey
+    from epl.interfaces.split_rule import ShardContext
     from epl.placement import Plan
     from epl.plugins import hookimpl
-    from epl.strategy import Strategy, TaskGraph, replicate, set_default_strategy, split
-    from epl.strategy.split_rule import ShardContext
+    from epl.runtime import Engine, parallelize, plan
+    from epl.runtime.checkpoint import read_model_state
+    from epl.runtime.env import Env, init
 
 #: Public name -> the module it lives in.
 _EXPORTS = {
     "io": "epl",
     "nn": "epl",
-    "Cluster": "epl.cluster",
-    "Communicator": "epl.comm",
-    "ReduceOp": "epl.comm",
-    "Work": "epl.comm",
+    "Cluster": "epl.interfaces.cluster",
+    "Communicator": "epl.interfaces.communicator",
+    "ReduceOp": "epl.interfaces.communicator",
+    "Work": "epl.interfaces.communicator",
     "Config": "epl.config",
-    "ConfigKey": "epl.config",
-    "Engine": "epl.engine",
-    "parallelize": "epl.engine",
-    "plan": "epl.engine",
-    "read_model_state": "epl.engine.checkpoint",
-    "Env": "epl.env",
-    "init": "epl.env",
+    "ConfigKey": "epl.interfaces.config_key",
+    "Engine": "epl.runtime",
+    "parallelize": "epl.runtime",
+    "plan": "epl.runtime",
+    "read_model_state": "epl.runtime.checkpoint",
+    "Env": "epl.runtime.env",
+    "init": "epl.runtime.env",
     "AnnotationError": "epl.errors",
     "BatchError": "epl.errors",
     "ClusterError": "epl.errors",
@@ -65,12 +68,12 @@ _EXPORTS = {
     "PluginError": "epl.errors",
     "Plan": "epl.placement",
     "hookimpl": "epl.plugins",
-    "Strategy": "epl.strategy",
-    "TaskGraph": "epl.strategy",
-    "replicate": "epl.strategy",
-    "set_default_strategy": "epl.strategy",
-    "split": "epl.strategy",
-    "ShardContext": "epl.strategy.split_rule",
+    "Strategy": "epl.annotations",
+    "TaskGraph": "epl.annotations",
+    "replicate": "epl.annotations",
+    "set_default_strategy": "epl.annotations",
+    "split": "epl.annotations",
+    "ShardContext": "epl.interfaces.split_rule",
 }
 
 __all__ = [
@@ -106,6 +109,9 @@ __all__ = [
     "set_default_strategy",
     "split",
 ]
+
+# The plugin layer (pluggy, no PyTorch) makes the process's plugin manager the key source of epl.Config.
+import epl.plugins  # noqa: E402, F401
 
 try:
     __version__ = version("epl-core")

@@ -15,7 +15,7 @@ from epl.config import Config
 from epl.errors import ConfigError
 
 if TYPE_CHECKING:
-    from epl.engine.engine import Engine
+    from epl.runtime.engine import Engine
 
 T = TypeVar("T")
 
@@ -44,7 +44,7 @@ def shard(
     if not 0 <= replica_index < num_replicas:
         raise ValueError(f"replica_index {replica_index} is not in 0..{num_replicas - 1}")
     if config is None:
-        from epl.env import Env
+        from epl.runtime.env import Env
 
         config = Env.get().config
     count = len(data)  # type: ignore[arg-type]

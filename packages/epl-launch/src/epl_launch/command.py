@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from epl.ports import free_port
+from epl.plugin_api import free_port
 from epl_launch.config import LaunchConfig, LaunchError, default_nproc_per_node, machine_from_list
 from epl_launch.local import LocalJob, report
 from epl_launch.mpi import run_mpi

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from epl.errors import EplError
+from epl.plugin_api import EplError
 
 #: Folder where each MPI worker writes its target's process group id (set by ``epl launch --mpi``).
 GROUPS_DIR_VARIABLE = "EPL_LAUNCH_GROUPS_DIR"

@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     """Run ``argv`` as this MPI process's rank; return its exit code (a failure aborts the whole job)."""
     from mpi4py import MPI
 
-    from epl.cluster import Cluster
+    from epl.plugin_api import Cluster
 
     cluster = Cluster(
         world_size=MPI.COMM_WORLD.Get_size(),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from epl.plugins import hookimpl
+from epl.plugin_api import hookimpl
 
 
 @hookimpl

@@ -28,11 +28,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from epl.comm.protocol import Communicator, ReduceOp
+from epl.plugin_api import Communicator, ReduceOp, TransformPhase
 
 if TYPE_CHECKING:
-    from epl.config import Config
-    from epl.engine.extensions import ParallelContext
+    from epl.plugin_api import Config, ParallelContext
 
 _log = logging.getLogger("epl.memory")
 _WRAPPED = "_epl_autocast_forward"
@@ -97,7 +96,7 @@ class Autocast:
     """Model transform (``amp.level = O1``): the forward and the loss of every step run under autocast."""
 
     name = "amp_autocast"
-    order = 120  # after checkpointing (which keeps the autocast state when it recomputes)
+    phase = TransformPhase.CAST
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """Wrap ``model.forward`` in autocast and have the step runners enter it around forward and loss."""

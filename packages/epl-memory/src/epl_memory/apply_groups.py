@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from epl.errors import ConfigError
+from epl.plugin_api import ConfigError
 from epl_memory.zero import balanced_partition
 
 #: Optimizers whose update couples parameters (a step over a group differs from the whole step).

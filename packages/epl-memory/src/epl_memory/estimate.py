@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from epl.placement.estimate import EstimatedTensor, MemoryEstimate, MemoryEstimateContext
+    from epl.plugin_api import EstimatedTensor, MemoryEstimate, MemoryEstimateContext
 
 #: What each level partitions over the copies.
 PARTITIONED = {

@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from epl.plugin_api import TransformPhase, WrapperPhase
 from epl_memory.residency import JustInTimeParameters
+from epl_memory.state import MemoryState
 
 if TYPE_CHECKING:
-    from epl.engine.extensions import ParallelContext
+    from epl.plugin_api import ParallelContext
 
 _log = logging.getLogger("epl.memory")
 
-#: Key of epl-memory's state in ``ParallelContext.extras``.
-PLUGIN = "epl-memory"
 
 #: What ``offload.level`` does on a process without an accelerator.
 CPU_NOTE = (
@@ -96,7 +96,7 @@ class OffloadWeights:
     """Model transform (``offload.level = v0``): weights in host memory, on the device only while used."""
 
     name = "offload_weights"
-    order = 210  # after ZeRO's partitioning: the weights this device keeps are final
+    phase = TransformPhase.OFFLOAD
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """Move ``model``'s weights home and install the just-in-time hooks (on a CPU: say why nothing moves)."""
@@ -105,7 +105,7 @@ class OffloadWeights:
             return model
         from epl_memory.residency import stage_entries
 
-        context.extras.setdefault(PLUGIN, {})["offload"] = offload_parameters(model, stage_entries(model, context))
+        context.state(MemoryState).offload = offload_parameters(model, stage_entries(model, context))
         return model
 
 
@@ -113,11 +113,11 @@ class OffloadStep:
     """Optimizer wrapper (``offload.level = v0``): the update runs with the weights fetched, then sends them home."""
 
     name = "offload_step"
-    order = 120  # outermost: ZeRO's broadcasts and apply groups run with the weights on the device
+    phase = WrapperPhase.OFFLOAD
 
     def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
         """Add the fetch and store around ``optimizer.step``; return ``optimizer``."""
-        moving = context.extras.get(PLUGIN, {}).get("offload")
+        moving = context.state(MemoryState).offload
         if moving is not None:
             step_with_parameters_fetched(optimizer, moving)
         return optimizer

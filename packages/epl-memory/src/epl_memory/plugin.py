@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from epl.plugins import hookimpl
+from epl.plugin_api import TransformPhase, WrapperPhase, hookimpl
+from epl_memory.state import MemoryState
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
     from torch import nn
 
-    from epl.engine.extensions import LossScaler, ModelTransform, OptimizerWrapper, ParallelContext
+    from epl.plugin_api import ConfigKey, LossScaler, ModelTransform, OptimizerWrapper, ParallelContext
 
 PLUGIN = "epl-memory"
 
-#: Keys this package declares in the core's catalogue but does not implement yet, with their "off" value.
+#: Keys this package declares but does not implement yet, with their "off" value.
 NOT_YET: dict[str, str] = {}
 #: AMP's numeric keys, with their default: setting one without amp.level = O1 is an error, not a no-op.
 AMP_OPTIONS = {"amp.loss_scale": "dynamic", "amp.dtype": "", "amp.growth_interval": 2000}
@@ -24,7 +27,7 @@ class GradientCheckpointing:
     """Model transform: recompute the activations ``gradient_checkpoint.type`` chooses."""
 
     name = "gradient_checkpointing"
-    order = 100  # after placement, sharding and the initial broadcast: it changes no tensor
+    phase = TransformPhase.CHECKPOINT
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """Checkpoint the chosen modules of ``model`` in place; return it."""
@@ -43,7 +46,8 @@ class GradientCheckpointing:
         plan = choose(model, allowed)
         check = GradientCheck() if config["gradient_checkpoint.check_gradients"] else None
         apply_plan(model, plan, check)
-        context.extras.setdefault(PLUGIN, {}).update(checkpoint_plan=plan, gradient_check=check)
+        state = context.state(MemoryState)
+        state.checkpoint_plan, state.gradient_check = plan, check
         return model
 
 
@@ -51,7 +55,7 @@ class ApplyGroups:
     """Optimizer wrapper (``optimizer.num_apply_group = k``): the update applied in k groups of parameters."""
 
     name = "apply_groups"
-    order = 110  # after ZeRO: with it, the groups split this device's partition
+    phase = WrapperPhase.APPLY_GROUPS
 
     def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
         """Make the optimizer (ZeRO's partition optimizer, if any) step in groups; return ``optimizer``."""
@@ -61,6 +65,14 @@ class ApplyGroups:
         inner = optimizer.local if isinstance(optimizer, ZeroOptimizer) else optimizer
         apply_in_groups(inner, context.config["optimizer.num_apply_group"])
         return optimizer
+
+
+@hookimpl
+def epl_config_keys() -> Sequence[ConfigKey]:
+    """This package's keys: gradient checkpointing, ZeRO, offload, AMP and apply groups."""
+    from epl_memory.config_keys import KEYS
+
+    return KEYS
 
 
 @hookimpl
@@ -85,7 +97,7 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
 
     (The checks run here, the first memory hook ``epl.parallelize`` calls.)
     """
-    from epl.errors import ConfigError
+    from epl.plugin_api import ConfigError
     from epl_memory.offload import OffloadWeights
     from epl_memory.zero import ZeroPartitioning
 
@@ -114,7 +126,7 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
 
 def _check_combinations(context: ParallelContext) -> None:
     """One clear error for a combination of memory keys that cannot work."""
-    from epl.errors import ConfigError
+    from epl.plugin_api import ConfigError
 
     config = context.config
     level = config["zero.level"]
@@ -147,7 +159,7 @@ def epl_make_loss_scaler(context: ParallelContext) -> LossScaler | None:
 
 def _check_amp(context: ParallelContext) -> None:
     """AMP's options without amp.level would silently do nothing: an error instead."""
-    from epl.errors import ConfigError
+    from epl.plugin_api import ConfigError
 
     config = context.config
     if config["amp.level"]:
@@ -170,7 +182,7 @@ def _version() -> str:
 
 
 if TYPE_CHECKING:
-    from epl.placement.estimate import MemoryEstimate, MemoryEstimateContext
+    from epl.plugin_api import MemoryEstimate, MemoryEstimateContext
 
 
 @hookimpl

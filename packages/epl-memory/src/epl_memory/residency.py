@@ -23,10 +23,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from epl.errors import EplError
+from epl.plugin_api import EplError
 
 if TYPE_CHECKING:
-    from epl.engine.extensions import ParallelContext
+    from epl.plugin_api import ParallelContext
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 

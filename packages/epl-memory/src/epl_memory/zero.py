@@ -20,16 +20,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from epl.comm.broadcast import broadcast_tensors
-from epl.comm.protocol import Communicator
-from epl.engine.optimizer_groups import group_options
-from epl.errors import ConfigError
+from epl.plugin_api import Communicator, ConfigError, TransformPhase, WrapperPhase, broadcast_tensors, group_options
+from epl_memory.state import MemoryState
 
 if TYPE_CHECKING:
-    from epl.engine.extensions import ParallelContext
-
-#: Key of epl-memory's state in ``ParallelContext.extras``.
-PLUGIN = "epl-memory"
+    from epl.plugin_api import ParallelContext
 
 
 def balanced_partition(params: Sequence[nn.Parameter], parts: int) -> list[list[nn.Parameter]]:
@@ -184,16 +179,14 @@ class ZeroPartitioning:
     """
 
     name = "zero_partitioning"
-    order = 200
+    phase = TransformPhase.PARTITION_PARAMETERS
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """Partition ``model``'s parameters over their copies; record it in ``context``; return ``model``."""
-        from epl.comm.partition import copy_communicators
-        from epl.placement.copies import copies_of_tensors
-
         level = context.config["zero.level"]
-        partitions = partitions_over(copy_communicators(context), copies_of_tensors(context, list(model.parameters())))
-        shared: dict[str, Any] = {"zero_partitions": partitions}
+        partitions = partitions_over(context.copy_communicators(), context.copies_of_tensors(list(model.parameters())))
+        state = context.state(MemoryState)
+        state.zero_partitions = partitions
         if level in ("v1", "v2"):
             for part in partitions:
                 context.gradient_owners.update(part.owner_of())
@@ -202,8 +195,7 @@ class ZeroPartitioning:
 
             moving = JustInTimeParameters(model, OwnerShards(partitions), stage_entries(model, context))
             moving.release_all()
-            shared["zero_residency"] = moving
-        context.extras.setdefault(PLUGIN, {}).update(shared)
+            state.zero_residency = moving
         return model
 
 
@@ -211,14 +203,15 @@ class ZeroStatePartition:
     """Optimizer wrapper (``zero.level``): each copy keeps the optimizer state of the parameters it owns."""
 
     name = "zero_state_partition"
-    order = 100
+    phase = WrapperPhase.PARTITION_OPTIMIZER
 
     def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
         """Rebuild ``optimizer`` over this device's partition (made by :class:`ZeroPartitioning`)."""
-        shared = context.extras[PLUGIN]
-        moving = shared.get("zero_residency")
+        state = context.state(MemoryState)
+        assert state.zero_partitions is not None, "ZeroPartitioning (a model transform) runs before the optimizer"
+        moving = state.zero_residency
         fetched = moving.params if moving is not None else ()
-        zero = ZeroOptimizer(optimizer, shared["zero_partitions"], fetched_when_used=fetched)
+        zero = ZeroOptimizer(optimizer, state.zero_partitions, fetched_when_used=fetched)
         if moving is not None:  # what a step fetched but no gradient released (frozen or unused parameters)
             zero.register_step_post_hook(lambda *_: moving.release_all())
         return zero

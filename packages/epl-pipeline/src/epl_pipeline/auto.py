@@ -16,9 +16,7 @@ from collections.abc import Collection
 
 from torch import nn
 
-from epl.errors import PlacementError
-from epl.strategy.strategies import replicate
-from epl.strategy.taskgraph import TaskGraph
+from epl.plugin_api import PlacementError, TaskGraph, replicate
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 

@@ -15,8 +15,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from epl.comm.protocol import Communicator, Work
-from epl.errors import EplError
+from epl.plugin_api import Communicator, EplError, Work
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ def schedule_command(
     stages: int, micro_batches: int, strategy: str, backward_cost: float, trace: Path | None, png_path: Path | None
 ) -> None:
     """Show the timeline of a pipeline schedule and its bubble fraction (simulated, no processes)."""
-    from epl.plugins import get_plugin_manager
+    from epl.plugin_api import get_plugin_manager
     from epl_pipeline import drawing
     from epl_pipeline.schedules import bubble, build, timeline
 

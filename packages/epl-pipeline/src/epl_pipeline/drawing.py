@@ -7,7 +7,7 @@ import struct
 import zlib
 from pathlib import Path
 
-from epl.schedule import ActionKind
+from epl.plugin_api import ActionKind
 from epl_pipeline.schedules import Event
 
 #: RGB per action kind in the PNG.

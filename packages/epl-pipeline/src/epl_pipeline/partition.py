@@ -16,8 +16,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from epl.engine.batch import as_arguments
-from epl.errors import PlacementError
+from epl.plugin_api import PlacementError, as_arguments
 
 
 class _StageTracer(fx.Tracer):

@@ -2,20 +2,43 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from epl.plugins import hookimpl
+from epl.plugin_api import TransformPhase, hookimpl
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import click
     from torch import nn
 
-    from epl.config import Config
-    from epl.engine.extensions import ModelTransform, ParallelContext, StepRunner
-    from epl.schedule import Schedule, ScheduleGenerator
-    from epl.strategy.taskgraph import TaskGraph
+    from epl.plugin_api import (
+        Config,
+        ConfigKey,
+        ModelTransform,
+        ParallelContext,
+        Schedule,
+        ScheduleGenerator,
+        StepRunner,
+        TaskGraph,
+    )
+    from epl_pipeline.partition import StagedGraph
 
-PLUGIN = "epl-pipeline"
+
+@dataclass
+class PipelineState:
+    """epl-pipeline's state in a ParallelContext: the traced stage programs the runner executes."""
+
+    staged: StagedGraph | None = None
+
+
+@hookimpl
+def epl_config_keys() -> Sequence[ConfigKey]:
+    """This package's keys: the pipeline schedule, the number of stages and the automatic partition."""
+    from epl_pipeline.config_keys import KEYS
+
+    return KEYS
 
 
 @hookimpl
@@ -42,12 +65,11 @@ class KeepLocalStage:
     """Model transform: trace the model into stages, then keep only this rank's stage modules."""
 
     name = "keep_local_stage"
-    order = -200  # before the initial broadcast and the optimizer: only local tensors remain
+    phase = TransformPhase.KEEP_STAGE
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """Trace ``model`` into stages, then swap the other stages' root modules for placeholders."""
-        from epl.errors import PlacementError
-        from epl.sharding.transform import split_stage_error
+        from epl.plugin_api import PlacementError, split_stage_error
         from epl_pipeline.partition import trace_stages
         from epl_pipeline.stages import RemoteStage, replace_module, stage_roots
 
@@ -72,7 +94,8 @@ class KeepLocalStage:
             )
         owner = {id(t): tg.index for tg in context.taskgraphs for t in tg.tensors}
         staged = trace_stages(model, roots, plan.num_stages, owner)
-        context.extras[PLUGIN] = {"stage": stage, "staged": staged}
+        context.pipeline_stage = stage
+        context.state(PipelineState).staged = staged
         for name, owner_stage in roots.items():
             if owner_stage != stage:
                 replace_module(model, name, RemoteStage(owner_stage, type(model.get_submodule(name)).__name__))
@@ -84,7 +107,7 @@ def epl_partition_model(model: nn.Module, taskgraphs: list[TaskGraph], config: C
     """With ``auto.auto_parallel``, cut the model into ``pipeline.num_stages`` balanced stages."""
     if not config["auto.auto_parallel"]:
         return None
-    from epl.errors import ConfigError
+    from epl.plugin_api import ConfigError
     from epl_pipeline.auto import partition
 
     stages = config["pipeline.num_stages"]
@@ -104,7 +127,7 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     """The pipeline executor, running the schedule named by ``pipeline.strategy``."""
     if not _pipelined(context):
         return None
-    from epl.errors import EplError
+    from epl.plugin_api import EplError
     from epl_pipeline.runner import PipelineStepRunner
 
     if context.config["optimizer.max_grad_norm"] is not None:
@@ -113,7 +136,9 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
         )
     plan, rank = context.plan, context.cluster.rank
     replica = plan.replica_of(rank)
-    stage = context.extras[PLUGIN]["stage"]
+    stage = context.pipeline_stage
+    staged = context.state(PipelineState).staged
+    assert stage is not None and staged is not None, "KeepLocalStage (a model transform) runs before the runner"
     stages = plan.num_stages
     world = context.communicator
     replica_group = world.split([list(plan.devices_of_replica(r)) for r in range(plan.num_replicas)])
@@ -122,7 +147,7 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
         model=context.model,
         optimizer=context.optimizer,
         loss_fn=context.loss_fn,
-        staged=context.extras[PLUGIN]["staged"],
+        staged=staged,
         schedule=_schedule(context, stages, plan.num_micro_batch),
         stage=stage,
         num_micro_batch=plan.num_micro_batch,
@@ -136,18 +161,15 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
         loss_scaler=context.loss_scaler,
         forward_contexts=context.forward_contexts,
     )
-    context.extras[PLUGIN]["runner"] = runner
     return runner
 
 
 def _schedule(context: ParallelContext, stages: int, micro_batches: int) -> Schedule:
     """The schedule named by ``pipeline.strategy``, among every plugin's, checked before use."""
-    from epl.errors import EplError
+    from epl.plugin_api import EplError
     from epl_pipeline.schedules import build
 
     try:
-        return build(
-            context.config["pipeline.strategy"], context.env.plugins.pipeline_schedules(), stages, micro_batches
-        )
+        return build(context.config["pipeline.strategy"], context.plugins.pipeline_schedules(), stages, micro_batches)
     except ValueError as error:
         raise EplError(f"pipeline.strategy: {error}") from None

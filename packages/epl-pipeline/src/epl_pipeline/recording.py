@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from epl.errors import EplError
-from epl.schedule import Action, ActionKind
+from epl.plugin_api import Action, ActionKind, EplError
 from epl_pipeline.drawing import chrome_trace, png
 from epl_pipeline.runner import PipelineStepRunner
 from epl_pipeline.schedules import Event, bubble
@@ -26,8 +25,8 @@ _KINDS = list(ActionKind)
 
 
 def _runner(engine: Any) -> PipelineStepRunner:
-    runner = engine.context.extras.get("epl-pipeline", {}).get("runner")
-    if runner is None:
+    runner = engine.context.step_runner
+    if not isinstance(runner, PipelineStepRunner):
         raise EplError("This engine is not a pipeline: its plan has one stage (or one process).")
     return runner
 

@@ -10,12 +10,21 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from epl.comm.protocol import Communicator
-from epl.engine.batch import micro_batches, to_device
-from epl.engine.extensions import GradientReducer, LossFn, LossScaler
-from epl.engine.local_runner import ForwardContext, inside, step_or_skip
-from epl.errors import EplError
-from epl.schedule import Action, ActionKind, Schedule
+from epl.plugin_api import (
+    Action,
+    ActionKind,
+    Communicator,
+    EplError,
+    ForwardContext,
+    GradientReducer,
+    LossFn,
+    LossScaler,
+    Schedule,
+    inside,
+    micro_batches,
+    step_or_skip,
+    to_device,
+)
 from epl_pipeline.channel import Channel
 from epl_pipeline.partition import StagedGraph, bind_inputs, output_value, run_nodes
 from epl_pipeline.schedules import Event

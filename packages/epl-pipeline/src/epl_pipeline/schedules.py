@@ -12,7 +12,7 @@ import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from epl.schedule import Action, ActionKind, Schedule, ScheduleGenerator
+from epl.plugin_api import Action, ActionKind, Schedule, ScheduleGenerator
 
 F, B, I, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT  # noqa: E741
 #: Kinds whose end sends the input gradient to the previous stage.

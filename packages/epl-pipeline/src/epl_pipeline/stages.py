@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from epl.errors import PlacementError
-from epl.strategy.taskgraph import TaskGraph
+from epl.plugin_api import PlacementError, TaskGraph
 
 
 def stage_roots(model: nn.Module, taskgraphs: list[TaskGraph]) -> dict[str, int]:

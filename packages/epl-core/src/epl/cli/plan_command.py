@@ -58,7 +58,8 @@ def plan_command(
     """
     if (script is None) == (example is None):
         raise click.UsageError("Give a SCRIPT or --example NAME (one of them).")
-    from epl.placement.mode import PlanRequest, plan_example, plan_script  # imports PyTorch: only when planning
+    from epl.placement.request import PlanRequest  # imports PyTorch: only when planning
+    from epl.runtime.planning import plan_model, plan_script
 
     try:
         request = PlanRequest(
@@ -67,7 +68,11 @@ def plan_command(
             overrides=parse_settings(settings),
             optimizer=optimizer,
         )
-        plan = plan_script(script, script_args, request) if script else plan_example(example or "", request)
+        if script:
+            plan = plan_script(script, script_args, request)
+        else:
+            chosen = examples.get(example or "")
+            plan = plan_model(chosen.config, chosen.build, request)
     except EplError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(plan.to_json() if as_json else str(plan))

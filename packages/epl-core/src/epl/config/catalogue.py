@@ -1,20 +1,40 @@
-"""Every key of the manual's configuration chapter (and EPL for PyTorch's few additions), declared by the core.
+"""The config keys the core implements, and which package owns every other key of the manual.
 
-Keys that another package implements carry ``provided_by``: ``epl config``
-lists them on any installation, and setting one without its package installed is
-an error that says what to install. The core implements ``pipeline.num_micro_batch``
-(gradient accumulation in one stage) and the ``cluster.*`` keys itself.
+Each plugin declares its own keys through ``epl_config_keys`` (epl-comm the
+``communication.*`` keys, epl-memory checkpointing, ZeRO, offload, AMP and apply
+groups, epl-pipeline the pipeline schedule and automatic partition). The core keeps
+:data:`KEY_OWNERS`, so that a key of a package that is not installed fails at
+``epl.init`` with the package to install instead of "unknown key".
 """
 
 from __future__ import annotations
 
-from epl.config.key import ConfigKey
+from epl.interfaces.config_key import ConfigKey
 
-COMM = "epl-comm"
-MEMORY = "epl-memory"
-PIPELINE = "epl-pipeline"
+#: Key prefix (a section with its dot, or a whole key name) -> the distribution that declares those keys.
+#: The longest matching prefix wins, so ``pipeline.num_micro_batch`` (core) and ``pipeline.strategy``
+#: (epl-pipeline) can share a section.
+KEY_OWNERS: dict[str, str] = {
+    "communication.": "epl-comm",
+    "gradient_checkpoint.": "epl-memory",
+    "zero.": "epl-memory",
+    "offload.": "epl-memory",
+    "amp.": "epl-memory",
+    "optimizer.num_apply_group": "epl-memory",
+    "pipeline.num_stages": "epl-pipeline",
+    "pipeline.strategy": "epl-pipeline",
+    "auto.": "epl-pipeline",
+}
 
-MANUAL_KEYS: tuple[ConfigKey, ...] = (
+
+def owner_of(name: str) -> str | None:
+    """The distribution that declares config key ``name`` when the core does not (longest prefix), or None."""
+    matches = [prefix for prefix in KEY_OWNERS if name == prefix or (prefix.endswith(".") and name.startswith(prefix))]
+    return KEY_OWNERS[max(matches, key=len)] if matches else None
+
+
+#: The keys of the manual's configuration chapter that the core implements (and EPL for PyTorch's additions).
+CORE_KEYS: tuple[ConfigKey, ...] = (
     # 6.1 Pipeline
     ConfigKey(
         name="pipeline.num_micro_batch",
@@ -23,116 +43,6 @@ MANUAL_KEYS: tuple[ConfigKey, ...] = (
         minimum=1,
         doc="Number of micro-batches per replica batch: pipeline micro-batches, or "
         "gradient accumulation steps when the model has one stage.",
-    ),
-    ConfigKey(
-        name="pipeline.num_stages",
-        types=(int, type(None)),
-        default=None,
-        minimum=1,
-        provided_by=PIPELINE,
-        doc="Number of pipeline stages to partition an unannotated model into when auto.auto_parallel is True.",
-    ),
-    ConfigKey(
-        name="pipeline.strategy",
-        types=(str,),
-        default="PreferBackward",
-        provided_by=PIPELINE,
-        doc="Pipeline schedule, by name: PreferBackward (1F1B, like PipeDream), PreferForward (GPipe), "
-        "ZeroBubble (ZB-H1: backward split into input and weight gradients), or one a plugin registers.",
-    ),
-    # 6.2 Gradient checkpoint
-    ConfigKey(
-        name="gradient_checkpoint.type",
-        types=(str,),
-        default="",
-        choices=("", "collection", "auto"),
-        provided_by=MEMORY,
-        doc="Which activations to recompute: 'collection' (modules the user marks) "
-        "or 'auto' (EPL chooses); '' disables checkpointing.",
-    ),
-    ConfigKey(
-        name="gradient_checkpoint.end_taskgraph",
-        types=(int,),
-        default=-1,
-        minimum=-1,
-        provided_by=MEMORY,
-        doc="Index of the last TaskGraph to apply gradient checkpointing to (-1: all).",
-    ),
-    ConfigKey(
-        name="gradient_checkpoint.check_gradients",
-        types=(bool,),
-        default=False,
-        provided_by=MEMORY,
-        doc="Compare checkpointed gradients with plain ones once and report.",
-    ),
-    # 6.3 ZeRO
-    ConfigKey(
-        name="zero.level",
-        types=(str,),
-        default="",
-        choices=("", "v0", "v1", "v2"),
-        provided_by=MEMORY,
-        doc="ZeRO level: 'v0' partitions optimizer states, 'v1' also gradients, "
-        "'v2' also parameters; '' disables ZeRO.",
-    ),
-    # 6.4 Offload
-    ConfigKey(
-        name="offload.level",
-        types=(str,),
-        default="",
-        choices=("", "v0"),
-        provided_by=MEMORY,
-        doc="Offload level: 'v0' keeps all weights in CPU memory; '' disables offload.",
-    ),
-    # 6.5 Memory-efficient AMP
-    ConfigKey(
-        name="amp.level",
-        types=(str,),
-        default="",
-        choices=("", "O1"),
-        provided_by=MEMORY,
-        doc="Automatic mixed precision level; only 'O1' is supported; '' disables AMP.",
-    ),
-    ConfigKey(
-        name="amp.debug_log",
-        types=(bool,),
-        default=False,
-        provided_by=MEMORY,
-        doc="Log AMP decisions (loss scale changes, skipped steps).",
-    ),
-    ConfigKey(
-        name="amp.loss_scale",
-        types=(str, int),
-        default="dynamic",
-        choices=("dynamic",),
-        minimum=1,
-        provided_by=MEMORY,
-        doc="Loss scale for AMP: 'dynamic', or a fixed number.",
-    ),
-    ConfigKey(
-        name="amp.dtype",
-        types=(str,),
-        default="",
-        choices=("", "float16", "bfloat16"),
-        provided_by=MEMORY,
-        doc="Precision of the operations autocast lowers under amp.level 'O1' ('': float16 on CUDA, bfloat16 on CPU).",
-    ),
-    ConfigKey(
-        name="amp.growth_interval",
-        types=(int,),
-        default=2000,
-        minimum=1,
-        provided_by=MEMORY,
-        doc="With a dynamic loss scale: consecutive steps with finite gradients after which the scale doubles.",
-    ),
-    # 6.6 Optimizer
-    ConfigKey(
-        name="optimizer.num_apply_group",
-        types=(int,),
-        default=1,
-        minimum=1,
-        provided_by=MEMORY,
-        doc="Apply the optimizer update in this many groups to lower the peak memory.",
     ),
     ConfigKey(
         name="optimizer.max_grad_norm",
@@ -163,79 +73,6 @@ MANUAL_KEYS: tuple[ConfigKey, ...] = (
         default=False,
         doc="Place all TaskGraphs of a replica on the same devices instead of different ones.",
     ),
-    # 6.8 Communication
-    ConfigKey(
-        name="communication.num_communicators",
-        types=(int,),
-        default=2,
-        minimum=1,
-        provided_by=COMM,
-        doc="Number of communicators gradient buckets are reduced over, round-robin.",
-    ),
-    ConfigKey(
-        name="communication.sparse_as_dense",
-        types=(bool,),
-        default=False,
-        provided_by=COMM,
-        doc="Turn sparse gradients into dense ones before communication.",
-    ),
-    ConfigKey(
-        name="communication.max_splits",
-        types=(int,),
-        default=5,
-        minimum=1,
-        provided_by=COMM,
-        doc="Maximum number of gradient buckets per dtype for tensor fusion.",
-    ),
-    ConfigKey(
-        name="communication.fp16",
-        types=(bool,),
-        default=False,
-        provided_by=COMM,
-        doc="Reduce gradients in fp16.",
-    ),
-    ConfigKey(
-        name="communication.fp16_scale",
-        types=(int,),
-        default=128,
-        minimum=1,
-        provided_by=COMM,
-        doc="Scale applied to gradients before an fp16 reduction and removed after it.",
-    ),
-    ConfigKey(
-        name="communication.clip_after_allreduce",
-        types=(bool,),
-        default=False,
-        provided_by=COMM,
-        doc="Clip gradients after the reduction instead of before it.",
-    ),
-    ConfigKey(
-        name="communication.gradients_reduce_method",
-        types=(str,),
-        default="mean",
-        choices=("mean", "sum"),
-        provided_by=COMM,
-        doc="How gradients are reduced over replicas: 'mean' or 'sum'.",
-    ),
-    # Extensions of EPL for PyTorch (not in the manual).
-    ConfigKey(
-        name="communication.backend",
-        types=(str,),
-        default="auto",
-        choices=("auto", "torch", "cupy"),
-        provided_by=COMM,
-        doc="Communication library: 'torch' (torch.distributed: NCCL on CUDA, gloo on CPU), 'cupy' "
-        "(CuPy's NCCL, needs CUDA and the epl-comm[cupy] extra), or 'auto' (= torch).",
-    ),
-    ConfigKey(
-        name="communication.timeout",
-        types=(float, int),
-        default=600,
-        minimum=1,
-        provided_by=COMM,
-        doc="Seconds a collective may take before it fails on every rank still waiting, naming the "
-        "ranks that did not arrive.",
-    ),
     # 6.9 IO
     ConfigKey(
         name="io.slicing",
@@ -254,14 +91,5 @@ MANUAL_KEYS: tuple[ConfigKey, ...] = (
         types=(bool,),
         default=False,
         doc="Partition the files evenly and drop the last ones that do not divide.",
-    ),
-    # 6.10 Auto parallel
-    ConfigKey(
-        name="auto.auto_parallel",
-        types=(bool,),
-        default=False,
-        provided_by=PIPELINE,
-        doc="Cut an unannotated model into pipeline.num_stages balanced stages (between blocks such as "
-        "transformer layers, in forward's call order, cost estimated by parameter count).",
     ),
 )

@@ -6,15 +6,50 @@ import difflib
 import json
 import os
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from epl.config.key import ConfigKey
+from epl.config.catalogue import KEY_OWNERS, owner_of
 from epl.errors import ConfigError, MissingPluginError
+from epl.interfaces.config_key import ConfigKey
 
-if TYPE_CHECKING:
-    from epl.plugins.manager import EplPluginManager
+
+class KeySource(Protocol):
+    """Where a Config's keys come from: the plugin manager (``epl.plugins.EplPluginManager``) or a test's."""
+
+    #: Plugins that are installed but blocked (``EPL_DISABLE_EXTERNAL_PLUGINS``).
+    blocked: tuple[str, ...]
+
+    def config_schema(self) -> Mapping[str, ConfigKey]:
+        """Every declared key by name."""
+        ...
+
+    def has_plugin(self, name: str) -> bool:
+        """Whether the plugin (distribution) ``name`` is registered."""
+        ...
+
+
+_default_source: Callable[[], KeySource] | None = None
+
+
+def use_default_key_source(factory: Callable[[], KeySource]) -> None:
+    """Set what ``Config(...)`` without ``plugin_manager=`` validates against (the process's plugin manager).
+
+    The plugins layer calls this when it is imported (``import epl`` imports it), so the config
+    layer never looks up plugins itself.
+    """
+    global _default_source
+    _default_source = factory
+
+
+def _default_key_source() -> KeySource:
+    if _default_source is None:
+        raise ConfigError(
+            "No config keys are known yet: import epl (which loads the plugins) before building a Config."
+        )
+    return _default_source()
+
 
 #: Environment variables of EPL's own that look like config keys but are not.
 NON_KEY_ENV_VARS = frozenset({"EPL_CONFIG_FILE"})
@@ -25,6 +60,12 @@ SOURCES = ("default", "file", "env", "dict")
 
 class Config:
     """All EPL settings, validated against the keys the installed plugins declare.
+
+    The keys come from ``plugin_manager`` (any :class:`KeySource`), by default the
+    process's plugin manager. A key that no installed plugin declares but that belongs
+    to a known package (:data:`epl.config.catalogue.KEY_OWNERS`, e.g. ``zero.level`` of
+    epl-memory) is kept aside unvalidated; :meth:`check_plugins` (called by ``epl.init``)
+    then fails with the package to install.
 
     Values come from, in increasing precedence: each key's default, a TOML or
     JSON file (``file=`` or the ``EPL_CONFIG_FILE`` variable), ``EPL_<SECTION>_<KEY>``
@@ -43,26 +84,29 @@ class Config:
         *,
         file: str | os.PathLike[str] | None = None,
         environ: Mapping[str, str] | None = None,
-        plugin_manager: EplPluginManager | None = None,
+        plugin_manager: KeySource | None = None,
     ) -> None:
         if plugin_manager is None:
-            from epl.plugins import get_plugin_manager
-
-            plugin_manager = get_plugin_manager()
+            plugin_manager = _default_key_source()
         environ = os.environ if environ is None else environ
-        schema = plugin_manager.config_schema()
+        schema = dict(plugin_manager.config_schema())
         values = {name: key.default for name, key in schema.items()}
         sources = dict.fromkeys(schema, "default")
         file = file if file is not None else environ.get("EPL_CONFIG_FILE") or None
         layers: list[tuple[str, Mapping[str, Any]]] = []
         if file is not None:
             layers.append(("file", _read_file(Path(file))))
-        layers.append(("env", _from_environ(schema, environ)))
+        layers.append(("env", _from_environ(schema, environ, plugin_manager)))
         if param_dict is not None:
             layers.append(("dict", _flatten(param_dict, origin="the Config dict")))
+        missing: dict[str, tuple[Any, str]] = {}
         for source, layer in layers:
             for name, value in layer.items():
                 origin = _origin(source, name, file)
+                owner = _absent_owner(name, schema, plugin_manager)
+                if owner is not None:
+                    missing[name] = (value, owner)
+                    continue
                 key = _lookup(schema, name, origin=origin)
                 _check(key, value, origin=origin)
                 values[name] = value
@@ -70,9 +114,12 @@ class Config:
         object.__setattr__(self, "_schema", schema)
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_sources", sources)
+        object.__setattr__(self, "_missing", missing)
 
     # -- reading -------------------------------------------------------------------
     def __getitem__(self, name: str) -> Any:
+        if name in self._missing:
+            raise MissingPluginError(_missing_line(name, *self._missing[name], blocked=False))
         _lookup(self._schema, name, origin="lookup")
         return self._values[name]
 
@@ -112,7 +159,7 @@ class Config:
         return f"epl.Config({changed!r})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (self._schema, self._values, self._sources))
+        return (_rebuild, (self._schema, self._values, self._sources, self._missing))
 
     def keys(self) -> Mapping[str, ConfigKey]:
         """The declared keys, by name."""
@@ -135,29 +182,23 @@ class Config:
             _check(_lookup(self._schema, name, origin="override"), value)
             values[name] = value
             sources[name] = "dict"
-        return _rebuild(self._schema, values, sources)
+        return _rebuild(self._schema, values, sources, self._missing)
 
     # -- plugin requirements -------------------------------------------------------
-    def check_plugins(self, plugin_manager: EplPluginManager) -> None:
-        """Fail when a key set away from its default needs a plugin that is not installed."""
-        lines = []
+    def check_plugins(self, plugin_manager: KeySource) -> None:
+        """Fail when a key that was set needs a plugin that is not installed (or is blocked)."""
+        lines = [
+            _missing_line(name, value, owner, blocked=owner in plugin_manager.blocked)
+            for name, (value, owner) in self._missing.items()
+            if not plugin_manager.has_plugin(owner)
+        ]
         for name, key in self._schema.items():
             value = self._values[name]
             if key.provided_by is None or value == key.default:
                 continue
             if plugin_manager.has_plugin(key.provided_by):
                 continue
-            if key.provided_by in plugin_manager.blocked:
-                lines.append(
-                    f"Config key {name!r} = {value!r} needs the plugin {key.provided_by}, which is installed "
-                    "but blocked by EPL_DISABLE_EXTERNAL_PLUGINS. Unblock it, or leave the key at its default."
-                )
-            else:
-                lines.append(
-                    f"Config key {name!r} = {value!r} needs the package {key.provided_by}, "
-                    f"which is not installed. Install it: pip install {key.provided_by} "
-                    f"(from a checkout: pip install -e packages/{key.provided_by})."
-                )
+            lines.append(_missing_line(name, value, key.provided_by, blocked=key.provided_by in plugin_manager.blocked))
         if lines:
             raise MissingPluginError("\n".join(lines))
 
@@ -181,12 +222,38 @@ class _Section:
         return f"<epl.Config section {self._section}: {items}>"
 
 
-def _rebuild(schema: dict[str, ConfigKey], values: dict[str, Any], sources: dict[str, str]) -> Config:
+def _rebuild(
+    schema: dict[str, ConfigKey],
+    values: dict[str, Any],
+    sources: dict[str, str],
+    missing: dict[str, tuple[Any, str]] | None = None,
+) -> Config:
     config = Config.__new__(Config)
     object.__setattr__(config, "_schema", schema)
     object.__setattr__(config, "_values", values)
     object.__setattr__(config, "_sources", sources)
+    object.__setattr__(config, "_missing", dict(missing or {}))
     return config
+
+
+def _absent_owner(name: str, schema: Mapping[str, ConfigKey], source: KeySource) -> str | None:
+    """The package that declares ``name`` when it is not declared here because that package is not registered."""
+    if name in schema:
+        return None
+    owner = owner_of(name)
+    return owner if owner is not None and not source.has_plugin(owner) else None
+
+
+def _missing_line(name: str, value: Any, package: str, *, blocked: bool) -> str:
+    if blocked:
+        return (
+            f"Config key {name!r} = {value!r} needs the plugin {package}, which is installed "
+            "but blocked by EPL_DISABLE_EXTERNAL_PLUGINS. Unblock it, or do not set the key."
+        )
+    return (
+        f"Config key {name!r} = {value!r} needs the package {package}, which is not installed. "
+        f"Install it: pip install {package} (from a checkout: pip install -e packages/{package})."
+    )
 
 
 def _closest(name: str, candidates: list[str]) -> str:
@@ -250,14 +317,24 @@ def _read_file(path: Path) -> dict[str, Any]:
     return _flatten(data, origin=f"config file {path}")
 
 
-def _from_environ(schema: Mapping[str, ConfigKey], environ: Mapping[str, str]) -> dict[str, Any]:
+def _from_environ(schema: Mapping[str, ConfigKey], environ: Mapping[str, str], source: KeySource) -> dict[str, Any]:
     by_var = {key.env_var: key for key in schema.values()}
-    section_prefixes = tuple({f"EPL_{key.section.upper()}_" for key in schema.values()})
+    sections = {key.section for key in schema.values()} | {prefix.split(".", 1)[0] for prefix in KEY_OWNERS}
+    section_prefixes = tuple(f"EPL_{section.upper()}_" for section in sections)
+    absent = {
+        f"EPL_{prefix.upper().replace('.', '_')}": prefix
+        for prefix, owner in KEY_OWNERS.items()
+        if not source.has_plugin(owner)
+    }
     values: dict[str, Any] = {}
     for var, text in environ.items():
         if not var.startswith(section_prefixes) or var in NON_KEY_ENV_VARS:
             continue
         key = by_var.get(var)
+        prefix = next((absent[p] for p in absent if var.startswith(p)), None) if key is None else None
+        if prefix is not None:  # a key of a package that is not installed: check_plugins names the package
+            values[_key_name_of(var, prefix)] = text
+            continue
         if key is None:
             raise ConfigError(
                 f"Environment variable {var} names no EPL config key.{_closest(var, list(by_var))} "
@@ -270,3 +347,10 @@ def _from_environ(schema: Mapping[str, ConfigKey], environ: Mapping[str, str]) -
                 f"Invalid value for config key {key.name!r} from {var}={text!r}: {exc}. Allowed: {key.allowed()}."
             ) from None
     return values
+
+
+def _key_name_of(var: str, prefix: str) -> str:
+    """``zero.level`` for ``EPL_ZERO_LEVEL`` under prefix ``zero.`` (the rest of the name, lower case)."""
+    if not prefix.endswith("."):
+        return prefix
+    return prefix + var[len("EPL_" + prefix) :].lower()

@@ -1,8 +1,9 @@
-"""The Plan: placement of TaskGraphs on devices, and plan-only runs."""
+"""The Plan: placement of TaskGraphs on devices (plain data), memory estimates, plan-only requests."""
 
-from epl.placement.estimate import MemoryEstimate
-from epl.placement.mode import PlanReady, PlanRequest, planning
-from epl.placement.plan import DeviceAssignment, Plan, TaskGraphSpec, build_plan
+from epl.placement.build import build_local_plan, build_plan
+from epl.placement.memory_estimate import MemoryEstimate
+from epl.placement.plan import DeviceAssignment, Plan, TaskGraphSpec
+from epl.placement.request import PlanReady, PlanRequest, planning
 
 __all__ = [
     "DeviceAssignment",
@@ -11,6 +12,7 @@ __all__ = [
     "PlanReady",
     "PlanRequest",
     "TaskGraphSpec",
+    "build_local_plan",
     "build_plan",
     "planning",
 ]

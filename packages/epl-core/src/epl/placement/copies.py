@@ -10,10 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
-    from epl.engine.extensions import ParallelContext
     from epl.placement.plan import Plan
 
 
@@ -50,21 +47,3 @@ def every_copy_group(plan: Plan) -> list[tuple[int, ...]]:
             for sharded in (False, True):
                 groups[copies_of(plan, spec.index, device, sharded=sharded).devices] = None
     return list(groups)
-
-
-def copies_of_tensors(context: ParallelContext, tensors: list[torch.Tensor]) -> dict[Copies, list[torch.Tensor]]:
-    """``tensors`` of this rank's model, grouped by their copies.
-
-    A tensor is found in the TaskGraph that captured it, or among those a split
-    rule made (``context.split_tensors``); anything else (made by a model
-    transform) belongs to the first TaskGraph this rank runs.
-    """
-    plan, rank = context.plan, context.cluster.rank
-    owner = {id(t): (tg.index, False) for tg in context.taskgraphs for t in tg.tensors}
-    owner.update(context.split_tensors)
-    default = (plan.taskgraphs_on(rank)[0], False)
-    grouped: dict[Copies, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        taskgraph, sharded = owner.get(id(tensor), default)
-        grouped.setdefault(copies_of(plan, taskgraph, rank, sharded=sharded), []).append(tensor)
-    return grouped

@@ -3,11 +3,12 @@
 The estimate is what :meth:`Engine.memory_report` counts after a training step,
 computed from the model's parameters and the Plan instead of from a run's tensors:
 
-* parameters: the parameters of the TaskGraphs each rank runs. The modules of a
-  split TaskGraph are sharded by their split rules (the same rules a run uses),
-  applied to copies on the ``meta`` device, so each shard has the size the run
-  gives it and nothing is allocated. Where a rule cannot run here, each parameter
-  is sharded along dimension 0 (the larger shards first) and a note says so.
+* parameters: the parameters of the TaskGraphs each rank runs. The shards of a
+  split TaskGraph's modules come from the ``epl_estimate_shards`` hook (the core's
+  tensor parallelism answers it by running its split rules on ``meta`` copies, so
+  each shard has the size the run gives it and nothing is allocated). Where no
+  plugin answers or a rule cannot run here, each parameter is sharded along
+  dimension 0 (the larger shards first) and a note says so.
 * gradients: the bytes of the parameters that require grad.
 * optimizer states: from the optimizer's class and each parameter group's options,
   by :data:`OPTIMIZER_STATES`: how many state tensors the size of the parameter it
@@ -18,7 +19,8 @@ computed from the model's parameters and the Plan instead of from a run's tensor
 
 Activations are not estimated: ``Engine.memory_report(inputs, targets)`` measures them.
 
-The core knows no memory technique. Each rank's estimate goes through the
+This module runs no plugin code of its own: it is handed the hooks (:class:`EstimateHooks`,
+the plugin manager in a run). The core knows no memory technique. Each rank's estimate goes through the
 ``epl_adjust_memory_estimate`` hook, whose implementations (e.g. epl-memory's ZeRO)
 return an adjusted estimate in turn, from :class:`MemoryEstimateContext`: the
 tensors the rank holds and the copies of each.
@@ -26,87 +28,32 @@ tensors the rank holds and the copies of each.
 
 from __future__ import annotations
 
-import copy
-import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+from epl.placement.memory_estimate import EstimatedTensor, MemoryEstimate, ShardPieces, ShardShapes
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from epl.annotations.taskgraph import TaskGraph
     from epl.config import Config
     from epl.placement.copies import Copies
     from epl.placement.plan import Plan
-    from epl.plugins.manager import EplPluginManager
-    from epl.strategy.taskgraph import TaskGraph
 
 
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Estimated bytes one rank holds during training: parameters, gradients, optimizer states.
+class EstimateHooks(Protocol):
+    """The hooks an estimate asks (the plugin manager answers them in a run)."""
 
-    The same quantities as :class:`epl.engine.memory.MemoryReport` after a step;
-    activations are not estimated. ``optimizer_state_bytes`` is None when the
-    optimizer's state is unknown (a class not in :data:`OPTIMIZER_STATES`).
-    ``notes`` say what the numbers assume (the optimizer, a plugin's adjustment).
-    """
+    def estimate_shards(self, model: nn.Module, taskgraphs: list[TaskGraph], plan: Plan) -> ShardShapes | None:
+        """The shards of the split TaskGraphs ``taskgraphs`` (``epl_estimate_shards``), or None."""
+        ...
 
-    rank: int
-    parameter_bytes: int
-    gradient_bytes: int
-    optimizer_state_bytes: int | None
-    notes: tuple[str, ...] = ()
-
-    @property
-    def total_bytes(self) -> int | None:
-        """Parameters, gradients and optimizer states; None when the states are unknown."""
-        if self.optimizer_state_bytes is None:
-            return None
-        return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
-
-    def __str__(self) -> str:
-        from epl.placement.render import format_bytes
-
-        states = "unknown" if self.optimizer_state_bytes is None else format_bytes(self.optimizer_state_bytes)
-        return (
-            f"rank {self.rank}: parameters {format_bytes(self.parameter_bytes)}, "
-            f"gradients {format_bytes(self.gradient_bytes)}, optimizer states {states} (activations not estimated)"
-        )
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> MemoryEstimate:
-        """Rebuild an estimate from ``dataclasses.asdict`` output."""
-        return cls(**{**data, "notes": tuple(data.get("notes", ()))})
-
-
-@dataclass(frozen=True)
-class EstimatedTensor:
-    """One parameter as a rank would hold it (its shard, where a split rule shards it)."""
-
-    #: Its name in the model (for a shard, the name in the sharded module: ``head.weight``).
-    name: str
-    #: The TaskGraph that holds it.
-    taskgraph: int
-    numel: int
-    element_size: int
-    requires_grad: bool
-    #: A split rule's shard: each device of the split TaskGraph holds a different part.
-    sharded: bool
-    #: Bytes of the optimizer's state tensors shaped like it (Adam: exp_avg, exp_avg_sq), 0 when the
-    #: optimizer does not hold it; None: unknown.
-    state_bytes: int | None
-
-    @property
-    def bytes(self) -> int:
-        """Bytes of the tensor."""
-        return self.numel * self.element_size
-
-    @property
-    def gradient_bytes(self) -> int:
-        """Bytes of its gradient (none without ``requires_grad``)."""
-        return self.bytes if self.requires_grad else 0
+    def adjust_memory_estimate(self, estimate: MemoryEstimate, context: MemoryEstimateContext) -> MemoryEstimate:
+        """``estimate`` after every plugin's adjustment (``epl_adjust_memory_estimate``)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -196,7 +143,7 @@ def with_memory(
     taskgraphs: list[TaskGraph],
     *,
     config: Config,
-    plugins: EplPluginManager,
+    hooks: EstimateHooks,
     optimizer: Any = None,
 ) -> Plan:
     """``plan`` with :attr:`Plan.memory` (see :func:`estimate_memory`).
@@ -206,7 +153,7 @@ def with_memory(
     """
     from dataclasses import replace
 
-    memory, holdings = _estimate(plan, model, taskgraphs, config=config, plugins=plugins, optimizer=optimizer)
+    memory, holdings = _estimate(plan, model, taskgraphs, config=config, hooks=hooks, optimizer=optimizer)
     specs = tuple(
         replace(tg, **dict(zip(("shard_parameters", "shard_bytes"), holdings.shard_sizes(tg.index), strict=True)))
         if tg.index in holdings.split
@@ -222,7 +169,7 @@ def estimate_memory(
     taskgraphs: list[TaskGraph],
     *,
     config: Config,
-    plugins: EplPluginManager,
+    hooks: EstimateHooks,
     optimizer: Any = None,
 ) -> tuple[MemoryEstimate, ...]:
     """Each rank's estimate (index = rank) for ``model`` placed by ``plan``, adjusted by the plugins.
@@ -231,7 +178,7 @@ def estimate_memory(
     ``model``'s parameters, or a factory ``params -> Optimizer`` (a ``torch.optim``
     class is one). A factory is called once, on ``meta`` copies of the parameters.
     """
-    return _estimate(plan, model, taskgraphs, config=config, plugins=plugins, optimizer=optimizer)[0]
+    return _estimate(plan, model, taskgraphs, config=config, hooks=hooks, optimizer=optimizer)[0]
 
 
 def _estimate(
@@ -240,11 +187,11 @@ def _estimate(
     taskgraphs: list[TaskGraph],
     *,
     config: Config,
-    plugins: EplPluginManager,
+    hooks: EstimateHooks,
     optimizer: Any,
 ) -> tuple[tuple[MemoryEstimate, ...], _Holdings]:
     view = _OptimizerView.of(optimizer, model)
-    holdings = _Holdings(plan, model, taskgraphs, plugins, view)
+    holdings = _Holdings(plan, model, taskgraphs, hooks, view)
     copies: dict[tuple[int, bool, int], Copies] = {}
     estimates = []
     for rank in range(plan.world_size):
@@ -260,7 +207,7 @@ def _estimate(
         context = MemoryEstimateContext(
             plan=plan, config=config, rank=rank, tensors=tensors, optimizer=view.name, _copies=copies
         )
-        estimates.append(plugins.adjust_memory_estimate(base, context))
+        estimates.append(hooks.adjust_memory_estimate(base, context))
     return tuple(estimates), holdings
 
 
@@ -283,7 +230,7 @@ class _OptimizerView:
         from torch import nn
         from torch.nn.parameter import is_lazy
 
-        from epl.engine.optimizer_groups import group_options
+        from epl.interfaces.optimizer_groups import group_options
 
         if optimizer is None:
             return cls(notes=("no optimizer: no optimizer states",))
@@ -332,25 +279,22 @@ class _OptimizerView:
 
 # -- what each rank holds ------------------------------------------------------------------
 
-Pieces = list[tuple[str, "torch.Tensor", bool]]
-
 
 class _Holdings:
     """The parameters each rank holds, computed once per set of (TaskGraph, position) it runs."""
 
     def __init__(
-        self, plan: Plan, model: nn.Module, taskgraphs: list[TaskGraph], plugins: EplPluginManager, view: _OptimizerView
+        self, plan: Plan, model: nn.Module, taskgraphs: list[TaskGraph], hooks: EstimateHooks, view: _OptimizerView
     ) -> None:
         from torch.nn.parameter import is_lazy
 
-        self.plan, self.model, self.view, self.plugins = plan, model, view, plugins
+        self.plan, self.model, self.view, self.hooks = plan, model, view, hooks
         self.owner = {id(t): tg.index for tg in taskgraphs for t in tg.tensors}
         self.params = [(name, p) for name, p in model.named_parameters() if not is_lazy(p)]
         self.split = {tg.index: tg for tg in taskgraphs if tg.strategy.kind == "split"} if not plan.local else {}
-        self._targets: dict[int, list[Any]] | None = None
-        self._roles: dict[str, Any] = {}
+        self._shapes: ShardShapes | None = None
         self._cache: dict[tuple[tuple[int, int], ...], tuple[tuple[EstimatedTensor, ...], tuple[str, ...]]] = {}
-        self._shard_cache: dict[tuple[int, int], tuple[dict[int, tuple[int, Pieces]], str | None]] = {}
+        self._shard_cache: dict[tuple[int, int], tuple[dict[int, tuple[int, ShardPieces]], str | None]] = {}
 
     def of(self, rank: int) -> tuple[tuple[EstimatedTensor, ...], tuple[str, ...]]:
         """The tensors ``rank`` holds, in its model's order, and notes on how they were estimated."""
@@ -402,13 +346,17 @@ class _Holdings:
             sizes.append(sum(p.numel() * p.element_size() for p in held))
         return tuple(numels), tuple(sizes)
 
-    def _shards(self, index: int, position: int, notes: list[str]) -> dict[int, tuple[int, Pieces]]:
+    def _shards(self, index: int, position: int, notes: list[str]) -> dict[int, tuple[int, ShardPieces]]:
         """id(parameter) -> (its module, the shard's parameters) at ``position`` of split TaskGraph ``index``."""
         if (index, position) not in self._shard_cache:
             taskgraph = self.split[index]
             count = taskgraph.strategy.device_count
             try:
-                self._shard_cache[index, position] = self._by_rules(index, position, count), None
+                if self._shapes is None:
+                    self._shapes = self.hooks.estimate_shards(self.model, list(self.split.values()), self.plan)
+                if self._shapes is None:
+                    raise LookupError("no installed plugin estimates the shards of split TaskGraphs")
+                self._shard_cache[index, position] = dict(self._shapes.pieces(index, position)), None
             except Exception as exc:  # noqa: BLE001 - a rule that needs the devices: estimate along dimension 0
                 note = (
                     f"{taskgraph.name}: parameters sharded along dimension 0 as an estimate "
@@ -420,67 +368,16 @@ class _Holdings:
             notes.append(note)
         return shards
 
-    def _by_rules(self, index: int, position: int, count: int) -> dict[int, tuple[int, Pieces]]:
-        from epl.sharding.group import ShardGroup
-        from epl.sharding.layout import assign_roles
-        from epl.sharding.linear import shard_linear
-        from epl.sharding.parameters import is_sharded
-        from epl.sharding.transform import _targets
-        from epl.strategy.split_rule import ShardContext
-
-        if self._targets is None:
-            rules = self.plugins.split_rules()
-            self._targets = {i: _targets(self.model, tg, rules) for i, tg in self.split.items()}
-            linears = {t.name for targets in self._targets.values() for t in targets if t.rule is shard_linear}
-            self._roles = assign_roles(self.model, linears, loss_is_cross_entropy=False)
-        group = ShardGroup(cast(Any, _Seat(position, count)), batch_split=self.plan.batch_parts(index) > 1)
-        found: dict[int, tuple[int, Pieces]] = {}
-        for key, target in enumerate(self._targets[index]):
-            role = self._roles.get(target.name, "alone")
-            shard = target.rule(_meta_copy(target.module), ShardContext(group, target.name, role))
-            prefix = f"{target.name}." if target.name else ""
-            pieces = [(prefix + name, p, is_sharded(p)) for name, p in shard.named_parameters()]
-            for param in target.module.parameters():
-                found[id(param)] = (key, pieces)
-        return found
-
-    def _along_dim0(self, taskgraph: TaskGraph, position: int, count: int) -> dict[int, tuple[int, Pieces]]:
+    def _along_dim0(self, taskgraph: TaskGraph, position: int, count: int) -> dict[int, tuple[int, ShardPieces]]:
         import torch
 
         from epl.placement.plan import _dim0_shard_numels
 
         names = {id(p): name for name, p in self.params}
-        found: dict[int, tuple[int, Pieces]] = {}
+        found: dict[int, tuple[int, ShardPieces]] = {}
         for key, param in enumerate(taskgraph.parameters):
             if id(param) in names:
                 numel = _dim0_shard_numels(param, count)[position]
                 piece = torch.empty(numel, dtype=param.dtype, device="meta").requires_grad_(param.requires_grad)
                 found[id(param)] = (-1 - key, [(names[id(param)], piece, True)])
         return found
-
-
-@dataclass(frozen=True)
-class _Seat:
-    """Stands in for a shard group's communicator while split rules run for an estimate: a position, no peers."""
-
-    rank: int
-    world_size: int
-
-
-def _meta_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` whose parameters and buffers live on the ``meta`` device (nothing allocated)."""
-    import torch
-    from torch import nn
-
-    memo: dict[int, Any] = {}
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = (
-            nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-        )
-    return copy.deepcopy(module, memo)
-
-
-def distinct_notes(estimates: Iterable[MemoryEstimate]) -> list[str]:
-    """The distinct notes of ``estimates``, in order."""
-    return list(dict.fromkeys(note for estimate in estimates for note in estimate.notes))

@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.parameter import is_lazy
 
-from epl.errors import PlacementError
-from epl.placement.estimate import MemoryEstimate
+from epl.placement.memory_estimate import MemoryEstimate, distinct_notes
+from epl.placement.render import count, format_bytes, format_devices, table
 
 if TYPE_CHECKING:
-    from epl.config import Config
-    from epl.strategy.taskgraph import TaskGraph
+    from epl.annotations.taskgraph import TaskGraph
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,129 +225,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     def __str__(self) -> str:
-        from epl.placement.render import render_plan
-
         return render_plan(self)
-
-
-def build_plan(
-    taskgraphs: Sequence[TaskGraphSpec],
-    *,
-    world_size: int,
-    gpu_per_worker: int | None,
-    config: Config,
-) -> Plan:
-    """Place ``taskgraphs`` on ``world_size`` devices following the placement rules."""
-    gpu_per_worker = gpu_per_worker or world_size
-    if world_size < 1 or world_size % gpu_per_worker:
-        raise PlacementError(f"World size {world_size} is not a multiple of {gpu_per_worker} devices per worker.")
-    colocated = bool(config["cluster.colocate_split_and_replicate"])
-    row_major = bool(config["cluster.device_place_prefer_intra_node"])
-    specs, width, slots = _replica_layout(taskgraphs, colocated)
-    if world_size % width:
-        parts = " + ".join(f"{tg.name}: {tg.device_count}" for tg in specs)
-        how = "the common device_count (colocated)" if colocated else parts
-        raise PlacementError(
-            f"The model needs {width} devices per replica ({how}), but the world size {world_size} "
-            f"is not a multiple of {width}. Run on a multiple of {width} devices "
-            f"({', '.join(str(width * i) for i in range(1, 4))}, ...) or change the annotations' device_count."
-        )
-    replicas = world_size // width
-    return Plan(
-        world_size=world_size,
-        gpu_per_worker=gpu_per_worker,
-        devices_per_replica=width,
-        num_replicas=replicas,
-        num_micro_batch=int(config["pipeline.num_micro_batch"]),
-        colocated=colocated,
-        row_major=row_major,
-        taskgraphs=tuple(specs),
-        slots=tuple(slots),
-        notes=tuple(_notes(specs, width, replicas, gpu_per_worker, colocated, row_major)),
-    )
-
-
-def build_local_plan(taskgraphs: Sequence[TaskGraphSpec], *, config: Config) -> Plan:
-    """The Plan of a run in one process: every TaskGraph on device 0, one replica.
-
-    The annotations are still checked: the placement they ask for must be valid
-    on one replica's worth of devices.
-    """
-    colocated = bool(config["cluster.colocate_split_and_replicate"])
-    specs, width, _ = _replica_layout(taskgraphs, colocated)
-    note = (
-        f"One process runs every TaskGraph locally; launched on a multiple of {width} devices "
-        f"this model would run as {width} device{'s' if width != 1 else ''} per replica."
-    )
-    return Plan(
-        world_size=1,
-        gpu_per_worker=1,
-        devices_per_replica=1,
-        num_replicas=1,
-        num_micro_batch=int(config["pipeline.num_micro_batch"]),
-        colocated=colocated,
-        row_major=True,
-        taskgraphs=tuple(specs),
-        slots=((0,),) * len(specs),
-        notes=(note, *_notes(specs, 1, 1, 1, colocated, True)),
-        local=True,
-    )
-
-
-def _replica_layout(
-    taskgraphs: Sequence[TaskGraphSpec], colocated: bool
-) -> tuple[list[TaskGraphSpec], int, list[tuple[int, ...]]]:
-    """(TaskGraphs, devices per replica, each TaskGraph's slots in a replica)."""
-    specs = list(taskgraphs)
-    if colocated:
-        width = max((tg.device_count for tg in specs if not tg.implicit), default=1)
-        if any(not tg.implicit and tg.device_count != width for tg in specs):
-            counts = ", ".join(f"{tg.name}: {tg.device_count}" for tg in specs if not tg.implicit)
-            raise PlacementError(
-                "With cluster.colocate_split_and_replicate=True all TaskGraphs share the same devices, "
-                f"so their device_count must be equal; got {counts}. Use one device_count for every "
-                "annotation, or set cluster.colocate_split_and_replicate to False."
-            )
-        specs = [replace(tg, device_count=width) if tg.implicit else tg for tg in specs]
-        return specs, width, [tuple(range(width))] * len(specs)
-    offsets = [sum(tg.device_count for tg in specs[:i]) for i in range(len(specs))]
-    slots = [tuple(range(o, o + tg.device_count)) for o, tg in zip(offsets, specs, strict=True)]
-    return specs, sum(tg.device_count for tg in specs), slots
-
-
-def _notes(
-    specs: Sequence[TaskGraphSpec], width: int, replicas: int, gpu_per_worker: int, colocated: bool, row_major: bool
-) -> list[str]:
-    notes = []
-    for tg in specs:
-        if not tg.implicit and tg.num_parameters == 0:
-            notes.append(f"{tg.name} ({tg.label}) holds no parameters of the model.")
-        if tg.implicit:
-            notes.append(f"{tg.name} holds modules created outside any annotation; it is replicate({tg.device_count}).")
-        if tg.lazy_parameters:
-            notes.append(
-                f"{tg.name} has {tg.lazy_parameters} uninitialised (lazy) parameters, not counted: run one "
-                "forward pass before epl.parallelize to materialise them."
-            )
-        if tg.strategy == "replicate" and tg.device_count > 1:
-            notes.append(f"{tg.name} splits each replica batch {tg.device_count} ways.")
-    if not row_major and replicas > 1:
-        notes.append(
-            "Column-major placement (cluster.device_place_prefer_intra_node=False): "
-            "a replica's devices are spread over nodes."
-        )
-    elif width > gpu_per_worker:
-        notes.append(
-            f"A replica needs {width} devices, more than the {gpu_per_worker} of one worker: replicas span nodes."
-        )
-    elif gpu_per_worker % width:
-        notes.append(
-            f"{width} devices per replica do not divide {gpu_per_worker} devices per worker: "
-            "some replicas span two nodes."
-        )
-    if colocated and len(specs) > 1:
-        notes.append("TaskGraphs are colocated (cluster.colocate_split_and_replicate=True): one stage, no pipeline.")
-    return notes
 
 
 def _dim0_shard_numels(tensor: torch.Tensor, shards: int) -> list[int]:
@@ -357,3 +234,70 @@ def _dim0_shard_numels(tensor: torch.Tensor, shards: int) -> list[int]:
     rows = tensor.shape[0]
     per_row = tensor.numel() // rows if rows else 0
     return [(rows // shards + (1 if i < rows % shards else 0)) * per_row for i in range(shards)]
+
+
+#: The device table lists at most this many devices (all of them in small worlds).
+ALL_DEVICES_UP_TO = 16
+
+
+def render_plan(plan: Plan) -> str:
+    """The Plan as a human-readable report."""
+    lines = [
+        f"EPL plan for {count(plan.world_size, 'device')} "
+        f"({count(plan.num_workers, 'worker')} x {count(plan.gpu_per_worker, 'device')})",
+        f"  {count(plan.num_replicas, 'replica')} x {count(plan.devices_per_replica, 'device')} per replica, "
+        f"{count(plan.num_stages, 'pipeline stage')}, {'row' if plan.row_major else 'column'}-major placement",
+        f"  batch: {count(plan.num_micro_batch, 'micro-batch', 'micro-batches')} per replica batch; "
+        f"global batch = {plan.num_replicas} x replica batch",
+        "",
+    ]
+    rows = [["taskgraph", "name", "strategy", "parameters", "devices"]]
+    for tg in plan.taskgraphs:
+        rows.append(
+            [str(tg.index), tg.name, tg.label, f"{tg.num_parameters:,}", format_devices(plan.devices(tg.index))]
+        )
+    lines += table(rows)
+    lines.append("")
+    shown = list(range(plan.world_size) if plan.world_size <= ALL_DEVICES_UP_TO else plan.devices_of_replica(0))
+    shown = shown[:ALL_DEVICES_UP_TO]
+    rows = [["device", "worker", "replica", "runs", "parameters", "parameter memory"]]
+    for device in shown:
+        a = plan.assignment(device)
+        runs = ", ".join(
+            plan.taskgraphs[i].name + (f"[shard {pos}]" if plan.taskgraphs[i].strategy == "split" else "")
+            for i, pos in a.taskgraphs
+        )
+        rows.append(
+            [str(device), str(a.worker), str(a.replica), runs, f"{a.num_parameters:,}", format_bytes(a.parameter_bytes)]
+        )
+    lines += table(rows)
+    if plan.world_size > len(shown):
+        more = plan.world_size - len(shown)
+        same = "; every replica is laid out like replica 0" if plan.num_replicas > 1 else ""
+        lines.append(f"  ... {more} more devices{same} (Plan.assignment(device) describes any of them)")
+    if plan.memory:
+        lines += ["", *render_memory(plan, shown)]
+    if plan.notes:
+        lines += ["", "notes:"] + [f"  - {note}" for note in plan.notes]
+    return "\n".join(lines)
+
+
+def render_memory(plan: Plan, devices: Sequence[int]) -> list[str]:
+    """The memory estimate of ``devices``: a table, then what it assumes."""
+    lines = ["memory per device (estimated; activations are not estimated):"]
+    rows = [["device", "parameters", "gradients", "optimizer states", "total"]]
+    for device in devices:
+        m = plan.memory[device]
+        states, total = m.optimizer_state_bytes, m.total_bytes
+        rows.append(
+            [
+                str(device),
+                format_bytes(m.parameter_bytes),
+                format_bytes(m.gradient_bytes),
+                "unknown" if states is None else format_bytes(states),
+                "unknown" if total is None else format_bytes(total),
+            ]
+        )
+    lines += table(rows)
+    lines += [f"  - {note}" for note in distinct_notes(plan.memory[d] for d in devices)]
+    return lines

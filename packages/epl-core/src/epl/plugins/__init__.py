@@ -1,7 +1,12 @@
-"""The process-wide plugin manager, and the ``@epl.hookimpl`` marker."""
+"""Plugins: the hook specs, the ``@epl.hookimpl`` marker, and the process-wide plugin manager.
+
+Importing this package makes the process's plugin manager the key source of ``epl.Config``
+(``epl.config.use_default_key_source``); ``import epl`` imports it.
+"""
 
 from __future__ import annotations
 
+from epl.config import use_default_key_source
 from epl.plugins.manager import (
     CORE_PLUGIN_NAME,
     DISABLE_ENV_VAR,
@@ -26,6 +31,9 @@ def reset_plugin_manager() -> None:
     """Forget the process-wide plugin manager; the next use discovers plugins again."""
     global _manager
     _manager = None
+
+
+use_default_key_source(get_plugin_manager)
 
 
 __all__ = [

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import importlib
 import importlib.metadata
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -11,17 +13,25 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import pluggy
 
-from epl import hookspecs
 from epl.errors import MissingPluginError, PluginError
+from epl.interfaces.config_key import ConfigKey
+from epl.interfaces.phases import TransformPhase, WrapperPhase
+from epl.plugins import hookspecs
 
 if TYPE_CHECKING:
     import click
     from torch import nn
 
-    from epl.cluster import Cluster
-    from epl.comm.protocol import Communicator
-    from epl.config import Config, ConfigKey
-    from epl.engine.extensions import (
+    from epl.annotations.taskgraph import TaskGraph
+    from epl.config import Config
+    from epl.interfaces.cluster import Cluster
+    from epl.interfaces.communicator import Communicator
+    from epl.interfaces.schedule import ScheduleGenerator
+    from epl.interfaces.split_rule import SplitRule
+    from epl.placement.estimate import MemoryEstimateContext
+    from epl.placement.memory_estimate import MemoryEstimate, ShardShapes
+    from epl.placement.plan import Plan
+    from epl.plugins.context import (
         GradientReducer,
         LossScaler,
         ModelTransform,
@@ -29,10 +39,6 @@ if TYPE_CHECKING:
         ParallelContext,
         StepRunner,
     )
-    from epl.placement.estimate import MemoryEstimate, MemoryEstimateContext
-    from epl.schedule import ScheduleGenerator
-    from epl.strategy.split_rule import SplitRule
-    from epl.strategy.taskgraph import TaskGraph
 
 #: Entry-point group that plugins are discovered in.
 ENTRY_POINT_GROUP = "epl"
@@ -40,6 +46,9 @@ ENTRY_POINT_GROUP = "epl"
 DISABLE_ENV_VAR = "EPL_DISABLE_EXTERNAL_PLUGINS"
 #: The name the core's own plugin is registered under.
 CORE_PLUGIN_NAME = "epl-core"
+#: The module of the core's own plugin (the built-in layer, above this one). It is loaded by name, as an
+#: entry point would be, so that the plugin layer does not import the built-ins it registers.
+CORE_PLUGIN_MODULE = "epl.builtin.plugin"
 
 T = TypeVar("T")
 
@@ -62,7 +71,7 @@ class EplPluginManager:
     """
 
     def __init__(self, *, load_entry_points: bool = True, environ: Mapping[str, str] | None = None) -> None:
-        from epl.plugins import builtin
+        builtin = importlib.import_module(CORE_PLUGIN_MODULE)
 
         self._pm = pluggy.PluginManager("epl")
         self._pm.add_hookspecs(hookspecs)
@@ -138,7 +147,7 @@ class EplPluginManager:
                 self._pm.unregister(name=name)
                 raise PluginError(
                     f"Plugin {name!r} implements {caller.name!r}, which is not an EPL hook.{hint} "
-                    f"The hooks are listed in epl/hookspecs.py."
+                    f"The hooks are listed in epl/plugins/hookspecs.py."
                 )
 
     # -- one method per hook -------------------------------------------------------
@@ -149,11 +158,9 @@ class EplPluginManager:
         return self._schema
 
     def _collect_config_keys(self) -> dict[str, ConfigKey]:
-        from epl.config import ConfigKey
-
         schema: dict[str, ConfigKey] = {}
         owners: dict[str, str] = {}
-        # Core first so that a plugin's key can replace the core's placeholder for it.
+        # Core first, so that a clash names the core's key as the first one.
         impls = sorted(
             self._pm.hook.epl_config_keys.get_hookimpls(),
             key=lambda impl: impl.plugin_name != CORE_PLUGIN_NAME,
@@ -165,12 +172,13 @@ class EplPluginManager:
                         f"Plugin {impl.plugin_name!r} returned {key!r} from epl_config_keys; "
                         "it must return epl.ConfigKey objects."
                     )
-                previous = schema.get(key.name)
-                if previous is not None and previous.provided_by != impl.plugin_name:
+                if key.name in schema:
                     raise PluginError(
                         f"Config key {key.name!r} is declared by both {owners[key.name]!r} and "
                         f"{impl.plugin_name!r}. Rename one of them."
                     )
+                if impl.plugin_name != CORE_PLUGIN_NAME and key.provided_by is None:
+                    key = dataclasses.replace(key, provided_by=impl.plugin_name)
                 schema[key.name] = key
                 owners[key.name] = impl.plugin_name
         return dict(sorted(schema.items()))
@@ -187,12 +195,12 @@ class EplPluginManager:
         return communicator
 
     def model_transforms(self, context: ParallelContext) -> list[ModelTransform]:
-        """Every applicable model transform, in ascending ``order`` (``epl_model_transforms``)."""
-        return _ordered(self._pm.hook.epl_model_transforms(context=context))
+        """Every applicable model transform, by phase then name (``epl_model_transforms``)."""
+        return _by_phase(self._pm.hook.epl_model_transforms(context=context), TransformPhase, "model transform")
 
     def optimizer_wrappers(self, context: ParallelContext) -> list[OptimizerWrapper]:
-        """Every applicable optimizer wrapper, in ascending ``order`` (``epl_optimizer_wrappers``)."""
-        return _ordered(self._pm.hook.epl_optimizer_wrappers(context=context))
+        """Every applicable optimizer wrapper, by phase then name (``epl_optimizer_wrappers``)."""
+        return _by_phase(self._pm.hook.epl_optimizer_wrappers(context=context), WrapperPhase, "optimizer wrapper")
 
     def partition_model(self, model: nn.Module, taskgraphs: list[TaskGraph], config: Config) -> list[TaskGraph]:
         """The TaskGraphs to plan with: a plugin's automatic partition, or the annotated ones."""
@@ -218,9 +226,15 @@ class EplPluginManager:
             )
         return runner
 
+    def estimate_shards(self, model: nn.Module, taskgraphs: list[TaskGraph], plan: Plan) -> ShardShapes | None:
+        """What each device of the split ``taskgraphs`` would hold (``epl_estimate_shards``), or None."""
+        return self._pm.hook.epl_estimate_shards(
+            model=model, taskgraphs=taskgraphs, plan=plan, split_rules=self.split_rules()
+        )
+
     def adjust_memory_estimate(self, estimate: MemoryEstimate, context: MemoryEstimateContext) -> MemoryEstimate:
         """``estimate`` after every plugin's ``epl_adjust_memory_estimate``, applied in turn."""
-        from epl.placement.estimate import MemoryEstimate
+        from epl.placement.memory_estimate import MemoryEstimate
 
         arguments = {"estimate": estimate, "context": context}
         for impl in reversed(self._pm.hook.epl_adjust_memory_estimate.get_hookimpls()):  # pluggy's call order
@@ -231,7 +245,7 @@ class EplPluginManager:
             if not isinstance(adjusted, MemoryEstimate):
                 raise PluginError(
                     f"Plugin {impl.plugin_name!r} returned {adjusted!r} from epl_adjust_memory_estimate; "
-                    "it must return an epl.placement.estimate.MemoryEstimate or None."
+                    "it must return an epl.plugin_api.MemoryEstimate or None."
                 )
             estimate = adjusted
         return estimate
@@ -269,6 +283,14 @@ class EplPluginManager:
         return merged
 
 
-def _ordered(results: Iterable[Iterable[T] | None]) -> list[T]:
+def _by_phase(results: Iterable[Iterable[T] | None], phases: type[TransformPhase | WrapperPhase], what: str) -> list[T]:
+    """Every item of every plugin's result, sorted by phase, then name (ties cannot depend on install order)."""
     items = [item for result in results for item in (result or ())]
-    return sorted(items, key=lambda item: getattr(item, "order", 0))
+    for item in items:
+        if not isinstance(getattr(item, "phase", None), phases):
+            raise PluginError(
+                f"The {what} {getattr(item, 'name', item)!r} has no valid phase (got "
+                f"{getattr(item, 'phase', None)!r}); give it a phase = epl.plugin_api.{phases.__name__}.<one of "
+                f"{', '.join(phases.__members__)}>."
+            )
+    return sorted(items, key=lambda item: (item.phase, str(getattr(item, "name", ""))))  # type: ignore[attr-defined]

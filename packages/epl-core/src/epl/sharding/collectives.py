@@ -1,7 +1,7 @@
 """Collectives as autograd functions: what split modules call to move tensors between shards.
 
 Each function is a pair: an operator in the forward pass and its adjoint in the
-backward pass, over the :class:`~epl.sharding.group.ShardGroup`'s communicator.
+backward pass, over the :class:`~epl.interfaces.shard_group.ShardGroup`'s communicator.
 Every call waits for its collective, so a timeout surfaces where it happened,
 and counts it in ``group.collectives`` (tests assert there is no hidden traffic).
 
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from epl.comm.protocol import ReduceOp
-from epl.sharding.group import ShardGroup
+from epl.interfaces.communicator import ReduceOp
+from epl.interfaces.shard_group import ShardGroup
 
 
 def _all_reduce(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:

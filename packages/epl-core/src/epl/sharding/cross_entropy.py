@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from epl.comm.protocol import ReduceOp
 from epl.errors import EplError
+from epl.interfaces.communicator import ReduceOp
+from epl.interfaces.shard_group import ShardGroup
 from epl.sharding import collectives as C
-from epl.sharding.group import ShardGroup
 
 
 class _ShardedCrossEntropy(torch.autograd.Function):

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from epl.errors import AnnotationError
+from epl.interfaces.split_rule import ShardContext
 from epl.sharding import collectives as C
 from epl.sharding.parameters import sharded_parameter
-from epl.strategy.split_rule import ShardContext
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from epl.errors import AnnotationError
+from epl.interfaces.split_rule import ShardContext
 from epl.nn.moe import Experts, expert_feed_forward
 from epl.sharding import collectives as C
 from epl.sharding.parameters import sharded_parameter
-from epl.strategy.split_rule import ShardContext
 
 
 class ExpertParallelExperts(nn.Module):

@@ -20,7 +20,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from epl.strategy.split_rule import ShardRole
+from epl.interfaces.split_rule import ShardRole
 
 ELEMENTWISE_MODULES: tuple[type[nn.Module], ...] = (
     nn.ReLU,

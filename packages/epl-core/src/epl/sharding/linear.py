@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epl.interfaces.split_rule import ShardContext, ShardRole
 from epl.sharding import collectives as C
 from epl.sharding.parameters import sharded_parameter
-from epl.strategy.split_rule import ShardContext, ShardRole
 
 
 class ColumnParallelLinear(nn.Module):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from epl.sharding.group import ShardGroup, shard_sizes
+from epl.interfaces.shard_group import ShardGroup, shard_sizes
 
 _SPEC = "_epl_shard_spec"
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from torch import nn
 
+from epl.interfaces.split_rule import ShardContext, SplitRule
 from epl.nn.moe import Experts
 from epl.sharding.embedding import shard_embedding
 from epl.sharding.experts import shard_experts
 from epl.sharding.linear import shard_linear
-from epl.strategy.split_rule import ShardContext, SplitRule
 
 
 def keep_whole(module: nn.Module, shard: ShardContext) -> nn.Module:

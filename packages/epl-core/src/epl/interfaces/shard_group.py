@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from epl.comm.protocol import Communicator
+from epl.interfaces.communicator import Communicator
 
 
 def shard_sizes(size: int, count: int) -> list[int]:

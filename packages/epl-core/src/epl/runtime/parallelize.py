@@ -8,14 +8,15 @@ from typing import Union
 import torch
 from torch import nn
 
+from epl.annotations.taskgraph import TaskGraph
 from epl.config import Config
-from epl.engine.engine import Engine
-from epl.engine.extensions import LossFn, ParallelContext
-from epl.env import Env
 from epl.errors import EplError, PlacementError
-from epl.placement.mode import PlanReady, current_request
-from epl.placement.plan import Plan, TaskGraphSpec, build_local_plan, build_plan
-from epl.strategy.taskgraph import TaskGraph
+from epl.placement.build import build_local_plan, build_plan
+from epl.placement.plan import Plan, TaskGraphSpec
+from epl.placement.request import PlanReady, current_request
+from epl.plugins.context import LossFn, ParallelContext
+from epl.runtime.engine import Engine
+from epl.runtime.env import Env
 
 OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], None]
 
@@ -45,7 +46,17 @@ def parallelize(model: nn.Module, optimizer: OptimizerSpec = None, loss_fn: Loss
             optimizer = optimizer_class(request.optimizer)
         raise PlanReady(_with_memory(plan, model, taskgraphs, env, optimizer))
     model = model.to(env.cluster.device)
-    context = ParallelContext(env=env, plan=plan, taskgraphs=taskgraphs, model=model, loss_fn=loss_fn)
+    assert env.communicator is not None, "only a plan-only run has no communicator, and it stopped above"
+    context = ParallelContext(
+        cluster=env.cluster,
+        config=env.config,
+        communicator=env.communicator,
+        plugins=env.plugins,
+        plan=plan,
+        taskgraphs=taskgraphs,
+        model=model,
+        loss_fn=loss_fn,
+    )
     for transform in env.plugins.model_transforms(context):
         context.model = transform(context.model, context)
     context.optimizer = _build_optimizer(optimizer, context.model)
@@ -54,7 +65,8 @@ def parallelize(model: nn.Module, optimizer: OptimizerSpec = None, loss_fn: Loss
             context.optimizer = wrapper(context.optimizer, context)
     context.gradient_reducer = env.plugins.make_gradient_reducer(context)
     context.loss_scaler = env.plugins.make_loss_scaler(context)
-    return Engine(context, env.plugins.make_step_runner(context))
+    context.step_runner = env.plugins.make_step_runner(context)
+    return Engine(context, context.step_runner)
 
 
 def plan(
@@ -88,7 +100,7 @@ def _with_memory(plan: Plan, model: nn.Module, taskgraphs: list[TaskGraph], env:
     """``plan`` with each rank's memory estimate."""
     from epl.placement.estimate import with_memory
 
-    return with_memory(plan, model, taskgraphs, config=env.config, plugins=env.plugins, optimizer=optimizer)
+    return with_memory(plan, model, taskgraphs, config=env.config, hooks=env.plugins, optimizer=optimizer)
 
 
 def _taskgraphs(model: nn.Module, env: Env) -> list[TaskGraph]:

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from epl.engine.batch import call_model, tensors_in, to_device
-from epl.engine.extensions import LossScaler, ParallelContext, StepRunner
-from epl.engine.memory import MemoryReport
 from epl.placement.plan import Plan
+from epl.plugins.context import LossScaler, ParallelContext, StepRunner
+from epl.runtime.batch import call_model, tensors_in, to_device
+from epl.runtime.memory import MemoryReport
 
 #: Version of the layout of ``Engine.state_dict``.
 STATE_VERSION = 1
@@ -104,9 +104,9 @@ class Engine:
         ``step``'s: with split TaskGraphs every device of the replica calls it. Pipelines
         measure activations per stage in their timeline.
         """
-        from epl.engine.activations import SavedActivations
-        from epl.engine.memory import MemoryReport, optimizer_state_bytes, parameter_and_gradient_bytes
         from epl.errors import EplError
+        from epl.runtime.activations import SavedActivations
+        from epl.runtime.memory import MemoryReport, optimizer_state_bytes, parameter_and_gradient_bytes
 
         parameters, gradients = parameter_and_gradient_bytes(self.model)
         peak = None
@@ -186,15 +186,15 @@ class Engine:
         tensors are whole and named as in the model the user wrote; optimizer states,
         the loss scaler, the step counter and every rank's RNG states are included. A
         crash while saving leaves the previous checkpoint at ``path`` intact. See
-        :mod:`epl.engine.checkpoint`.
+        :mod:`epl.runtime.checkpoint`.
         """
-        from epl.engine.checkpoint import save_checkpoint
+        from epl.runtime.checkpoint import save_checkpoint
 
         save_checkpoint(self, path)
 
     def load(self, path: str | os.PathLike[str]) -> None:
         """Restore a checkpoint written by :meth:`save`, under this engine's layout (every rank calls it)."""
-        from epl.engine.checkpoint import load_checkpoint
+        from epl.runtime.checkpoint import load_checkpoint
 
         load_checkpoint(self, path)
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
-from epl.errors import AnnotationError
+from epl.errors import AnnotationError, NotInitializedError
 
 StrategyKind = Literal["replicate", "split"]
 
@@ -32,15 +33,11 @@ class Strategy:
             raise AnnotationError(f"epl.{self.kind}(name=...) must be a non-empty string, got {self.name!r}.")
 
     def __enter__(self) -> Strategy:
-        from epl.env import Env
-
-        Env.get().annotations.open_scope(self)
+        active_recorder().open_scope(self)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        from epl.env import Env
-
-        Env.get().annotations.close_scope(self)
+        active_recorder().close_scope(self)
 
     def __str__(self) -> str:
         name = f", name={self.name!r}" if self.name else ""
@@ -68,8 +65,39 @@ def set_default_strategy(strategy: Strategy | None) -> None:
     Every call opens a new TaskGraph (the manual's BERT example makes one pipeline
     stage per call). ``None`` returns to the implicit ``replicate(1)``.
     """
-    from epl.env import Env
-
     if strategy is not None and not isinstance(strategy, Strategy):
         raise AnnotationError(f"set_default_strategy takes epl.replicate(...) or epl.split(...), got {strategy!r}.")
-    Env.get().annotations.set_default(strategy)
+    active_recorder().set_default(strategy)
+
+
+class ScopeRecorder(Protocol):
+    """What the annotations report to: :class:`epl.annotations.capture.AnnotationRecorder`."""
+
+    def open_scope(self, strategy: Strategy) -> None:
+        """A ``with`` block of ``strategy`` starts."""
+        ...
+
+    def close_scope(self, strategy: Strategy) -> None:
+        """The ``with`` block of ``strategy`` ends."""
+        ...
+
+    def set_default(self, strategy: Strategy | None) -> None:
+        """``set_default_strategy(strategy)`` was called."""
+        ...
+
+
+#: The recorder of the current ``epl.init``; ``epl.init`` sets it, ``Env.close`` clears it.
+_active: ContextVar[ScopeRecorder | None] = ContextVar("epl_annotation_recorder", default=None)
+
+
+def set_active_recorder(recorder: ScopeRecorder | None) -> None:
+    """Make ``recorder`` receive the annotations from now on (None: annotations fail as uninitialised)."""
+    _active.set(recorder)
+
+
+def active_recorder() -> ScopeRecorder:
+    """The recorder annotations report to; fails when ``epl.init`` has not been called."""
+    recorder = _active.get()
+    if recorder is None:
+        raise NotInitializedError("EPL is not initialised: call epl.init() (or epl.init(epl.Config({...}))) first.")
+    return recorder

@@ -20,9 +20,9 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
+from epl.annotations.strategies import Strategy
+from epl.annotations.taskgraph import TaskGraph
 from epl.errors import AnnotationError
-from epl.strategy.strategies import Strategy
-from epl.strategy.taskgraph import TaskGraph
 
 _IMPLICIT = Strategy("replicate", 1)
 

@@ -1,16 +1,38 @@
-"""Communicators for any family of rank groups, even overlapping ones, made with ``Communicator.split``."""
+"""Helpers built on the :class:`~epl.interfaces.communicator.Communicator` protocol alone.
+
+``broadcast_tensors`` gives every member one member's values of some tensors;
+``communicators_for`` makes communicators for any family of rank groups, even
+overlapping ones, with ``Communicator.split``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
 
-from epl.comm.protocol import Communicator
+import torch
 
-if TYPE_CHECKING:
-    from epl.engine.extensions import ParallelContext
+from epl.interfaces.communicator import Communicator
 
+#: A group of global ranks, sorted.
 Group = tuple[int, ...]
+
+
+def broadcast_tensors(tensors: Iterable[torch.Tensor], communicator: Communicator, src: int = 0) -> None:
+    """Copy member ``src``'s values of ``tensors`` into every member's (one flat broadcast per dtype).
+
+    Every member calls it with the same tensors in the same order (shapes and dtypes alike).
+    """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        if tensor.numel():
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    with torch.no_grad():
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            communicator.broadcast(flat, src=src).wait()
+            if communicator.rank != src:
+                for tensor, piece in zip(group, flat.split([t.numel() for t in group]), strict=True):
+                    tensor.copy_(piece.view_as(tensor))
 
 
 def communicators_for(world: Communicator, groups: Sequence[Sequence[int]]) -> dict[Group, Communicator]:
@@ -39,21 +61,3 @@ def communicators_for(world: Communicator, groups: Sequence[Sequence[int]]) -> d
             if me in group:
                 mine[group] = communicator
     return mine
-
-
-#: Key of :func:`copy_communicators`' result in ``ParallelContext.extras``.
-COPIES_KEY = "epl-core/copy-communicators"
-
-
-def copy_communicators(context: ParallelContext) -> dict[Group, Communicator]:
-    """This rank's communicator over each group of devices that hold copies of some tensors.
-
-    Made once per ``epl.parallelize`` (on first use, on every rank in the same order) and
-    shared by the plugins that need them: data-parallel reduction, ZeRO.
-    """
-    from epl.placement.copies import every_copy_group
-
-    cached = context.extras.get(COPIES_KEY)
-    if cached is None:
-        cached = context.extras[COPIES_KEY] = communicators_for(context.communicator, every_copy_group(context.plan))
-    return cached

@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from epl.cluster import Cluster
-from epl.comm.protocol import Communicator
+from epl.annotations.capture import AnnotationRecorder
+from epl.annotations.strategies import set_active_recorder
 from epl.config import Config
 from epl.errors import ConfigError, NotInitializedError
-from epl.placement.mode import current_request
+from epl.interfaces.cluster import Cluster
+from epl.interfaces.communicator import Communicator
+from epl.placement.request import current_request
 from epl.plugins import EplPluginManager, get_plugin_manager
-from epl.strategy.capture import AnnotationRecorder
 
 
 class Env:
@@ -57,6 +58,7 @@ class Env:
             self.communicator.close()
         if Env._current is self:
             Env._current = None
+            set_active_recorder(None)
 
     def __repr__(self) -> str:
         return f"epl.Env(cluster={self.cluster}, config={self.config!r})"
@@ -91,6 +93,7 @@ def init(config: Config | Mapping[str, Any] | None = None) -> Env:
         communicator = plugins.make_communicator(cluster, config)
     annotations = AnnotationRecorder()
     annotations.install()
+    set_active_recorder(annotations)
     env = Env(cluster=cluster, config=config, plugins=plugins, communicator=communicator, annotations=annotations)
     Env._current = env
     return env

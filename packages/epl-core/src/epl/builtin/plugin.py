@@ -5,7 +5,7 @@ Answers to *firstresult* hooks are ``trylast`` so that any installed plugin over
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from epl.plugins.marker import hookimpl
@@ -14,25 +14,29 @@ if TYPE_CHECKING:
     import click
     from torch import nn
 
-    from epl.cluster import Cluster
-    from epl.comm.protocol import Communicator
-    from epl.config import Config, ConfigKey
-    from epl.engine.extensions import ModelTransform, ParallelContext, StepRunner
-    from epl.strategy.split_rule import SplitRule
+    from epl.annotations.taskgraph import TaskGraph
+    from epl.config import Config
+    from epl.interfaces.cluster import Cluster
+    from epl.interfaces.communicator import Communicator
+    from epl.interfaces.config_key import ConfigKey
+    from epl.interfaces.split_rule import SplitRule
+    from epl.placement.memory_estimate import ShardShapes
+    from epl.placement.plan import Plan
+    from epl.plugins.context import ModelTransform, ParallelContext, StepRunner
 
 
 @hookimpl
 def epl_config_keys() -> Sequence[ConfigKey]:
-    """Every key of the manual's configuration chapter."""
-    from epl.config.catalogue import MANUAL_KEYS
+    """The keys the core implements (the plugins declare theirs)."""
+    from epl.config.catalogue import CORE_KEYS
 
-    return MANUAL_KEYS
+    return CORE_KEYS
 
 
 @hookimpl(trylast=True)
 def epl_make_communicator(cluster: Cluster, config: Config) -> Communicator | None:
     """The single-process communicator; joining several processes is left to epl-comm."""
-    from epl.comm.local import LocalCommunicator
+    from epl.builtin.local_communicator import LocalCommunicator
 
     return LocalCommunicator() if cluster.world_size == 1 else None
 
@@ -48,15 +52,25 @@ def epl_split_rules() -> dict[type[nn.Module], SplitRule]:
 @hookimpl
 def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | None:
     """Shard the split TaskGraphs by their rules (in a one-process run: only check that every module has one)."""
-    from epl.sharding.transform import ShardSplitTaskGraphs
+    from epl.builtin.split_transform import ShardSplitTaskGraphs
 
     return [ShardSplitTaskGraphs()] if any(tg.strategy.kind == "split" for tg in context.taskgraphs) else None
 
 
 @hookimpl(trylast=True)
+def epl_estimate_shards(
+    model: nn.Module, taskgraphs: list[TaskGraph], plan: Plan, split_rules: Mapping[type[nn.Module], SplitRule]
+) -> ShardShapes | None:
+    """The split rules run on ``meta`` copies of the modules (``epl.builtin.shard_estimates``)."""
+    from epl.builtin.shard_estimates import RuleShardShapes
+
+    return RuleShardShapes(model, taskgraphs, plan, split_rules)
+
+
+@hookimpl(trylast=True)
 def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     """The local runner for one-stage plans; pipelines are left to epl-pipeline."""
-    from epl.engine.local_runner import LocalStepRunner
+    from epl.builtin.local_runner import LocalStepRunner
 
     return LocalStepRunner.from_context(context) if context.plan.num_stages == 1 else None
 

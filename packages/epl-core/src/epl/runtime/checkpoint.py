@@ -29,16 +29,52 @@ import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
-from epl.engine.optimizer_groups import group_options
 from epl.errors import EplError
+from epl.interfaces.optimizer_groups import group_options
 
 if TYPE_CHECKING:
-    from epl.engine.engine import Engine
+    from epl.placement.plan import Plan
+    from epl.plugins.context import LossScaler, ParallelContext
+
+
+class Engine(Protocol):
+    """What saving and loading read and restore of :class:`epl.runtime.engine.Engine` (which calls them)."""
+
+    global_step: int
+    context: ParallelContext
+
+    @property
+    def model(self) -> nn.Module:
+        """This rank's model."""
+        ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """This rank's optimizer."""
+        ...
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """The loss scaler (AMP), if any."""
+        ...
+
+    @property
+    def plan(self) -> Plan:
+        """The Plan the engine runs."""
+        ...
+
+    def state_dict(self, *, full: bool = False) -> dict[str, Any]:
+        """The engine's state (``full``: whole tensors gathered from shards)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        ...
 
 #: Identifies the layout of the directory.
 FORMAT = "epl-checkpoint/1"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from torch import nn
 
 if TYPE_CHECKING:
-    from epl.sharding.group import ShardGroup
+    from epl.interfaces.shard_group import ShardGroup
 
 #: How the split transform wants a module laid out, from where it sits in the model.
 #: ``alone``: inputs and outputs whole (the default). ``column``: the first Linear of a

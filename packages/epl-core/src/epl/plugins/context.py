@@ -2,27 +2,48 @@
 
 ``ParallelContext`` is handed to the model-transform, optimizer-wrapper,
 gradient-reducer, loss-scaler and step-runner hooks; the protocols are what those hooks return.
+What plugins share travels in typed fields; what a plugin keeps for itself between its
+hooks lives in an instance of its own class, :meth:`ParallelContext.state`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from torch import nn
 
+from epl.interfaces.collectives import Group, communicators_for
+from epl.placement.copies import Copies, copies_of, every_copy_group
+
 if TYPE_CHECKING:
-    from epl.cluster import Cluster
-    from epl.comm.protocol import Communicator
+    from epl.annotations.taskgraph import TaskGraph
     from epl.config import Config
-    from epl.env import Env
+    from epl.interfaces.cluster import Cluster
+    from epl.interfaces.communicator import Communicator
+    from epl.interfaces.phases import TransformPhase, WrapperPhase
+    from epl.interfaces.schedule import ScheduleGenerator
+    from epl.interfaces.shard_group import ShardGroup
+    from epl.interfaces.split_rule import SplitRule
     from epl.placement.plan import Plan
-    from epl.strategy.taskgraph import TaskGraph
 
 LossFn = Callable[..., torch.Tensor]
+State = TypeVar("State")
+
+
+class Registries(Protocol):
+    """The registries hooks may consult during ``epl.parallelize`` (the plugin manager is one)."""
+
+    def split_rules(self) -> Mapping[type[nn.Module], SplitRule]:
+        """Every registered split rule by module type (``epl_split_rules``)."""
+        ...
+
+    def pipeline_schedules(self) -> Mapping[str, ScheduleGenerator]:
+        """Every registered pipeline schedule by name (``epl_pipeline_schedules``)."""
+        ...
 
 
 @dataclass(kw_only=True)
@@ -33,7 +54,12 @@ class ParallelContext:
     every wrapper, so later hooks see the result of earlier ones.
     """
 
-    env: Env
+    cluster: Cluster
+    config: Config
+    #: The communicator joining every process of the job.
+    communicator: Communicator
+    #: The registries of the installed plugins (split rules, pipeline schedules).
+    plugins: Registries
     plan: Plan
     taskgraphs: list[TaskGraph]
     model: nn.Module
@@ -46,29 +72,45 @@ class ParallelContext:
     #: a pipeline stage's part of it) and the loss function; a transform that adds one may also wrap
     #: ``model.forward`` so that other calls of the model (``Engine.predict``) get it too.
     forward_contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
+    #: The step runner ``Engine.step`` calls (set last, from ``epl_make_step_runner``).
+    step_runner: StepRunner | None = None
+    #: This rank's pipeline stage, set by the transform that keeps it (epl-pipeline); None: one stage.
+    pipeline_stage: int | None = None
+    #: The shard group of each split TaskGraph this rank runs, by TaskGraph index (set by the split transform).
+    shard_groups: dict[int, ShardGroup] = field(default_factory=dict)
     #: Tensors a split rule made: id -> (TaskGraph index, whether the tensor is a shard).
     split_tensors: dict[int, tuple[int, bool]] = field(default_factory=dict)
-    #: Parameters whose reduced gradient only one copy keeps (ZeRO v1/v2): id -> that copy's rank in the
-    #: communicator over the parameter's copies. Gradient reducers leave the others' gradient at None.
+    #: Parameters whose reduced gradient only one of their copies keeps: id -> that copy's rank in the
+    #: communicator over the parameter's copies. Written by whoever partitions the update over the copies
+    #: (epl-memory's ZeRO v1/v2); gradient reducers leave the other copies' gradient at None. Empty: every
+    #: copy keeps every reduced gradient (plain data parallelism).
     gradient_owners: dict[int, int] = field(default_factory=dict)
-    #: State plugins share between their hooks for this parallelize call, keyed by plugin name.
-    extras: dict[str, Any] = field(default_factory=dict)
+    _states: dict[type, Any] = field(default_factory=dict, repr=False)
+    _copy_communicators: dict[Group, Communicator] | None = field(default=None, repr=False)
 
-    @property
-    def config(self) -> Config:
-        """The validated config."""
-        return self.env.config
+    def state(self, kind: type[State]) -> State:
+        """This parallelize call's instance of a plugin's own state class ``kind``, made (``kind()``) on first use.
 
-    @property
-    def cluster(self) -> Cluster:
-        """This process's place in the job."""
-        return self.env.cluster
+        A plugin keeps what its hooks hand each other (a transform to the optimizer wrapper, say) in a
+        class of its own, so the state is typed and no two plugins can collide on a name.
+        """
+        if kind not in self._states:
+            self._states[kind] = kind()
+        return self._states[kind]  # type: ignore[no-any-return]
 
-    @property
-    def communicator(self) -> Communicator:
-        """The communicator joining every process of the job."""
-        assert self.env.communicator is not None, "a plan-only run has no communicator"
-        return self.env.communicator
+    def copy_communicators(self) -> dict[Group, Communicator]:
+        """This rank's communicator over each group of devices that hold copies of some tensors.
+
+        Made once per ``epl.parallelize`` (on first use, on every rank in the same order) and
+        shared by the plugins that need them: data-parallel reduction, ZeRO.
+        """
+        if self._copy_communicators is None:
+            self._copy_communicators = communicators_for(self.communicator, every_copy_group(self.plan))
+        return self._copy_communicators
+
+    def copies_of_tensors(self, tensors: list[torch.Tensor]) -> dict[Copies, list[torch.Tensor]]:
+        """``tensors`` of this rank's model, grouped by their copies (see :func:`copies_of_tensors`)."""
+        return copies_of_tensors(self, tensors)
 
     @property
     def replica_index(self) -> int:
@@ -79,11 +121,12 @@ class ParallelContext:
 class ModelTransform(Protocol):
     """Changes this rank's model after placement (checkpointing, casting, sharding, sync hooks).
 
-    Transforms run in ascending ``order``; each receives the previous result.
+    Transforms run in the order of their ``phase`` (see :class:`epl.interfaces.phases.TransformPhase`),
+    then of their ``name``; each receives the previous result.
     """
 
     name: str
-    order: int
+    phase: TransformPhase
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """Return the transformed model (or ``model`` itself, changed in place)."""
@@ -91,10 +134,14 @@ class ModelTransform(Protocol):
 
 
 class OptimizerWrapper(Protocol):
-    """Wraps the optimizer (ZeRO partitioning, apply groups, loss scaling, gradient sync)."""
+    """Wraps the optimizer (ZeRO partitioning, apply groups, offload).
+
+    Wrappers apply in the order of their ``phase`` (see :class:`epl.interfaces.phases.WrapperPhase`),
+    then of their ``name``, each wrapping the previous result.
+    """
 
     name: str
-    order: int
+    phase: WrapperPhase
 
     def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
         """Return the wrapped optimizer."""
@@ -165,3 +212,21 @@ class StepRunner(Protocol):
     def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """Train on one replica batch; return the replica's mean loss (detached)."""
         ...
+
+
+def copies_of_tensors(context: ParallelContext, tensors: list[torch.Tensor]) -> dict[Copies, list[torch.Tensor]]:
+    """``tensors`` of this rank's model, grouped by their copies.
+
+    A tensor is found in the TaskGraph that captured it, or among those a split
+    rule made (``context.split_tensors``); anything else (made by a model
+    transform) belongs to the first TaskGraph this rank runs.
+    """
+    plan, rank = context.plan, context.cluster.rank
+    owner = {id(t): (tg.index, False) for tg in context.taskgraphs for t in tg.tensors}
+    owner.update(context.split_tensors)
+    default = (plan.taskgraphs_on(rank)[0], False)
+    grouped: dict[Copies, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        taskgraph, sharded = owner.get(id(tensor), default)
+        grouped.setdefault(copies_of(plan, taskgraph, rank, sharded=sharded), []).append(tensor)
+    return grouped

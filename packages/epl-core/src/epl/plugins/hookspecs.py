@@ -25,10 +25,17 @@ if TYPE_CHECKING:
     import click
     from torch import nn
 
-    from epl.cluster import Cluster
-    from epl.comm.protocol import Communicator
-    from epl.config import Config, ConfigKey
-    from epl.engine.extensions import (
+    from epl.annotations.taskgraph import TaskGraph
+    from epl.config import Config
+    from epl.interfaces.cluster import Cluster
+    from epl.interfaces.communicator import Communicator
+    from epl.interfaces.config_key import ConfigKey
+    from epl.interfaces.schedule import ScheduleGenerator
+    from epl.interfaces.split_rule import SplitRule
+    from epl.placement.estimate import MemoryEstimateContext
+    from epl.placement.memory_estimate import MemoryEstimate, ShardShapes
+    from epl.placement.plan import Plan
+    from epl.plugins.context import (
         GradientReducer,
         LossScaler,
         ModelTransform,
@@ -36,10 +43,6 @@ if TYPE_CHECKING:
         ParallelContext,
         StepRunner,
     )
-    from epl.placement.estimate import MemoryEstimate, MemoryEstimateContext
-    from epl.schedule import ScheduleGenerator
-    from epl.strategy.split_rule import SplitRule
-    from epl.strategy.taskgraph import TaskGraph
 
 hookspec = pluggy.HookspecMarker("epl")
 
@@ -54,10 +57,11 @@ def epl_config_keys() -> Sequence[ConfigKey] | None:
     """Declare the config keys this plugin owns.
 
     Called once per plugin manager, when the first :class:`epl.Config` is built.
-    Return the keys (name, types, default, doc, allowed values). A key may
-    replace a key the core declares with ``provided_by`` naming this plugin
-    (e.g. epl-memory refining ``zero.level``); any other duplicate is an error.
-    Return None to declare nothing.
+    Return the keys (name, types, default, doc, allowed values); the manager records
+    this plugin as their ``provided_by``. A key declared by two plugins is an error.
+    Return None to declare nothing. The core keeps only a table from key prefix to
+    distribution (``epl.config.KEY_OWNERS``), so that a key of a package that is not
+    installed fails at ``epl.init`` naming the package to install.
     """
 
 
@@ -95,7 +99,8 @@ def epl_model_transforms(context: ParallelContext) -> Sequence[ModelTransform] |
 
     Called once per ``epl.parallelize``. Return the transforms that apply to
     ``context`` (read its config and plan), or None. All transforms of all
-    plugins run in ascending ``order``, each receiving the previous result.
+    plugins run in the order of their ``phase`` (:class:`epl.plugin_api.TransformPhase`),
+    then of their ``name``, each receiving the previous result.
     """
 
 
@@ -105,7 +110,8 @@ def epl_optimizer_wrappers(context: ParallelContext) -> Sequence[OptimizerWrappe
 
     Called once per ``epl.parallelize`` after the optimizer is built over the
     parameters this rank holds. Return the wrappers that apply, or None. They
-    run in ascending ``order``, each wrapping the previous result.
+    apply in the order of their ``phase`` (:class:`epl.plugin_api.WrapperPhase`), then of
+    their ``name``, each wrapping the previous result.
     """
 
 
@@ -155,6 +161,25 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
 # --------------------------------------------------------------------------------
 # Planning: called by epl.plan and `epl plan`, which run nothing.
 # --------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def epl_estimate_shards(
+    model: nn.Module, taskgraphs: list[TaskGraph], plan: Plan, split_rules: Mapping[type[nn.Module], SplitRule]
+) -> ShardShapes | None:
+    """Work out what each device of the split TaskGraphs would hold, without the devices.
+
+    Called by ``epl.plan`` and ``epl plan`` (at most once per estimate) when the Plan has split
+    TaskGraphs. *firstresult*. The core answers last by running ``split_rules`` on ``meta``
+    copies of the modules (nothing is allocated). Return None to leave it to another plugin;
+    with no answer, or when ``pieces`` raises, each parameter is estimated as sharded along
+    dimension 0 and the Plan says so.
+
+    :param model: the annotated model (whole, on its own device).
+    :param taskgraphs: the split TaskGraphs of ``model``.
+    :param plan: the Plan being estimated.
+    :param split_rules: every registered split rule by module type.
+    """
 
 
 @hookspec

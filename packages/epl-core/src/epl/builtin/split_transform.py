@@ -3,36 +3,29 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from torch import nn
 
-from epl.comm.broadcast import broadcast_tensors
-from epl.comm.partition import communicators_for
-from epl.engine.extensions import ParallelContext
+from epl.annotations.taskgraph import TaskGraph
 from epl.errors import AnnotationError, ConfigError, PlacementError
+from epl.interfaces.collectives import broadcast_tensors, communicators_for
+from epl.interfaces.phases import TransformPhase
+from epl.interfaces.shard_group import ShardGroup
+from epl.interfaces.split_rule import ShardContext, SplitRule
+from epl.plugins.context import ParallelContext
 from epl.sharding.cross_entropy import ShardedCrossEntropyLoss
-from epl.sharding.group import ShardGroup
 from epl.sharding.layout import assign_roles
 from epl.sharding.linear import shard_linear
 from epl.sharding.parameters import is_sharded
 from epl.sharding.rules import rule_for
-from epl.strategy.split_rule import ShardContext, SplitRule
-from epl.strategy.taskgraph import TaskGraph
-
-#: Key of :class:`SplitState` in ``ParallelContext.extras``.
-EXTRAS_KEY = "epl-core/split"
-
-
-@dataclass
-class SplitState:
-    """What the split transform made on this rank: its shard groups by TaskGraph index."""
-
-    groups: dict[int, ShardGroup] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
-class _Target:
+class SplitTarget:
+    """A module of a split TaskGraph that owns tensors, with its name in the model and the rule that shards it."""
+
     name: str
     module: nn.Module
     rule: SplitRule
@@ -47,15 +40,15 @@ class ShardSplitTaskGraphs:
     """
 
     name = "shard_split_taskgraphs"
-    order = -150  # after the pipeline keeps its stage, before the initial broadcast and the optimizer
+    phase = TransformPhase.SHARD
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """Return ``model`` with this rank's shards in place of the split modules."""
         split = [tg for tg in context.taskgraphs if tg.strategy.kind == "split"]
         if not split:
             return model
-        rules = context.env.plugins.split_rules()
-        targets = {tg.index: _targets(model, tg, rules) for tg in split}
+        rules = context.plugins.split_rules()
+        targets = {tg.index: find_targets(model, tg, rules) for tg in split}
         plan = context.plan
         if plan.local:
             return model
@@ -68,13 +61,12 @@ class ShardSplitTaskGraphs:
         linears = {t.name for tg in mine for t in targets[tg.index] if t.rule is shard_linear}
         # Exactly nn.CrossEntropyLoss: a subclass may compute something else from the logits.
         roles = assign_roles(model, linears, loss_is_cross_entropy=type(context.loss_fn) is nn.CrossEntropyLoss)
-        state = context.extras.setdefault(EXTRAS_KEY, SplitState())
         for tg in mine:
             group = ShardGroup(
                 communicators[tuple(sorted(devices[tg.index, replica]))],
                 batch_split=plan.batch_parts(tg.index) > 1,
             )
-            state.groups[tg.index] = group
+            context.shard_groups[tg.index] = group
             replaced: set[int] = set()
             for target in targets[tg.index]:
                 _start_alike(target.module, group)
@@ -121,10 +113,12 @@ def split_stage_error(name: str) -> PlacementError:
     )
 
 
-def _targets(model: nn.Module, taskgraph: TaskGraph, rules: dict[type[nn.Module], SplitRule]) -> list[_Target]:
+def find_targets(
+    model: nn.Module, taskgraph: TaskGraph, rules: Mapping[type[nn.Module], SplitRule]
+) -> list[SplitTarget]:
     """The outermost modules holding ``taskgraph``'s tensors that a rule covers; a module no rule covers is an error."""
     owned = {id(t) for t in taskgraph.tensors}
-    found: list[_Target] = []
+    found: list[SplitTarget] = []
     holder: dict[int, str] = {}
 
     def visit(name: str, module: nn.Module) -> None:
@@ -136,7 +130,7 @@ def _targets(model: nn.Module, taskgraph: TaskGraph, rules: dict[type[nn.Module]
                 if id(tensor) in holder:
                     raise _shared(taskgraph, holder[id(tensor)], name)
                 holder[id(tensor)] = name
-            found.append(_Target(name, module, rule))
+            found.append(SplitTarget(name, module, rule))
             return
         own = itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False))
         if any(id(t) in owned for t in own):

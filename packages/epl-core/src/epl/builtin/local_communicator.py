@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from epl.comm.protocol import Communicator, CompletedWork, ReduceOp, Work
+from epl.interfaces.communicator import Communicator, CompletedWork, ReduceOp, Work
 
 
 class LocalCommunicator(Communicator):

@@ -9,9 +9,9 @@ from typing import Any, Self
 import torch
 from torch import nn
 
-from epl.engine.batch import call_model, micro_batches, to_device
-from epl.engine.extensions import GradientReducer, LossFn, LossScaler, ParallelContext
 from epl.errors import EplError
+from epl.plugins.context import GradientReducer, LossFn, LossScaler, ParallelContext
+from epl.runtime.batch import call_model, micro_batches, to_device
 
 ForwardContext = Callable[[], contextlib.AbstractContextManager[Any]]
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from epl.strategy.strategies import Strategy
+from epl.annotations.strategies import Strategy
 
 
 @dataclass(eq=False)

@@ -1,0 +1,74 @@
+"""The config keys this plugin declares (``epl_config_keys``): the manual's communication keys (6.8)
+and EPL for PyTorch's backend and timeout.
+"""
+
+from __future__ import annotations
+
+from epl.plugin_api import ConfigKey
+
+KEYS: tuple[ConfigKey, ...] = (
+    # 6.8 Communication
+    ConfigKey(
+        name="communication.num_communicators",
+        types=(int,),
+        default=2,
+        minimum=1,
+        doc="Number of communicators gradient buckets are reduced over, round-robin.",
+    ),
+    ConfigKey(
+        name="communication.sparse_as_dense",
+        types=(bool,),
+        default=False,
+        doc="Turn sparse gradients into dense ones before communication.",
+    ),
+    ConfigKey(
+        name="communication.max_splits",
+        types=(int,),
+        default=5,
+        minimum=1,
+        doc="Maximum number of gradient buckets per dtype for tensor fusion.",
+    ),
+    ConfigKey(
+        name="communication.fp16",
+        types=(bool,),
+        default=False,
+        doc="Reduce gradients in fp16.",
+    ),
+    ConfigKey(
+        name="communication.fp16_scale",
+        types=(int,),
+        default=128,
+        minimum=1,
+        doc="Scale applied to gradients before an fp16 reduction and removed after it.",
+    ),
+    ConfigKey(
+        name="communication.clip_after_allreduce",
+        types=(bool,),
+        default=False,
+        doc="Clip gradients after the reduction instead of before it.",
+    ),
+    ConfigKey(
+        name="communication.gradients_reduce_method",
+        types=(str,),
+        default="mean",
+        choices=("mean", "sum"),
+        doc="How gradients are reduced over replicas: 'mean' or 'sum'.",
+    ),
+    # Extensions of EPL for PyTorch (not in the manual).
+    ConfigKey(
+        name="communication.backend",
+        types=(str,),
+        default="auto",
+        choices=("auto", "torch", "cupy"),
+        doc="Communication library: 'torch' (torch.distributed: NCCL on CUDA, gloo on CPU), 'cupy' "
+        "(CuPy's NCCL, needs CUDA and the epl-comm[cupy] extra), or 'auto' (= torch).",
+    ),
+    ConfigKey(
+        name="communication.timeout",
+        types=(float, int),
+        default=600,
+        minimum=1,
+        doc="Seconds a collective may take before it fails on every rank still waiting, naming the "
+        "ranks that did not arrive.",
+    ),
+)

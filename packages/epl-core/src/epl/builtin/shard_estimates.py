@@ -1,0 +1,75 @@
+"""The core's answer to ``epl_estimate_shards``: the split rules run on ``meta`` copies, for ``epl plan``.
+
+Each rule builds the shard one device would hold from a copy of the module whose tensors
+live on the ``meta`` device, so every shard has the size a run gives it and nothing is
+allocated. The rules see a shard group whose communicator is a stand-in (a position,
+no peers): a rule that communicates while it builds fails, and the estimate falls back
+to sharding along dimension 0 with a note.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from epl.annotations.taskgraph import TaskGraph
+from epl.builtin.split_transform import find_targets
+from epl.interfaces.shard_group import ShardGroup
+from epl.interfaces.split_rule import ShardContext, ShardRole, SplitRule
+from epl.placement.memory_estimate import ShardPieces
+from epl.placement.plan import Plan
+from epl.sharding.layout import assign_roles
+from epl.sharding.linear import shard_linear
+from epl.sharding.parameters import is_sharded
+
+
+class RuleShardShapes:
+    """The shards of a model's split TaskGraphs, built by their split rules on ``meta`` copies."""
+
+    def __init__(
+        self, model: nn.Module, taskgraphs: list[TaskGraph], plan: Plan, rules: Mapping[type[nn.Module], SplitRule]
+    ) -> None:
+        self.plan = plan
+        self.taskgraphs = {tg.index: tg for tg in taskgraphs}
+        self._targets = {tg.index: find_targets(model, tg, rules) for tg in taskgraphs}
+        linears = {t.name for targets in self._targets.values() for t in targets if t.rule is shard_linear}
+        self._roles: dict[str, ShardRole] = assign_roles(model, linears, loss_is_cross_entropy=False)
+
+    def pieces(self, taskgraph: int, position: int) -> dict[int, tuple[int, ShardPieces]]:
+        """``id(model parameter)`` -> (its module's index, the shard's parameters) at ``position``."""
+        count = self.taskgraphs[taskgraph].strategy.device_count
+        group = ShardGroup(cast(Any, _Seat(position, count)), batch_split=self.plan.batch_parts(taskgraph) > 1)
+        found: dict[int, tuple[int, ShardPieces]] = {}
+        for key, target in enumerate(self._targets[taskgraph]):
+            role = self._roles.get(target.name, "alone")
+            shard = target.rule(_meta_copy(target.module), ShardContext(group, target.name, role))
+            prefix = f"{target.name}." if target.name else ""
+            pieces: ShardPieces = [(prefix + name, p, is_sharded(p)) for name, p in shard.named_parameters()]
+            for param in target.module.parameters():
+                found[id(param)] = (key, pieces)
+        return found
+
+
+@dataclass(frozen=True)
+class _Seat:
+    """Stands in for a shard group's communicator while split rules run for an estimate: a position, no peers."""
+
+    rank: int
+    world_size: int
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose parameters and buffers live on the ``meta`` device (nothing allocated)."""
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = (
+            nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+        )
+    return copy.deepcopy(module, memo)

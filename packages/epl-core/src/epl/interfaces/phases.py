@@ -1,0 +1,54 @@
+"""When each model transform and optimizer wrapper runs: named phases instead of numbers.
+
+``epl.parallelize`` applies the model transforms of every plugin in the order of
+their :class:`TransformPhase`, then builds the optimizer, then applies the optimizer
+wrappers in the order of their :class:`WrapperPhase` (each wrapping the previous
+result). Transforms of the same phase run in the order of their names, so the order
+never depends on which plugin was installed first. A plugin picks the phase whose
+description fits what its transform needs to have happened before it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class TransformPhase(enum.IntEnum):
+    """The phases of the model transforms, in the order they run."""
+
+    #: Keep only this rank's pipeline stage (epl-pipeline). First: every later phase then touches only
+    #: the modules and tensors this rank keeps, and no collective is issued for the other stages' tensors.
+    KEEP_STAGE = 10
+    #: Replace the modules of split TaskGraphs by this device's shards (the core's tensor parallelism).
+    #: After the stage is kept (a stage's split modules only), before the weights are synchronised, so
+    #: the shards are what the copies agree on.
+    SHARD = 20
+    #: Make every copy of a tensor start from the first copy's values, and set up what data parallelism
+    #: needs on the model (epl-comm). After every phase that replaces or creates tensors of the model.
+    SYNC_WEIGHTS = 30
+    #: Recompute activations in backward (epl-memory's gradient checkpointing). It wraps forwards and
+    #: changes no tensor, so it comes after the model's tensors are final.
+    CHECKPOINT = 40
+    #: Run the forward in lower precision (epl-memory's AMP autocast). After checkpointing, whose
+    #: recomputation keeps the autocast state it was entered with.
+    CAST = 50
+    #: Partition parameters over their copies: each gets an owner; ZeRO v2 frees the others' storage
+    #: between uses (epl-memory). After every phase that replaces, moves or wraps parameters.
+    PARTITION_PARAMETERS = 60
+    #: Keep weights in host memory between uses (epl-memory's offload). Last: the weights this device
+    #: keeps are final once they are partitioned.
+    OFFLOAD = 70
+
+
+class WrapperPhase(enum.IntEnum):
+    """The phases of the optimizer wrappers, innermost (first applied) first."""
+
+    #: Rebuild the optimizer over this device's partition of the parameters (ZeRO). Innermost: it
+    #: replaces the optimizer the user built, which the later wrappers then wrap.
+    PARTITION_OPTIMIZER = 10
+    #: Apply the update in groups of parameters to bound its peak memory (epl-memory's apply groups).
+    #: After partitioning: the groups split this device's partition.
+    APPLY_GROUPS = 20
+    #: Fetch offloaded weights around the update and send them home after it (epl-memory's offload).
+    #: Outermost: partitioned updates and apply groups run with the weights on the device.
+    OFFLOAD = 30

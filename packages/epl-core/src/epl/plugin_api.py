@@ -1,0 +1,128 @@
+"""The plugin API: everything an EPL plugin may import from epl-core, in one module.
+
+epl-comm, epl-memory, epl-pipeline, epl-launch and third-party plugins import from here
+and from nowhere deeper in ``epl`` (a test enforces it for the packages of this repository).
+Names are imported on first use, so that a plugin that only needs ``hookimpl`` (like
+epl-launch's ``epl launch``) does not import PyTorch.
+
+What is here, by what a plugin does with it:
+
+* declare hooks and config keys: :data:`hookimpl`, :class:`ConfigKey`, :class:`Config`;
+* extend ``epl.parallelize``: :class:`ParallelContext` and the protocols hooks return
+  (:class:`ModelTransform` with its :class:`TransformPhase`, :class:`OptimizerWrapper` with its
+  :class:`WrapperPhase`, :class:`GradientReducer`, :class:`LossScaler`, :class:`StepRunner`),
+  the core's :class:`LocalStepRunner` to build on, and the helpers runners share
+  (:func:`micro_batches`, :func:`split_batch`, :func:`to_device`, :func:`as_arguments`,
+  :func:`inside`, :func:`step_or_skip`);
+* communicate: :class:`Communicator` (the protocol a communicator implements), :class:`Work`,
+  :class:`CompletedWork`, :class:`ReduceOp`, :func:`broadcast_tensors`, :func:`communicators_for`,
+  :class:`Cluster`, :func:`free_port`;
+* data parallelism over copies: :class:`Copies`, :func:`copies_of`, :func:`every_copy_group`;
+* pipelines: :class:`Action`, :class:`ActionKind`, :data:`Schedule`, :class:`ScheduleGenerator`,
+  :class:`TaskGraph`, :func:`replicate` (to build TaskGraphs of a partition), :class:`Plan`;
+* split rules: :class:`ShardContext`, :class:`ShardGroup`, :data:`ShardRole`, :class:`SplitRule`;
+* memory estimates: :class:`MemoryEstimate`, :class:`MemoryEstimateContext`, :class:`EstimatedTensor`,
+  :class:`ShardShapes`, :func:`group_options`;
+* errors: every class of :mod:`epl.errors`;
+* the process's plugin manager: :func:`get_plugin_manager` (e.g. to list schedules in a CLI command).
+
+The hooks themselves are documented in ``epl/plugins/hookspecs.py``; docs/plugins.md shows a
+whole plugin package (``examples/plugin``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    pass
+
+#: Public name -> the module of epl-core it lives in.
+_EXPORTS: dict[str, str] = {
+    # hooks and config
+    "hookimpl": "epl.plugins",
+    "get_plugin_manager": "epl.plugins",
+    "Config": "epl.config",
+    "ConfigKey": "epl.interfaces.config_key",
+    # extending epl.parallelize
+    "ParallelContext": "epl.plugins.context",
+    "ModelTransform": "epl.plugins.context",
+    "OptimizerWrapper": "epl.plugins.context",
+    "GradientReducer": "epl.plugins.context",
+    "LossScaler": "epl.plugins.context",
+    "StepRunner": "epl.plugins.context",
+    "LossFn": "epl.plugins.context",
+    "TransformPhase": "epl.interfaces.phases",
+    "WrapperPhase": "epl.interfaces.phases",
+    "LocalStepRunner": "epl.builtin.local_runner",
+    "ForwardContext": "epl.builtin.local_runner",
+    "inside": "epl.builtin.local_runner",
+    "step_or_skip": "epl.builtin.local_runner",
+    "split_stage_error": "epl.builtin.split_transform",
+    "micro_batches": "epl.runtime.batch",
+    "split_batch": "epl.runtime.batch",
+    "to_device": "epl.runtime.batch",
+    "as_arguments": "epl.runtime.batch",
+    # communication
+    "Communicator": "epl.interfaces.communicator",
+    "CompletedWork": "epl.interfaces.communicator",
+    "ReduceOp": "epl.interfaces.communicator",
+    "Work": "epl.interfaces.communicator",
+    "broadcast_tensors": "epl.interfaces.collectives",
+    "communicators_for": "epl.interfaces.collectives",
+    "Cluster": "epl.interfaces.cluster",
+    "free_port": "epl.ports",
+    # copies of tensors (data parallelism)
+    "Copies": "epl.placement.copies",
+    "copies_of": "epl.placement.copies",
+    "every_copy_group": "epl.placement.copies",
+    # pipelines and partitions
+    "Action": "epl.interfaces.schedule",
+    "ActionKind": "epl.interfaces.schedule",
+    "Schedule": "epl.interfaces.schedule",
+    "ScheduleGenerator": "epl.interfaces.schedule",
+    "TaskGraph": "epl.annotations.taskgraph",
+    "Strategy": "epl.annotations.strategies",
+    "replicate": "epl.annotations.strategies",
+    "Plan": "epl.placement.plan",
+    # split rules
+    "ShardContext": "epl.interfaces.split_rule",
+    "ShardRole": "epl.interfaces.split_rule",
+    "SplitRule": "epl.interfaces.split_rule",
+    "ShardGroup": "epl.interfaces.shard_group",
+    "shard_sizes": "epl.interfaces.shard_group",
+    "shard_slice": "epl.interfaces.shard_group",
+    # memory estimates
+    "MemoryEstimate": "epl.placement.memory_estimate",
+    "EstimatedTensor": "epl.placement.memory_estimate",
+    "ShardPieces": "epl.placement.memory_estimate",
+    "ShardShapes": "epl.placement.memory_estimate",
+    "MemoryEstimateContext": "epl.placement.estimate",
+    "group_options": "epl.interfaces.optimizer_groups",
+    # errors
+    "AnnotationError": "epl.errors",
+    "BatchError": "epl.errors",
+    "ClusterError": "epl.errors",
+    "ConfigError": "epl.errors",
+    "EplError": "epl.errors",
+    "MissingPluginError": "epl.errors",
+    "NotInitializedError": "epl.errors",
+    "PlacementError": "epl.errors",
+    "PluginError": "epl.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'epl.plugin_api' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

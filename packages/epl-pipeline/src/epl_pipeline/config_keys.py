@@ -1,0 +1,32 @@
+"""The config keys this plugin declares (``epl_config_keys``): the manual's pipeline schedule and
+automatic partition keys (6.1, 6.10).
+"""
+
+from __future__ import annotations
+
+from epl.plugin_api import ConfigKey
+
+KEYS: tuple[ConfigKey, ...] = (
+    ConfigKey(
+        name="pipeline.num_stages",
+        types=(int, type(None)),
+        default=None,
+        minimum=1,
+        doc="Number of pipeline stages to partition an unannotated model into when auto.auto_parallel is True.",
+    ),
+    ConfigKey(
+        name="pipeline.strategy",
+        types=(str,),
+        default="PreferBackward",
+        doc="Pipeline schedule, by name: PreferBackward (1F1B, like PipeDream), PreferForward (GPipe), "
+        "ZeroBubble (ZB-H1: backward split into input and weight gradients), or one a plugin registers.",
+    ),
+    # 6.10 Auto parallel
+    ConfigKey(
+        name="auto.auto_parallel",
+        types=(bool,),
+        default=False,
+        doc="Cut an unannotated model into pipeline.num_stages balanced stages (between blocks such as "
+        "transformer layers, in forward's call order, cost estimated by parameter count).",
+    ),
+)
