@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from epl.comm.protocol import Communicator, ReduceOp
+from epl.interfaces.communicator import Communicator, ReduceOp
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64)
 #: Uneven sizes, including one element and sizes not divisible by the member count.

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import epl
-from epl.comm import LocalCommunicator
+from epl.builtin.local_communicator import LocalCommunicator
 
 
 def test_auto_and_torch_in_one_process_use_the_local_communicator() -> None:

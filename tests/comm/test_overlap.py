@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from epl.comm import LocalCommunicator
+from epl.builtin.local_communicator import LocalCommunicator
 from epl_comm.data_parallel import DataParallelReducer, ReducePolicy
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import epl
-from epl.cluster import Cluster
+from epl.interfaces.cluster import Cluster
 
 
 def test_no_launcher_is_one_local_process() -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epl.comm import LocalCommunicator, ReduceOp
+from epl.builtin.local_communicator import LocalCommunicator
+from epl.interfaces.communicator import ReduceOp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])

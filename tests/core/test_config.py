@@ -9,8 +9,10 @@ import pytest
 
 import epl
 import epl.plugins
-from epl.config import MANUAL_KEYS
 from epl.plugins import EplPluginManager
+
+#: Every declared key: the core's and those of the installed plugins (each declares its own).
+MANUAL_KEYS = tuple(EplPluginManager().config_schema().values())
 
 # The manual's configuration chapter (6.1 - 6.10): key -> default.
 MANUAL_DEFAULTS = {

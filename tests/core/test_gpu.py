@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import epl
-from epl.cluster import Cluster
+from epl.interfaces.cluster import Cluster
 
 pytestmark = [
     pytest.mark.gpu,

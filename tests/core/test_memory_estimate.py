@@ -14,8 +14,8 @@ from torch import nn
 
 import epl
 from epl.cli import make_cli
-from epl.engine.memory import optimizer_state_bytes
 from epl.placement.estimate import OPTIMIZER_STATES, MemoryEstimate
+from epl.runtime.memory import optimizer_state_bytes
 from tests.helpers.distributed import run_ranks
 
 

@@ -21,7 +21,7 @@ pytestmark = [
 
 SCRIPT = """
 import json, os, sys, epl
-from epl.cluster import Cluster
+from epl.interfaces.cluster import Cluster
 exported = Cluster.from_environ(cuda_available=False)
 local_vars = ("MPI_LOCALRANKID", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
 asked = Cluster.from_environ({k: v for k, v in os.environ.items() if k not in local_vars}, cuda_available=False)

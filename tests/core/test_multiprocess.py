@@ -15,7 +15,7 @@ def all_reduce_and_read_cluster(value: float) -> tuple[int, int, float, int]:
     import torch
     import torch.distributed as dist
 
-    from epl.cluster import Cluster
+    from epl.interfaces.cluster import Cluster
 
     init_gloo(timeout_seconds=30)
     cluster = Cluster.from_environ()

@@ -14,6 +14,7 @@ from torch import nn
 import epl
 from epl.cli import make_cli
 from epl.config import ConfigKey
+from epl.plugin_api import TransformPhase, WrapperPhase
 from epl.plugins import EplPluginManager, get_plugin_manager
 
 FAKE_PLUGIN = '''
@@ -175,26 +176,26 @@ def test_model_transforms_and_optimizer_wrappers_run_in_order() -> None:
     calls: list[str] = []
 
     class Scale:
-        def __init__(self, name: str, order: int) -> None:
-            self.name, self.order = name, order
+        def __init__(self, name: str, phase: TransformPhase) -> None:
+            self.name, self.phase = name, phase
 
         def __call__(self, model: nn.Module, context: object) -> nn.Module:
             calls.append(self.name)
             return model
 
     class Wrap:
-        name, order = "wrap", 0
+        name, phase = "wrap", WrapperPhase.PARTITION_OPTIMIZER
 
         def __call__(self, optimizer: torch.optim.Optimizer, context: object) -> torch.optim.Optimizer:
             calls.append("wrap")
-            assert isinstance(context, epl.engine.ParallelContext) and context.optimizer is optimizer
+            assert isinstance(context, epl.runtime.ParallelContext) and context.optimizer is optimizer
             return optimizer
 
     class Plugin:
         @epl.hookimpl
         def epl_model_transforms(self, context):  # type: ignore[no-untyped-def]
             assert context.plan.local
-            return [Scale("second", 2), Scale("first", 1)]
+            return [Scale("second", TransformPhase.CAST), Scale("first", TransformPhase.SHARD)]
 
         @epl.hookimpl
         def epl_optimizer_wrappers(self, context):  # type: ignore[no-untyped-def]
@@ -204,6 +205,39 @@ def test_model_transforms_and_optimizer_wrappers_run_in_order() -> None:
     epl.init()
     epl.parallelize(nn.Linear(2, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     assert calls == ["first", "second", "wrap"]
+
+
+def test_transforms_run_by_phase_then_name_and_need_a_phase() -> None:
+    calls: list[str] = []
+
+    class Step:
+        def __init__(self, name: str, phase: object) -> None:
+            self.name, self.phase = name, phase
+
+        def __call__(self, model: nn.Module, context: object) -> nn.Module:
+            calls.append(self.name)
+            return model
+
+    steps = [
+        Step("z-first", TransformPhase.KEEP_STAGE),
+        Step("b", TransformPhase.OFFLOAD),
+        Step("a", TransformPhase.OFFLOAD),
+    ]
+
+    class Plugin:
+        @epl.hookimpl
+        def epl_model_transforms(self, context):  # type: ignore[no-untyped-def]
+            return steps
+
+    get_plugin_manager().register(Plugin(), name="phases")
+    epl.init()
+    epl.parallelize(nn.Linear(2, 2))
+    assert calls == ["z-first", "a", "b"]  # the phase first, then the name: never the order plugins returned them
+
+    steps[:] = [Step("numbered", 100)]
+    epl.init()
+    with pytest.raises(epl.PluginError, match=r"'numbered' has no valid phase.*TransformPhase"):
+        epl.parallelize(nn.Linear(2, 2))
 
 
 def test_a_plugin_step_runner_overrides_the_core() -> None:
@@ -231,19 +265,50 @@ def test_several_processes_without_epl_comm_is_a_clear_error(monkeypatch: pytest
 
 
 def test_every_hook_is_documented_and_exercised() -> None:
-    from epl import hookspecs
+    from epl.plugins import hookspecs
 
     hooks = [name for name in dir(hookspecs) if name.startswith("epl_")]
-    assert len(hooks) == 12
+    assert len(hooks) == 13
     source = Path(__file__).read_text()
     for name in hooks:
         assert (getattr(hookspecs, name).__doc__ or "").strip(), f"{name} has no docstring"
         assert name in source, f"{name} is not exercised by a test in this file"
 
 
+def test_a_plugin_estimates_the_shards_of_split_taskgraphs() -> None:
+    """epl_estimate_shards: the Plan's memory comes from the answering plugin, not from the core's rules."""
+    seen: list[tuple[int, bool]] = []
+
+    class Thirds:  # every device holds a third of every parameter, whatever the rule would do
+        def __init__(self, model: nn.Module, taskgraphs: list) -> None:  # type: ignore[type-arg]
+            self.model, self.taskgraphs = model, taskgraphs
+
+        def pieces(self, taskgraph: int, position: int) -> dict[int, tuple[int, list]]:  # type: ignore[type-arg]
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            split = next(tg for tg in self.taskgraphs if tg.index == taskgraph)
+            return {
+                id(p): (i, [(names[id(p)], torch.empty(p.numel() // 3, device="meta"), True)])
+                for i, p in enumerate(split.parameters)
+            }
+
+    class Plugin:
+        @epl.hookimpl
+        def epl_estimate_shards(self, model, taskgraphs, plan, split_rules):  # type: ignore[no-untyped-def]
+            seen.append((len(taskgraphs), nn.Linear in split_rules))
+            return Thirds(model, taskgraphs)
+
+    get_plugin_manager().register(Plugin(), name="thirds")
+    epl.init()
+    with epl.split(2):
+        model = nn.Sequential(nn.Linear(8, 6))  # the core's rule would give shards of 3 x 8 + 3
+    plan = epl.plan(model, world_size=2)
+    assert seen == [(1, True)]
+    assert [m.parameter_bytes for m in plan.memory] == [(16 + 2) * 4] * 2
+
+
 def test_a_partition_plugin_replaces_the_taskgraphs_before_the_plan() -> None:
-    from epl.strategy.strategies import replicate
-    from epl.strategy.taskgraph import TaskGraph
+    from epl.annotations.strategies import replicate
+    from epl.annotations.taskgraph import TaskGraph
 
     class Halves:
         @epl.hookimpl

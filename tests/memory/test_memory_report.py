@@ -61,7 +61,7 @@ def test_zero_v0_holds_one_nth_of_the_states_per_device() -> None:
 
 def replica_of_two_devices() -> dict[str, int]:
     """replicate(2): one replica whose two devices split its batch; the report measures this device's half."""
-    from epl.engine.activations import SavedActivations
+    from epl.runtime.activations import SavedActivations
 
     epl.init(epl.Config({}))
     torch.manual_seed(0)

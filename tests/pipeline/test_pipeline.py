@@ -65,7 +65,7 @@ def train(strategy: str) -> dict[str, Any]:
     for x, y in batches(engine.num_replicas):
         share = slice(engine.replica_index * REPLICA_BATCH, (engine.replica_index + 1) * REPLICA_BATCH)
         losses.append(float(engine.step(x[share], y[share])))
-    runner = engine.context.extras["epl-pipeline"]["runner"]
+    runner = engine.context.step_runner
     return {
         "losses": losses,
         "stage": runner.stage,

@@ -66,8 +66,8 @@ def test_a_stage_that_raises_ends_the_job_with_its_error(tmp_path: Path) -> None
 
 def test_sizes_that_do_not_divide_are_named() -> None:
     import epl
-    from epl.engine.batch import split_batch
     from epl.errors import EplError, PlacementError
+    from epl.runtime.batch import split_batch
 
     epl.init(epl.Config({"pipeline.num_micro_batch": 4}))
     with epl.replicate(1, name="a"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epl.schedule import Action, ActionKind
+from epl.interfaces.schedule import Action, ActionKind
 from epl_pipeline.schedules import SCHEDULES, check, gpipe, one_f_one_b, peak_in_flight, simulate, zero_bubble
 
 GRID = [(stages, micro) for stages in range(1, 9) for micro in range(1, 17)]

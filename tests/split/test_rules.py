@@ -27,7 +27,7 @@ ROWS = 8
 
 def _group(batch_split: bool) -> Any:
     import epl
-    from epl.sharding.group import ShardGroup
+    from epl.interfaces.shard_group import ShardGroup
 
     env = epl.init()
     return ShardGroup(env.communicator, batch_split=batch_split)
@@ -80,10 +80,10 @@ def _check_against_whole(
 
 
 def every_rule(batch_split: bool) -> dict[str, dict[str, int]]:
+    from epl.interfaces.split_rule import ShardContext
     from epl.nn import Experts
     from epl.sharding.cross_entropy import sharded_cross_entropy
     from epl.sharding.rules import BUILTIN_RULES
-    from epl.strategy.split_rule import ShardContext
 
     group = _group(batch_split)
     rows = ROWS * (group.count if batch_split else 1)

@@ -116,7 +116,6 @@ def build(kind: str, dtype: torch.dtype, k: int, world_size: int) -> nn.Module:
 def train(kind: str, dtype: torch.dtype, k: int = 1) -> dict[str, Any]:
     """One rank: train with EPL; return losses, the whole state and the collectives of each step."""
     import epl
-    from epl.sharding.transform import EXTRAS_KEY
 
     config = {"cluster.colocate_split_and_replicate": True} if kind in ("classification", "moe") else {}
     env = epl.init(epl.Config(config))
@@ -124,7 +123,7 @@ def train(kind: str, dtype: torch.dtype, k: int = 1) -> dict[str, Any]:
     loss_fn = LOSSES.get(kind, nn.MSELoss)()
     engine = epl.parallelize(model, optimizer=lambda p: torch.optim.Adam(p, lr=0.01), loss_fn=loss_fn)
     batches = data(kind, engine.num_replicas, dtype, env.cluster.world_size)
-    groups = engine.context.extras[EXTRAS_KEY].groups
+    groups = engine.context.shard_groups
     losses, steps = [], []
     for x, y in batches:
         before = [Counter(group.collectives) for group in groups.values()]
