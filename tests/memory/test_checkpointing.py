@@ -83,15 +83,15 @@ def train(config: dict[str, Any], build: Any = Tower, mark: Any = None) -> dict[
         rows = slice(engine.replica_index * share, (engine.replica_index + 1) * share)
         torch.manual_seed(10 + len(losses))  # dropout's stream, the same in every run
         losses.append(float(engine.step(x[rows], y[rows].double())))
-    from epl_memory.state import MemoryState
+    from epl_memory.checkpointing import CheckpointingState
 
-    state = engine.context.state(MemoryState)
-    check = state.gradient_check
+    state = engine.context.state(CheckpointingState)
+    check = state.check
     return {
         "losses": losses,
         "state": {k: v.clone() for k, v in engine.model.state_dict().items()},
         "saved": saved_bytes(engine.model, batches()[0][0]) if engine.plan.num_stages == 1 else None,
-        "plan": state.checkpoint_plan.describe() if state.checkpoint_plan is not None else None,
+        "plan": state.plan.describe() if state.plan is not None else None,
         "check": dict(check.results) if check is not None else None,
         "rank": env.cluster.rank,
     }

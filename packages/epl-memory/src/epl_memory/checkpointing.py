@@ -194,3 +194,13 @@ def apply_plan(model: nn.Module, plan: CheckpointPlan, check: GradientCheck | No
 
 def _holds_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
+
+
+@dataclass
+class CheckpointingState:
+    """Gradient checkpointing's state in a ParallelContext (``context.state(CheckpointingState)``)."""
+
+    #: The modules it recomputes.
+    plan: CheckpointPlan | None = None
+    #: The recomputation check (``gradient_checkpoint.check_gradients``), if on.
+    check: GradientCheck | None = None

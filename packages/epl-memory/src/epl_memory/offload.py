@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,7 +18,6 @@ from torch import nn
 
 from epl.plugin_api import TransformPhase, WrapperPhase
 from epl_memory.residency import JustInTimeParameters
-from epl_memory.state import MemoryState
 
 if TYPE_CHECKING:
     from epl.plugin_api import ParallelContext
@@ -92,6 +92,14 @@ def _host_copy(param: nn.Parameter, pin: bool) -> torch.Tensor:
     return copy.pin_memory() if pin else copy
 
 
+@dataclass
+class OffloadState:
+    """Offload's state in a ParallelContext: made by :class:`OffloadWeights`, read by :class:`OffloadStep`."""
+
+    #: This device's weights, kept in host memory and fetched while used (None on a CPU device: nothing moves).
+    moving: JustInTimeParameters | None = None
+
+
 class OffloadWeights:
     """Model transform (``offload.level = v0``): weights in host memory, on the device only while used."""
 
@@ -105,7 +113,7 @@ class OffloadWeights:
             return model
         from epl_memory.residency import stage_entries
 
-        context.state(MemoryState).offload = offload_parameters(model, stage_entries(model, context))
+        context.state(OffloadState).moving = offload_parameters(model, stage_entries(model, context))
         return model
 
 
@@ -117,7 +125,7 @@ class OffloadStep:
 
     def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
         """Add the fetch and store around ``optimizer.step``; return ``optimizer``."""
-        moving = context.state(MemoryState).offload
+        moving = context.state(OffloadState).moving
         if moving is not None:
             step_with_parameters_fetched(optimizer, moving)
         return optimizer

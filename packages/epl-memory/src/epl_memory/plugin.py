@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from epl.plugin_api import TransformPhase, WrapperPhase, hookimpl
-from epl_memory.state import MemoryState
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -31,7 +30,13 @@ class GradientCheckpointing:
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """Checkpoint the chosen modules of ``model`` in place; return it."""
-        from epl_memory.checkpointing import GradientCheck, apply_plan, plan_auto, plan_collection
+        from epl_memory.checkpointing import (
+            CheckpointingState,
+            GradientCheck,
+            apply_plan,
+            plan_auto,
+            plan_collection,
+        )
 
         config = context.config
         end = config["gradient_checkpoint.end_taskgraph"]
@@ -46,8 +51,8 @@ class GradientCheckpointing:
         plan = choose(model, allowed)
         check = GradientCheck() if config["gradient_checkpoint.check_gradients"] else None
         apply_plan(model, plan, check)
-        state = context.state(MemoryState)
-        state.checkpoint_plan, state.gradient_check = plan, check
+        state = context.state(CheckpointingState)
+        state.plan, state.check = plan, check
         return model
 
 

@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from epl.plugin_api import Communicator, ConfigError, TransformPhase, WrapperPhase, broadcast_tensors, group_options
-from epl_memory.state import MemoryState
 
 if TYPE_CHECKING:
     from epl.plugin_api import ParallelContext
+    from epl_memory.residency import JustInTimeParameters
 
 
 def balanced_partition(params: Sequence[nn.Parameter], parts: int) -> list[list[nn.Parameter]]:
@@ -171,6 +171,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.local.load_state_dict(state_dict)
 
 
+@dataclass
+class ZeroState:
+    """ZeRO's state in a ParallelContext: made by :class:`ZeroPartitioning`, read by :class:`ZeroStatePartition`."""
+
+    #: The partition of the parameters over each group of copies.
+    partitions: list[Partition] | None = None
+    #: v2: the parameters fetched just in time.
+    residency: JustInTimeParameters | None = None
+
+
 class ZeroPartitioning:
     """Model transform (``zero.level``): choose each parameter's owner; from v1 on, route gradients to it.
 
@@ -185,8 +195,8 @@ class ZeroPartitioning:
         """Partition ``model``'s parameters over their copies; record it in ``context``; return ``model``."""
         level = context.config["zero.level"]
         partitions = partitions_over(context.copy_communicators(), context.copies_of_tensors(list(model.parameters())))
-        state = context.state(MemoryState)
-        state.zero_partitions = partitions
+        state = context.state(ZeroState)
+        state.partitions = partitions
         if level in ("v1", "v2"):
             for part in partitions:
                 context.gradient_owners.update(part.owner_of())
@@ -195,7 +205,7 @@ class ZeroPartitioning:
 
             moving = JustInTimeParameters(model, OwnerShards(partitions), stage_entries(model, context))
             moving.release_all()
-            state.zero_residency = moving
+            state.residency = moving
         return model
 
 
@@ -207,11 +217,11 @@ class ZeroStatePartition:
 
     def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
         """Rebuild ``optimizer`` over this device's partition (made by :class:`ZeroPartitioning`)."""
-        state = context.state(MemoryState)
-        assert state.zero_partitions is not None, "ZeroPartitioning (a model transform) runs before the optimizer"
-        moving = state.zero_residency
+        state = context.state(ZeroState)
+        assert state.partitions is not None, "ZeroPartitioning (a model transform) runs before the optimizer"
+        moving = state.residency
         fetched = moving.params if moving is not None else ()
-        zero = ZeroOptimizer(optimizer, state.zero_partitions, fetched_when_used=fetched)
+        zero = ZeroOptimizer(optimizer, state.partitions, fetched_when_used=fetched)
         if moving is not None:  # what a step fetched but no gradient released (frozen or unused parameters)
             zero.register_step_post_hook(lambda *_: moving.release_all())
         return zero

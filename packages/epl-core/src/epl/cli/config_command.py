@@ -58,7 +58,30 @@ def render_table(config: Config) -> str:
             f"env {key.env_var}; package {_package(key)}"
         )
         lines.append(f"      {key.doc}")
+    lines += _absent_packages()
     return "\n".join(lines)
+
+
+def _absent_packages() -> list[str]:
+    """A line per package of :data:`epl.config.KEY_OWNERS` that is not installed: its keys are not listed."""
+    from epl.config import KEY_OWNERS
+    from epl.plugins import get_plugin_manager
+
+    manager = get_plugin_manager()
+    absent: dict[str, list[str]] = {}
+    for prefix, package in KEY_OWNERS.items():
+        if not manager.has_plugin(package):
+            absent.setdefault(package, []).append(prefix + "*" if prefix.endswith(".") else prefix)
+    lines = []
+    for package, prefixes in absent.items():
+        blocked = package in manager.blocked
+        state, fix = (
+            ("blocked", "unblock it in EPL_DISABLE_EXTERNAL_PLUGINS")
+            if blocked
+            else ("not installed", f"pip install {package}")
+        )
+        lines.append(f"\n({package} is {state}: its keys {', '.join(prefixes)} are not listed; {fix})")
+    return lines
 
 
 def render_markdown(config: Config) -> str:

@@ -12,9 +12,10 @@ from typing import Any
 
 from torch import nn
 
-import epl
+from epl.annotations import replicate, set_default_strategy, split
 from epl.examples.models import ConvFeatures, MoEBlock
 from epl.nn import Experts, MoE, TopKGate
+from epl.runtime.env import Env
 
 
 @dataclass(frozen=True)
@@ -29,27 +30,27 @@ class ManualExample:
 
 def data_parallel() -> nn.Module:
     """Manual 1.2.1 / 5.1: the whole model under ``replicate(device_count=1)``."""
-    with epl.replicate(device_count=1):
+    with replicate(device_count=1):
         return nn.Sequential(nn.Linear(20, 2), nn.Linear(2, 10))
 
 
 def pipeline() -> nn.Module:
     """Manual 1.2.2 / 5.2: two stages, one device each."""
-    with epl.replicate(device_count=1, name="stage_0"):
+    with replicate(device_count=1, name="stage_0"):
         stage0 = nn.Sequential(nn.Linear(12, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU())
-    with epl.replicate(device_count=1, name="stage_1"):
+    with replicate(device_count=1, name="stage_1"):
         stage1 = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 12))
     return nn.Sequential(stage0, stage1)
 
 
 def bert_stages() -> nn.Module:
     """Manual 8.2.1: each ``set_default_strategy`` call opens the next pipeline stage."""
-    epl.set_default_strategy(epl.replicate(1))
+    set_default_strategy(replicate(1))
     stage0 = nn.Sequential(
         nn.Embedding(1000, 32),
         nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True),
     )
-    epl.set_default_strategy(epl.replicate(1))
+    set_default_strategy(replicate(1))
     stage1 = nn.Sequential(
         nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True),
         nn.Linear(32, 2),
@@ -59,24 +60,24 @@ def bert_stages() -> nn.Module:
 
 def classification() -> nn.Module:
     """Manual 5.3.1: replicated features and a split classifier, colocated on the same devices."""
-    devices = epl.Env.get().cluster.total_gpu_num
-    with epl.replicate(devices, name="features"):
+    devices = Env.get().cluster.total_gpu_num
+    with replicate(devices, name="features"):
         features = ConvFeatures(64)
-    with epl.split(devices, name="classifier"):
+    with split(devices, name="classifier"):
         classifier = nn.Linear(64, 1000)
     return nn.Sequential(features, classifier)
 
 
 def moe() -> nn.Module:
     """Manual 5.3.2: attention and gating replicated by default, experts split (expert parallel)."""
-    devices = epl.Env.get().cluster.total_gpu_num
+    devices = Env.get().cluster.total_gpu_num
     experts = 2 * devices
-    epl.set_default_strategy(epl.replicate(devices, name="attention_and_gating"))
+    set_default_strategy(replicate(devices, name="attention_and_gating"))
     attention = nn.MultiheadAttention(16, 2, batch_first=True)
     gate = TopKGate(16, experts, k=2, capacity_factor=1.25)
-    with epl.split(devices, name="experts"):
+    with split(devices, name="experts"):
         expert_weights = Experts(experts, 16, 32)
-    epl.set_default_strategy(None)
+    set_default_strategy(None)
     return MoEBlock(attention, MoE(gate, expert_weights))
 
 
@@ -85,7 +86,7 @@ def by_hand() -> nn.Module:
     widths = [12, 256, 128, 64, 8, 64, 128, 256, 12]
     stages = []
     for stage in range(4):
-        with epl.replicate(1, name=f"stage_{stage}"):
+        with replicate(1, name=f"stage_{stage}"):
             a, b, c = widths[2 * stage : 2 * stage + 3]
             layers: list[nn.Module] = [nn.Linear(a, b), nn.ReLU(), nn.Linear(b, c)]
             if stage < 3:

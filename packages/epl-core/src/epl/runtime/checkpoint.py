@@ -76,6 +76,7 @@ class Engine(Protocol):
         """Restore what ``state_dict`` returned."""
         ...
 
+
 #: Identifies the layout of the directory.
 FORMAT = "epl-checkpoint/1"
 _PIECE = "shard{index}of{count}dim{dim}"
