@@ -78,9 +78,9 @@ def test_checkpointing_against_torch_and_against_none() -> None:
 
     epl.init(epl.Config({"gradient_checkpoint.type": "auto"}))
     engine = epl.parallelize(build(), optimizer=lambda p: torch.optim.SGD(p, lr=0.01), loss_fn=nn.MSELoss())
-    from epl_memory.state import MemoryState
+    from epl_memory.checkpointing import CheckpointingState
 
-    plan = engine.context.state(MemoryState).checkpoint_plan
+    plan = engine.context.state(CheckpointingState).plan
     assert plan is not None and plan.describe() == f"{LAYERS} modules"
     plain, by_hand = build(), build(recompute=True)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01)

@@ -20,7 +20,7 @@ either); EPL also broadcasts the replica's mean loss to every stage (its API ret
 Also measured, per stage: the peak bytes of activations saved for backward under GPipe
 and under 1F1B, for EPL (asserted: 1F1B keeps at most ``S - s`` micro-batches in flight
 on stage s, GPipe all ``M``) and for torch alongside as a cross-check. See
-:class:`epl.engine.activations.SavedActivations` for how.
+:class:`epl.runtime.activations.SavedActivations` for how.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import pytest
 from tests.helpers.distributed import run_ranks
 
 from benchmarks.harness import save_result, short_mode
-from epl.engine.activations import SavedActivations
+from epl.runtime.activations import SavedActivations
 
 if TYPE_CHECKING:
     import torch

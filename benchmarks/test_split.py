@@ -184,8 +184,8 @@ def race_cross_entropy(rounds: int) -> dict[str, Any]:
 
     import epl
     from benchmarks.harness import compare
+    from epl.interfaces.shard_group import ShardGroup
     from epl.sharding.cross_entropy import sharded_cross_entropy
-    from epl.sharding.group import ShardGroup
 
     env = epl.init(epl.Config({}))
     group = ShardGroup(env.communicator)

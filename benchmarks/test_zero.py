@@ -19,7 +19,7 @@ the same training steps: per-rank losses equal within ``LOSS_RTOL``. Then per ra
 * step time, EPL / torch: the median of per-round ratios of alternating rounds
   (``benchmarks.harness.compare``, a barrier before each), after warm-up;
 * the bytes the rank holds after a step, each storage counted once
-  (``epl.engine.memory.tensor_bytes``): parameters, gradients, optimizer states (tensor
+  (``epl.runtime.memory.tensor_bytes``): parameters, gradients, optimizer states (tensor
   states, not the 0-dim step counters). EPL: ``engine.memory_report()``; torch: the local
   parameters (FSDP2: ``DTensor.to_local()``, whose storage includes FSDP2's padding), their
   ``.grad``, the state of ZeroRedundancyOptimizer's local optimizer or of Adam;
@@ -95,7 +95,7 @@ def batches(rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def reducer_buffer_bytes(engine: Any) -> int:
     """Bytes of the flat buffers EPL's gradient reducer keeps between steps (outside ``.grad``)."""
-    from epl.engine.memory import tensor_bytes
+    from epl.runtime.memory import tensor_bytes
 
     buckets = getattr(engine.context.gradient_reducer, "buckets", [])
     grads = {p.grad.untyped_storage().data_ptr() for p in engine.model.parameters() if p.grad is not None}
@@ -138,7 +138,7 @@ class TorchSide:
         return loss.detach()
 
     def held_bytes(self) -> dict[str, int]:
-        from epl.engine.memory import tensor_bytes
+        from epl.runtime.memory import tensor_bytes
 
         def local(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import epl
-from epl.engine.memory import MemoryReport
+from epl.runtime.memory import MemoryReport
 
 BAR_WIDTH = 24
 
