@@ -15,6 +15,9 @@ ROOT = Path(__file__).parent
 PACKAGES = sorted(str(p.parent) for p in (ROOT / "packages").glob("*/pyproject.toml"))
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 TEST_TOOLS = ("pytest", "pytest-timeout", "pytest-benchmark", "numpy", "mpi4py", "mpich", "transformers")
+#: benchmarks/report.py draws its plots with matplotlib: a dependency of the benchmarks only (and of
+#: tests/benchmarks, which render the report), in no package.
+BENCH_TOOLS = ("matplotlib",)
 SINGLE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 nox.options.sessions = ["lint", "tests"]
@@ -38,7 +41,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(tags=["ci"])
 def tests(session: nox.Session) -> None:
     """The test suite (multi-process tests included); extra arguments go to pytest."""
-    install_packages(session, *TEST_TOOLS)
+    install_packages(session, *TEST_TOOLS, *BENCH_TOOLS)
     session.run("pytest", "tests", *session.posargs, env=SINGLE_THREAD)
 
 
@@ -47,7 +50,7 @@ def bench(session: nox.Session) -> None:
     """Every benchmark, EPL against PyTorch's own equivalent (results in benchmarks/results/), then the
     report docs/benchmarks.md and its plots docs/benchmarks/*.svg; the report is written even when a
     benchmark fails (from the results there are), and the session still fails."""
-    install_packages(session, *TEST_TOOLS)
+    install_packages(session, *TEST_TOOLS, *BENCH_TOOLS)
     try:
         session.run("pytest", "benchmarks", "-s", *session.posargs, env=SINGLE_THREAD)
     finally:
@@ -56,9 +59,11 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(name="bench-short", tags=["ci"])
 def bench_short(session: nox.Session) -> None:
-    """The benchmarks in short mode, so that they never rot (CI)."""
-    install_packages(session, *TEST_TOOLS)
+    """The benchmarks in short mode, so that they never rot (CI), then their report, rendered into the
+    session's temporary folder (docs/benchmarks.md keeps the figures of a full run)."""
+    install_packages(session, *TEST_TOOLS, *BENCH_TOOLS)
     session.run("pytest", "benchmarks", "-s", *session.posargs, env={**SINGLE_THREAD, "EPL_BENCH_SHORT": "1"})
+    session.run("python", "-m", "benchmarks.report", "--out", str(Path(session.create_tmp()) / "benchmarks.md"))
 
 
 @nox.session

@@ -15,13 +15,22 @@ from typing import Any
 import pytest
 from tests.helpers.distributed import run_ranks
 
-from benchmarks.harness import compare, save_result, short_mode
+from benchmarks.harness import Ratio, ResultRow, Section, compare, record, short_mode
 
 pytestmark = pytest.mark.multiprocess
 
 #: Widths of the MLP (short: 0.8M parameters, full: 6.3M); passed to the ranks, which do not see the mode.
 SHORT_WIDTHS, FULL_WIDTHS = (256, 1024, 512, 256), (512, 2048, 2048, 512)
 MAX_RATIO = 3.0  # gross regressions only: disk timings on a shared machine are noisy
+SECTION = Section(
+    "Checkpoints",
+    __file__,
+    "Seconds per save and per load of EPL's `engine.save` / `engine.load` (logical, layout-free state through "
+    "torch.distributed.checkpoint: whole tensors under the model's names, optimizer states per parameter, "
+    "RNG and step, written atomically) over `torch.distributed.checkpoint` used by hand (`dcp.save` / "
+    "`dcp.load` of the model's and optimizer's `state_dict`), the same MLP with Adam on 2 processes, local "
+    "disk; the larger of the two ranks' ratios. Disk timings on a shared machine are noisy.",
+)
 
 
 def race(folder: str, widths: tuple[int, ...], rounds: int, calls: int) -> dict[str, Any]:
@@ -79,7 +88,19 @@ def test_checkpoint_save_and_load_against_dcp_by_hand() -> None:
         "save_ratio_per_rank": [r["save"] for r in results],
         "load_ratio_per_rank": [r["load"] for r in results],
     }
-    save_result("checkpoint", figures)
+    rows, details = [], []
+    for what in ("save", "load"):
+        per_rank = figures[f"{what}_ratio_per_rank"]
+        rows.append(
+            ResultRow(
+                f"Checkpoint {what}, {figures['parameters'] / 1e6:.1f}M-parameter MLP + Adam, 2 processes",
+                f"`torch.distributed.checkpoint` by hand (`dcp.{what}`)",
+                time=(Ratio(max(per_rank)),),
+                plot=f"checkpoint {what} vs dcp.{what}",
+            )
+        )
+        details.append(f"{what}: EPL / dcp per rank " + ", ".join(f"{r:.3f}" for r in per_rank))
+    record("checkpoint", rows, section=SECTION, details=details)
     print("\n" + "\n".join(results[0]["lines"]), figures)
     assert max(figures["save_ratio_per_rank"]) < MAX_RATIO, figures
     assert max(figures["load_ratio_per_rank"]) < MAX_RATIO, figures

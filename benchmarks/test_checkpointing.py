@@ -23,7 +23,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import epl
-from benchmarks.harness import compare, save_result, short_mode
+from benchmarks.harness import Ratio, ResultRow, Section, compare, mib, ms, record, short_mode
 from epl_memory.measure import kept_allocated_bytes, steady_peak_allocated_bytes
 
 LAYERS, WIDTH, HEADS, BATCH, SEQUENCE = 12, 64, 4, 8, 64 if short_mode() else 128
@@ -31,6 +31,15 @@ LAYERS, WIDTH, HEADS, BATCH, SEQUENCE = 12, 64, 4, 8, 64 if short_mode() else 12
 MAX_TIME_RATIO = 3.0  # a gross regression; the issue's target is reported, not asserted:
 TARGET_TIME_RATIO = 1.35  # not met by recomputing every layer on this 2-core CPU (1.4-2.0 measured)
 MAX_TIME_RATIO_AGAINST_TORCH = 2.0 if short_mode() else 1.15
+SECTION = Section(
+    "Gradient checkpointing",
+    __file__,
+    'EPL `gradient_checkpoint.type = "auto"` on 12 transformer layers, one thread, over no checkpointing '
+    "and over the same layers wrapped by hand in `torch.utils.checkpoint`. Memory: *activations* kept "
+    "after a forward (target against none: <= 0.5), *step peak* of a training step. Time: step time; "
+    "against none it is the cost of recomputation (issue target 1.35, not met on this 2-core CPU), "
+    "against torch EPL's own overhead.",
+)
 
 
 class Encoder(nn.Module):
@@ -134,7 +143,39 @@ def test_checkpointing_against_torch_and_against_none() -> None:
         "torch_ms": against_torch.baseline_s * 1e3,
         "epl_ms": against_plain.epl_s * 1e3,
     }
-    save_result("checkpointing", figures)
+    feature = f"Gradient checkpointing `auto`, {LAYERS} layers"
+    rows = [
+        ResultRow(
+            feature,
+            "no checkpointing",
+            time=(Ratio(against_plain.ratio),),
+            memory=(
+                Ratio(kept["epl"] / kept["plain"], "activations"),
+                Ratio(peaks["epl"] / peaks["plain"], "step peak"),
+            ),
+            plot="checkpointing vs none",
+        ),
+        ResultRow(
+            feature,
+            "`torch.utils.checkpoint` by hand",
+            time=(Ratio(against_torch.ratio),),
+            memory=(
+                Ratio(kept["epl"] / kept["torch"], "activations"),
+                Ratio(peaks["epl"] / peaks["torch"], "step peak"),
+            ),
+            plot="checkpointing vs torch.utils.checkpoint",
+        ),
+    ]
+    met = "met" if figures["time_target_met"] else "not met"
+    details = [
+        f"step time: EPL {ms(figures['epl_ms'])}, torch.utils.checkpoint {ms(figures['torch_ms'])}, "
+        f"none {ms(figures['plain_ms'])} (batch {BATCH}, sequence {SEQUENCE}); "
+        f"time target (<= {TARGET_TIME_RATIO} x none) {met}",
+        f"activations kept after forward: EPL {mib(kept['epl'])}, torch {mib(kept['torch'])}, "
+        f"none {mib(kept['plain'])}",
+        f"peak of a step: EPL {mib(peaks['epl'])}, torch {mib(peaks['torch'])}, none {mib(peaks['plain'])}",
+    ]
+    record("checkpointing", rows, section=SECTION, details=details)
     print(
         f"\ncheckpointing {LAYERS} layers: activations kept EPL {kept['epl'] / 2**20:.1f} MiB, torch "
         f"{kept['torch'] / 2**20:.1f} MiB, none {kept['plain'] / 2**20:.1f} MiB "

@@ -12,13 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import compare, short_mode
+from benchmarks.harness import ResultRow, Section, compare, record, short_mode
 
 pytestmark = pytest.mark.multiprocess
 
 BIN = Path(sys.executable).parent
 READY = "import epl\nenv = epl.init()\nenv.communicator.barrier().wait()\n"
 MAX_RATIO = 1.5 if short_mode() else 1.10
+SECTION = Section(
+    "Launch",
+    __file__,
+    "Wall time from the command to 2 ranks joined and through a barrier (`epl.init()` + barrier), "
+    "`epl launch` over `torchrun`. Target <= 1.0.",
+)
 
 
 def test_launch_to_ready_against_torchrun(tmp_path: Path) -> None:
@@ -39,4 +45,10 @@ def test_launch_to_ready_against_torchrun(tmp_path: Path) -> None:
         calls_per_round=1,
         warmup=1,
     )
+    row = ResultRow("`epl launch` to 2 ranks ready", "`torchrun`", plot="epl launch vs torchrun")
+    detail = (
+        f"torchrun {result.baseline_s:.2f} s, epl launch {result.epl_s:.2f} s, ratio {result.ratio:.3f} "
+        f"(median of {result.rounds} rounds)"
+    )
+    record("launch_to_ready_vs_torchrun", [result.row(row)], section=SECTION, details=[detail])
     assert result.ratio < MAX_RATIO, result.line()

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from tests.helpers.distributed import run_ranks
 
-from benchmarks.harness import save_result, short_mode
+from benchmarks.harness import MIB, Ratio, ResultRow, Section, mib, ms, record, short_mode
 from epl_memory.measure import peak_allocated_bytes, trace_events
 
 if TYPE_CHECKING:
@@ -59,6 +59,20 @@ CE_ROWS = 256
 CE_CLASSES = 32768
 #: EPL's peak bytes over the gathered version's: about 1/2 expected on 2 devices.
 MAX_MEMORY_RATIO = 0.75
+SPLIT_MLP = Section(
+    "Tensor parallelism (split)",
+    __file__,
+    "Step time of a Megatron MLP block (512-2048-512) split over 2 processes by `epl.split(2)`, over the "
+    "same block sharded by DTensor's `parallelize_module` with `ColwiseParallel` / `RowwiseParallel`; "
+    "the same collectives on both sides (checked). Target <= 1.00.",
+)
+CROSS_ENTROPY = Section(
+    "Parallel cross-entropy",
+    __file__,
+    "EPL's `sharded_cross_entropy` over logits sharded by class on 2 processes, against all-gathering the "
+    "logits and calling `F.cross_entropy`: peak bytes allocated by forward + backward (the larger of the "
+    "two ranks; about 1/2 expected on 2 devices, asserted < 0.75) and time.",
+)
 
 
 def mlp() -> torch.nn.Sequential:
@@ -273,7 +287,18 @@ def test_split_mlp_against_dtensor() -> None:
     """Column- then row-parallel MLP block on 2 processes: EPL's ``epl.split`` against DTensor's parallelize_module."""
     rounds, steps = (5, 5) if short_mode() else (21, 20)
     first, _ = run_ranks(race_against_dtensor, 2, rounds, steps, timeout=600)
-    save_result("split_mlp_vs_dtensor", {"width": WIDTH, "hidden": 4 * WIDTH, "batch": BATCH, **first})
+    row = ResultRow(
+        "Tensor-parallel MLP block (`epl.split`), 2 processes",
+        "DTensor `parallelize_module` (Colwise/Rowwise)",
+        time=(Ratio(first["ratio"]),),
+        plot="split MLP vs DTensor",
+    )
+    detail = (
+        f"MLP {WIDTH}-{4 * WIDTH}-{WIDTH}, batch {BATCH}: DTensor {ms(first['torch_ms'])}, EPL {ms(first['epl_ms'])} "
+        f"per step, ratio {first['ratio']:.3f}; collectives per step EPL {first['epl_collectives_per_step']}, "
+        f"DTensor {first['torch_collectives_per_step']}"
+    )
+    record("split_mlp_vs_dtensor", [row], section=SPLIT_MLP, details=[detail])
     print(
         f"\nsplit MLP {WIDTH}-{4 * WIDTH}-{WIDTH}, batch {BATCH}, 2 processes: "
         f"DTensor {first['torch_ms']:.2f} ms/step, EPL {first['epl_ms']:.2f} ms/step, ratio {first['ratio']:.3f} "
@@ -288,20 +313,23 @@ def test_sharded_cross_entropy_memory() -> None:
     rounds = 5 if short_mode() else 21
     ranks = run_ranks(race_cross_entropy, 2, rounds, timeout=600)
     first = ranks[0]
-    save_result(
-        "split_cross_entropy_vs_gathered",
-        {
-            "rows": CE_ROWS,
-            "classes": CE_CLASSES,
-            **first,
-            "memory_ratio_per_rank": [r["memory_ratio"] for r in ranks],
-        },
+    row = ResultRow(
+        "Parallel cross-entropy, 2 processes",
+        "all-gathered logits + `F.cross_entropy`",
+        time=(Ratio(first["time_ratio"]),),
+        memory=(Ratio(max(r["memory_ratio"] for r in ranks), "peak"),),
+        plot="parallel cross-entropy vs all-gathered logits",
     )
-    mib = 1 << 20
+    detail = (
+        f"{CE_ROWS} rows x {CE_CLASSES} classes: peak allocated EPL {mib(first['epl_peak_bytes'])}, "
+        f"gathered {mib(first['gathered_peak_bytes'])} (logits shard {mib(first['logits_shard_bytes'])}); "
+        f"time EPL {ms(first['epl_ms'])}, gathered {ms(first['gathered_ms'])}"
+    )
+    record("split_cross_entropy_vs_gathered", [row], section=CROSS_ENTROPY, details=[detail])
     print(
         f"\ncross-entropy {CE_ROWS} x {CE_CLASSES} classes on 2 processes, forward + backward: peak allocated "
-        f"gathered {first['gathered_peak_bytes'] / mib:.1f} MiB, EPL {first['epl_peak_bytes'] / mib:.1f} MiB "
-        f"(logits shard {first['logits_shard_bytes'] / mib:.1f} MiB), ratio {first['memory_ratio']:.3f}; "
+        f"gathered {first['gathered_peak_bytes'] / MIB:.1f} MiB, EPL {first['epl_peak_bytes'] / MIB:.1f} MiB "
+        f"(logits shard {first['logits_shard_bytes'] / MIB:.1f} MiB), ratio {first['memory_ratio']:.3f}; "
         f"time gathered {first['gathered_ms']:.2f} ms, EPL {first['epl_ms']:.2f} ms, ratio {first['time_ratio']:.3f}"
     )
     for r in ranks:

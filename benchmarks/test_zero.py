@@ -46,7 +46,7 @@ import torch
 from tests.helpers.distributed import run_ranks
 from torch import nn
 
-from benchmarks.harness import save_result, short_mode
+from benchmarks.harness import Ratio, ResultRow, Section, mib, ms, record, short_mode
 from epl_memory.measure import steady_peak_allocated_bytes
 
 pytestmark = pytest.mark.multiprocess
@@ -54,6 +54,23 @@ pytestmark = pytest.mark.multiprocess
 LEVELS = ["v0", "v1", "v2"]
 #: The PyTorch sides each EPL level is compared with.
 COUNTERPARTS = {"v0": ("ddp+zero",), "v1": ("ddp+zero", "fsdp2-grad-op"), "v2": ("fsdp2",)}
+#: What each level partitions, and how the report names each PyTorch side (in the table; in the plots).
+PARTITIONS = {"v0": "optimizer states", "v1": "states + gradients", "v2": "states + gradients + parameters"}
+NAMES = {
+    "ddp+zero": ("DDP + `ZeroRedundancyOptimizer`", "DDP + ZeroRedundancyOptimizer"),
+    "fsdp2-grad-op": ("FSDP2, no reshard after forward", "FSDP2 no reshard"),
+    "fsdp2": ("FSDP2 `fully_shard`", "FSDP2"),
+}
+SECTION = Section(
+    "ZeRO",
+    __file__,
+    "EPL `zero.level` v0/v1/v2 against PyTorch's counterparts on 2 processes (gloo), the same 1.44M-parameter "
+    "MLP with Adam: v0 against DDP + `ZeroRedundancyOptimizer`; v1 against it and against FSDP2 without "
+    "reshard; v2 against FSDP2. Time: step time, the larger of the two ranks' ratios. Memory: *held* is "
+    "the bytes of parameters, gradients, optimizer states and buffers a rank holds after a step, *step "
+    "peak* what a step allocates above that; each is the most-loaded rank of EPL over the most-loaded "
+    "rank of torch (what decides whether a model fits).",
+)
 #: Widths of the MLP: blocks Linear + LayerNorm + GELU, then a head (uneven sizes, about 1.44M parameters).
 WIDTHS = (256, 1000, 777, 512, 10)
 #: Rows per rank (the global batch is twice this).
@@ -246,6 +263,34 @@ def table(level: str, results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def rows_and_details(level: str, results: list[dict[str, Any]]) -> tuple[list[ResultRow], list[str]]:
+    """A row per PyTorch side (the most-loaded ranks' ratios) and a detail line per side and rank."""
+    rows, details = [], []
+    for kind in COUNTERPARTS[level]:
+        held = [(sum(r["held_bytes"]["epl"].values()), sum(r["held_bytes"][kind].values())) for r in results]
+        peaks = [(r["step_peak_bytes"]["epl"], r["step_peak_bytes"][kind]) for r in results]
+        rows.append(
+            ResultRow(
+                f"ZeRO {level} ({PARTITIONS[level]}), 2 processes",
+                NAMES[kind][0],
+                time=(Ratio(max(r["timing"][kind]["ratio"] for r in results)),),
+                memory=(
+                    Ratio(max(e for e, _ in held) / max(t for _, t in held), "held"),
+                    Ratio(max(e for e, _ in peaks) / max(t for _, t in peaks), "step peak"),
+                ),
+                plot=f"ZeRO {level} vs {NAMES[kind][1]}",
+            )
+        )
+        for r, (ours, theirs), (peak_ours, peak_theirs) in zip(results, held, peaks, strict=True):
+            timing = r["timing"][kind]
+            details.append(
+                f"{level} vs {kind}, rank {r['rank']}: held EPL {mib(ours)}, torch {mib(theirs)}; "
+                f"step peak EPL {mib(peak_ours)}, torch {mib(peak_theirs)}; "
+                f"time EPL {ms(timing['epl_ms'])}, torch {ms(timing['torch_ms'])}, ratio {timing['ratio']:.3f}"
+            )
+    return rows, details
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("level", LEVELS)
 def test_zero_against_torch(level: str) -> None:
@@ -255,7 +300,8 @@ def test_zero_against_torch(level: str) -> None:
     if skipped:
         pytest.skip(f"zero.level={level} is not built yet: {skipped[0]}")
     print("\n" + table(level, results))
-    save_result(f"zero_{level}_vs_torch", {"short_mode": short_mode(), "ranks": results})
+    rows, details = rows_and_details(level, results)
+    record(f"zero_{level}_vs_torch", rows, section=SECTION, details=details)
 
     psi = results[0]["parameters"]
     for result in results:
