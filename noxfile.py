@@ -14,6 +14,8 @@ import nox
 ROOT = Path(__file__).parent
 PACKAGES = sorted(str(p.parent) for p in (ROOT / "packages").glob("*/pyproject.toml"))
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
+#: The example plugin of docs/plugins.md, installed (editable) for tests/examples/test_plugin_package.py.
+EXAMPLE_PLUGINS = ("-e", str(ROOT / "examples" / "plugin"))
 TEST_TOOLS = ("pytest", "pytest-timeout", "pytest-benchmark", "numpy", "mpi4py", "mpich", "transformers")
 #: benchmarks/report.py draws its plots with matplotlib: a dependency of the benchmarks only (and of
 #: tests/benchmarks, which render the report), in no package.
@@ -41,7 +43,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(tags=["ci"])
 def tests(session: nox.Session) -> None:
     """The test suite (multi-process tests included); extra arguments go to pytest."""
-    install_packages(session, *TEST_TOOLS, *BENCH_TOOLS)
+    install_packages(session, *TEST_TOOLS, *BENCH_TOOLS, *EXAMPLE_PLUGINS)
     session.run("pytest", "tests", *session.posargs, env=SINGLE_THREAD)
 
 

@@ -80,15 +80,20 @@ def test_sizes_that_do_not_divide_are_named() -> None:
         split_batch(torch.zeros(6, 2), 4, what="pipeline.num_micro_batch=4")
 
 
-def test_an_unknown_schedule_names_the_registered_ones() -> None:
+def test_an_unknown_schedule_names_the_registered_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
+
+    from epl.plugins import reset_plugin_manager
+
+    monkeypatch.setenv("EPL_DISABLE_EXTERNAL_PLUGINS", "epl-example-plugin")  # EPL's own schedules only
+    reset_plugin_manager()
 
     import epl
     from epl.errors import EplError
     from epl_pipeline.plugin import _schedule
 
     env = epl.init(epl.Config({"pipeline.strategy": "ZeroBuble"}))
-    context = SimpleNamespace(config=env.config, env=env)
+    context = SimpleNamespace(config=env.config, plugins=env.plugins)
     with pytest.raises(
         EplError, match=r"registered: PreferBackward, PreferForward, ZeroBubble\. Did you mean 'ZeroBubble'"
     ):
