@@ -33,7 +33,7 @@ PLUGINS = {
 #: epl-core's layers, bottom first: a module may import from its own layer (without forming a cycle) and
 #: from the layers below it, never from one above. Each entry: the layer's name and its module prefixes.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundation", ["epl.errors", "epl.ports"]),
+    ("foundation", ["epl.errors", "epl.ports", "epl.lazy"]),
     ("interfaces", ["epl.interfaces"]),
     ("parallel layers", ["epl.nn", "epl.sharding"]),
     ("config", ["epl.config"]),
@@ -90,6 +90,20 @@ def test_the_plugin_api_exports_what_plugins_import(repository_imports) -> None:
     missing = sorted(name for name in wanted if not hasattr(epl.plugin_api, name))
     assert missing == []
     assert set(epl.plugin_api.__all__) >= wanted
+
+
+def test_the_plugin_api_names_its_exports_for_type_checkers() -> None:
+    """Its TYPE_CHECKING imports (what type checkers see) are exactly its lazy exports, from the same modules."""
+    import ast
+
+    import epl.plugin_api
+
+    tree = ast.parse((CORE_SRC / "epl" / "plugin_api.py").read_text())
+    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    named = {
+        alias.name: node.module for node in ast.walk(block) if isinstance(node, ast.ImportFrom) for alias in node.names
+    }
+    assert named == epl.plugin_api._EXPORTS
 
 
 # -- the rules fail when broken: small fixture trees ------------------------------------------------------

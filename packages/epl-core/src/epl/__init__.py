@@ -12,9 +12,10 @@ the top of epl-core's layers (see docs/architecture.md); plugins import from
 
 from __future__ import annotations
 
-import importlib
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from epl.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from epl import io, nn
@@ -119,16 +120,4 @@ except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0"
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'epl' has no attribute {name!r}")
-    value = (
-        importlib.import_module(f"epl.{name}") if module == "epl" else getattr(importlib.import_module(module), name)
-    )
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -32,11 +32,52 @@ whole plugin package (``examples/plugin``).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    pass
+from epl.lazy import lazy_exports
+
+if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keeps them equal to _EXPORTS
+    from epl.annotations.strategies import Strategy, replicate
+    from epl.annotations.taskgraph import TaskGraph
+    from epl.builtin.local_runner import ForwardContext, LocalStepRunner, inside, step_or_skip
+    from epl.builtin.split_transform import split_stage_error
+    from epl.config import Config
+    from epl.errors import (
+        AnnotationError,
+        BatchError,
+        ClusterError,
+        ConfigError,
+        EplError,
+        MissingPluginError,
+        NotInitializedError,
+        PlacementError,
+        PluginError,
+    )
+    from epl.interfaces.cluster import Cluster
+    from epl.interfaces.collectives import broadcast_tensors, communicators_for
+    from epl.interfaces.communicator import Communicator, CompletedWork, ReduceOp, Work
+    from epl.interfaces.config_key import ConfigKey
+    from epl.interfaces.optimizer_groups import group_options
+    from epl.interfaces.phases import TransformPhase, WrapperPhase
+    from epl.interfaces.schedule import Action, ActionKind, Schedule, ScheduleGenerator
+    from epl.interfaces.shard_group import ShardGroup, shard_sizes, shard_slice
+    from epl.interfaces.split_rule import ShardContext, ShardRole, SplitRule
+    from epl.placement.copies import Copies, copies_of, every_copy_group
+    from epl.placement.estimate import MemoryEstimateContext
+    from epl.placement.memory_estimate import EstimatedTensor, MemoryEstimate, ShardPieces, ShardShapes
+    from epl.placement.plan import Plan
+    from epl.plugins import get_plugin_manager, hookimpl
+    from epl.plugins.context import (
+        GradientReducer,
+        LossFn,
+        LossScaler,
+        ModelTransform,
+        OptimizerWrapper,
+        ParallelContext,
+        StepRunner,
+    )
+    from epl.ports import free_port
+    from epl.runtime.batch import as_arguments, micro_batches, split_batch, to_device
 
 #: Public name -> the module of epl-core it lives in.
 _EXPORTS: dict[str, str] = {
@@ -115,14 +156,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'epl.plugin_api' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -66,7 +66,7 @@ def partitions_over(
     """One balanced partition per group of copies with several devices.
 
     ``groups`` maps each :class:`epl.placement.copies.Copies` to its tensors, as
-    :func:`epl.placement.copies.copies_of_tensors` returns it.
+    :meth:`ParallelContext.copies_of_tensors` returns it.
     """
     return [
         Partition(communicators[copies.devices], balanced_partition(members, len(copies.devices)))

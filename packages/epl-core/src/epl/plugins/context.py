@@ -109,8 +109,21 @@ class ParallelContext:
         return self._copy_communicators
 
     def copies_of_tensors(self, tensors: list[torch.Tensor]) -> dict[Copies, list[torch.Tensor]]:
-        """``tensors`` of this rank's model, grouped by their copies (see :func:`copies_of_tensors`)."""
-        return copies_of_tensors(self, tensors)
+        """``tensors`` of this rank's model, grouped by their copies.
+
+        A tensor is found in the TaskGraph that captured it, or among those a split
+        rule made (``split_tensors``); anything else (made by a model transform)
+        belongs to the first TaskGraph this rank runs.
+        """
+        plan, rank = self.plan, self.cluster.rank
+        owner = {id(t): (tg.index, False) for tg in self.taskgraphs for t in tg.tensors}
+        owner.update(self.split_tensors)
+        default = (plan.taskgraphs_on(rank)[0], False)
+        grouped: dict[Copies, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            taskgraph, sharded = owner.get(id(tensor), default)
+            grouped.setdefault(copies_of(plan, taskgraph, rank, sharded=sharded), []).append(tensor)
+        return grouped
 
     @property
     def replica_index(self) -> int:
@@ -212,21 +225,3 @@ class StepRunner(Protocol):
     def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """Train on one replica batch; return the replica's mean loss (detached)."""
         ...
-
-
-def copies_of_tensors(context: ParallelContext, tensors: list[torch.Tensor]) -> dict[Copies, list[torch.Tensor]]:
-    """``tensors`` of this rank's model, grouped by their copies.
-
-    A tensor is found in the TaskGraph that captured it, or among those a split
-    rule made (``context.split_tensors``); anything else (made by a model
-    transform) belongs to the first TaskGraph this rank runs.
-    """
-    plan, rank = context.plan, context.cluster.rank
-    owner = {id(t): (tg.index, False) for tg in context.taskgraphs for t in tg.tensors}
-    owner.update(context.split_tensors)
-    default = (plan.taskgraphs_on(rank)[0], False)
-    grouped: dict[Copies, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        taskgraph, sharded = owner.get(id(tensor), default)
-        grouped.setdefault(copies_of(plan, taskgraph, rank, sharded=sharded), []).append(tensor)
-    return grouped

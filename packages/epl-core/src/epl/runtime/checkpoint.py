@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from epl.plugins.context import LossScaler, ParallelContext
 
 
-class Engine(Protocol):
+class CheckpointedEngine(Protocol):
     """What saving and loading read and restore of :class:`epl.runtime.engine.Engine` (which calls them)."""
 
     global_step: int
@@ -83,7 +83,7 @@ _PIECE = "shard{index}of{count}dim{dim}"
 
 
 # -- saving ------------------------------------------------------------------------------------
-def save_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> None:
+def save_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike[str]) -> None:
     """Write ``engine``'s logical state to the directory ``path`` (a collective: every rank calls it)."""
     import torch.distributed.checkpoint as dcp
 
@@ -97,7 +97,7 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> None:
     _everyone(engine, lambda: _replace(partial, target))
 
 
-def _logical_items(engine: Engine) -> dict[str, Any]:
+def _logical_items(engine: CheckpointedEngine) -> dict[str, Any]:
     from epl.sharding.parameters import shard_spec
 
     items: dict[str, Any] = {f"model/{k}": v for k, v in engine.state_dict(full=True)["model"].items()}
@@ -129,7 +129,7 @@ def _logical_items(engine: Engine) -> dict[str, Any]:
 
 
 # -- loading -----------------------------------------------------------------------------------
-def load_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> None:
+def load_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike[str]) -> None:
     """Restore what :func:`save_checkpoint` wrote, into ``engine``'s layout (every rank calls it)."""
     import torch.distributed.checkpoint as dcp
 
@@ -171,7 +171,9 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> None:
         _set_rng_state(_unpickled(wanted[rank_rng]))
 
 
-def _wanted_states(engine: Engine, saved: dict[str, Any]) -> list[tuple[tuple[nn.Parameter, str], list[str]]]:
+def _wanted_states(
+    engine: CheckpointedEngine, saved: dict[str, Any]
+) -> list[tuple[tuple[nn.Parameter, str], list[str]]]:
     """For each (parameter, state name) this rank keeps: the checkpoint keys that hold it (whole, or pieces)."""
     optimizer = engine.optimizer
     if optimizer is None:
@@ -260,13 +262,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _alone(engine: Engine) -> bool:
+def _alone(engine: CheckpointedEngine) -> bool:
     """Whether this job is one process (DCP then runs without torch.distributed)."""
     return engine.plan.local or engine.context.cluster.world_size == 1
 
 
 @contextlib.contextmanager
-def _quiet_when_alone(engine: Engine) -> Iterator[None]:
+def _quiet_when_alone(engine: CheckpointedEngine) -> Iterator[None]:
     """Without DCP's warning that one process means no torch.distributed (that is the intent)."""
     with warnings.catch_warnings():
         if _alone(engine):
@@ -274,7 +276,7 @@ def _quiet_when_alone(engine: Engine) -> Iterator[None]:
         yield
 
 
-def _require_default_group(engine: Engine) -> None:
+def _require_default_group(engine: CheckpointedEngine) -> None:
     """DCP coordinates on torch.distributed's default process group: a job of several processes needs one."""
     import torch.distributed as dist
 
@@ -285,7 +287,7 @@ def _require_default_group(engine: Engine) -> None:
         )
 
 
-def _everyone(engine: Engine, action: Callable[[], None]) -> None:
+def _everyone(engine: CheckpointedEngine, action: Callable[[], None]) -> None:
     """Run ``action`` on rank 0 between two barriers of the whole job."""
     several = not _alone(engine)
     if several:
