@@ -1,0 +1,192 @@
+"""A record of what feeds what in one forward pass: the evidence the split layout is decided from.
+
+The model runs once on a small example input (no gradients, evaluation mode, the
+random state left as it was) under a ``TorchFunctionMode`` that logs every torch
+call with the tensors it took and made. The *candidate* modules (those that may be
+sharded as linear layers) are logged as one call each, with how their forward
+used the weight (``x @ W.T`` as ``nn.Linear``, or ``x @ W`` as GPT-2's ``Conv1D``);
+every other module is looked through, so a model no rule has seen is analysed by
+its computation, not by its class names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+#: How a linear-like module holds its weight: ``out_in`` as nn.Linear ([out, in]), ``in_out`` as Conv1D.
+WeightLayout = Literal["out_in", "in_out"]
+
+_MATMULS: set[Callable[..., Any]] = {torch.addmm, torch.matmul, torch.mm, torch.Tensor.__matmul__, torch.Tensor.matmul}
+
+
+@dataclass
+class Op:
+    """One torch call made outside the candidate modules."""
+
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    result: Any
+    #: The innermost module whose forward made the call ('' for the model itself).
+    module: str
+
+
+@dataclass
+class ModuleCall:
+    """One call of a candidate module: its tensor inputs and outputs, and how it used its weight."""
+
+    name: str
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    weight_layout: WeightLayout | None = None
+
+
+@dataclass
+class Dataflow:
+    """The events of one forward pass, in order, with the model's inputs and outputs."""
+
+    events: list[Op | ModuleCall] = field(default_factory=list)
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+
+    def calls_of(self, name: str) -> list[ModuleCall]:
+        """Every call of the candidate module ``name``."""
+        return [e for e in self.events if isinstance(e, ModuleCall) and e.name == name]
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside ``value`` (nested tuples, lists, dicts, dataclass-like model outputs)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensors_in(item)
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, flow: Dataflow, candidates: dict[nn.Module, str], names: dict[nn.Module, str]) -> None:
+        super().__init__()
+        self.flow = flow
+        self.candidates = candidates
+        self.names = names
+        self.stack: list[nn.Module] = []
+        self.open: list[tuple[ModuleCall, nn.Module]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if self.open:
+            self._note_weight_use(func, args, kwargs)
+        elif any(True for _ in tensors_in((args, kwargs))):
+            inner = self.names.get(self.stack[-1], "") if self.stack else ""
+            self.flow.events.append(Op(func, args, dict(kwargs), result, inner))
+        return result
+
+    def _note_weight_use(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        call, module = self.open[0]
+        weight = getattr(module, "weight", None)
+        if weight is None or call.weight_layout is not None:
+            return
+        if func is F.linear and len(args) > 1 and args[1] is weight:
+            call.weight_layout = "out_in"
+        elif func in _MATMULS and args and args[-1] is weight:
+            call.weight_layout = "in_out"
+
+    def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.stack.append(module)
+        if module in self.candidates:
+            # A candidate inside another is part of the outer one's call.
+            name = "" if self.open else self.candidates[module]
+            self.open.append((ModuleCall(name, list(tensors_in((args, kwargs))), []), module))
+
+    def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        self.stack.pop()
+        if module in self.candidates:
+            call, _ = self.open.pop()
+            if not self.open:
+                call.outputs = list(tensors_in(output))
+                self.flow.events.append(call)
+
+
+def record_dataflow(model: nn.Module, candidates: set[str], example: Any) -> Dataflow:
+    """Run ``model`` once on ``example`` (a tensor, a tuple of positional inputs, or a dict of keyword inputs).
+
+    Nothing is learned and nothing changes: no gradients, evaluation mode (restored
+    after), the random state forked.
+    """
+    names = {module: name for name, module in model.named_modules()}
+    chosen = {module: name for module, name in names.items() if name in candidates}
+    flow = Dataflow()
+    recorder = _Recorder(flow, chosen, names)
+    handles = []
+    for module in names:
+        handles.append(module.register_forward_pre_hook(recorder.before, with_kwargs=True))
+        handles.append(module.register_forward_hook(recorder.after, with_kwargs=True, always_call=True))
+    training = {module: module.training for module in names}
+    try:
+        model.eval()
+        with torch.no_grad(), _forked_rng(model), recorder:
+            if isinstance(example, dict):
+                flow.inputs = list(tensors_in(example))
+                output = model(**example)
+            else:
+                positional = example if isinstance(example, tuple) else (example,)
+                flow.inputs = list(tensors_in(positional))
+                output = model(*positional)
+        flow.outputs = list(tensors_in(_as_plain(output)))
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, mode in training.items():
+            module.training = mode
+    return flow
+
+
+def _as_plain(output: Any) -> Any:
+    """Model outputs that are dataclass-like mappings (transformers' ``ModelOutput``) as dicts."""
+    if hasattr(output, "to_tuple") and callable(output.to_tuple):
+        return output.to_tuple()
+    return output
+
+
+@contextlib.contextmanager
+def _forked_rng(model: nn.Module) -> Iterator[None]:
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def example_input(model: nn.Module) -> Any | None:
+    """A small input ``model`` can run on, or None when none can be guessed.
+
+    transformers models offer ``dummy_inputs``; otherwise the first module holding
+    parameters decides: token ids for an ``nn.Embedding``, a float batch for an
+    ``nn.Linear``.
+    """
+    dummy = getattr(model, "dummy_inputs", None)
+    if isinstance(dummy, dict) and dummy:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        example = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in dummy.items()}
+        if "use_cache" in inspect.signature(model.forward).parameters:
+            example["use_cache"] = False  # training runs keep no key/value cache
+        return example
+    first = next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))), None)
+    if isinstance(first, nn.Embedding):
+        return torch.arange(16, device=first.weight.device).remainder(first.num_embeddings).reshape(2, 8)
+    if isinstance(first, nn.Linear):
+        return torch.zeros(2, first.in_features, dtype=first.weight.dtype, device=first.weight.device).normal_(
+            generator=torch.Generator(first.weight.device).manual_seed(0)
+        )
+    return None
