@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from epl.annotations.taskgraph import TaskGraph
@@ -16,27 +17,39 @@ from epl.interfaces.shard_group import ShardGroup
 from epl.interfaces.split_rule import ShardContext, SplitRule
 from epl.plugins.context import ParallelContext
 from epl.sharding.cross_entropy import ShardedCrossEntropyLoss
-from epl.sharding.layout import assign_roles
+from epl.sharding.layout import Decision, decide_layout
 from epl.sharding.linear import shard_linear
-from epl.sharding.parameters import is_sharded
-from epl.sharding.rules import rule_for
+from epl.sharding.parameters import is_sharded, shard_spec
+from epl.sharding.rules import fallback_rule, keep_whole, rule_for, shard_linear_like
 
 
 @dataclass(frozen=True)
 class SplitTarget:
-    """A module of a split TaskGraph that owns tensors, with its name in the model and the rule that shards it."""
+    """A module of a split TaskGraph that owns tensors, with its name in the model and the rule that shards it.
+
+    ``own_only``: the module is kept whole for the tensors it holds itself (vectors,
+    buffers), and its children are targets of their own.
+    """
 
     name: str
     module: nn.Module
     rule: SplitRule
+    own_only: bool = False
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The parameters and buffers this target covers."""
+        recurse = not self.own_only
+        return list(itertools.chain(self.module.parameters(recurse=recurse), self.module.buffers(recurse=recurse)))
 
 
 class ShardSplitTaskGraphs:
     """Model transform: shard the modules of every split TaskGraph this rank runs, by their split rules.
 
     In a one-process run the rules are only looked up, so a module without one fails
-    on the laptop too. When the model's output is a split classifier and the loss is
-    ``nn.CrossEntropyLoss``, the loss is replaced by the parallel cross-entropy.
+    on the laptop too. The layout (which layers pair column-then-row, fused parts,
+    head sizes) comes from :func:`epl.sharding.layout.decide_layout`. When the
+    model's output is a split classifier and the loss is ``nn.CrossEntropyLoss``,
+    the loss is replaced by the parallel cross-entropy.
     """
 
     name = "shard_split_taskgraphs"
@@ -58,9 +71,13 @@ class ShardSplitTaskGraphs:
         communicators = communicators_for(world, list(devices.values()))
         rank, replica = context.cluster.rank, context.replica_index
         mine = [tg for tg in split if tg.index in plan.taskgraphs_on(rank)]
-        linears = {t.name for tg in mine for t in targets[tg.index] if t.rule is shard_linear}
+        linears = {t.name for tg in mine for t in targets[tg.index] if t.rule in _LINEAR_RULES}
+        embeddings = {t.name for tg in mine for t in targets[tg.index] if isinstance(t.module, nn.Embedding)}
         # Exactly nn.CrossEntropyLoss: a subclass may compute something else from the logits.
-        roles = assign_roles(model, linears, loss_is_cross_entropy=type(context.loss_fn) is nn.CrossEntropyLoss)
+        decisions = decide_layout(
+            model, linears, embeddings, loss_is_cross_entropy=type(context.loss_fn) is nn.CrossEntropyLoss
+        )
+        shards_of: dict[int, tuple[str, nn.Parameter]] = {}
         for tg in mine:
             group = ShardGroup(
                 communicators[tuple(sorted(devices[tg.index, replica]))],
@@ -69,14 +86,21 @@ class ShardSplitTaskGraphs:
             context.shard_groups[tg.index] = group
             replaced: set[int] = set()
             for target in targets[tg.index]:
-                _start_alike(target.module, group)
-                replaced.update(id(t) for t in itertools.chain(target.module.parameters(), target.module.buffers()))
-                role = roles.get(target.name, "alone")
-                shard = target.rule(target.module, ShardContext(group, target.name, role))
+                own = target.tensors()
+                _start_alike(own, group)
+                replaced.update(id(t) for t in own)
+                decision = decisions.get(target.name, Decision())
+                shard_context = ShardContext(
+                    group, target.name, decision.role, decision.parts, decision.granule, decision.weight_layout
+                )
+                originals = dict(target.module.named_parameters(recurse=not target.own_only))
+                shard = target.module if target.own_only else target.rule(target.module, shard_context)
+                _tie(shard, originals, shards_of, target.name)
                 model = _replace(model, target.name, shard)
-                for tensor in itertools.chain(shard.parameters(), shard.buffers()):
+                _lower_sizes(model, decision, group)
+                for tensor in own if target.own_only else itertools.chain(shard.parameters(), shard.buffers()):
                     context.split_tensors[id(tensor)] = (tg.index, is_sharded(tensor))
-                if role == "logits":
+                if decision.role == "logits":
                     assert isinstance(target.module, nn.Linear) and isinstance(context.loss_fn, nn.CrossEntropyLoss)
                     context.loss_fn = ShardedCrossEntropyLoss(context.loss_fn, group, target.module.out_features)
             # Forget the whole tensors, so that only the shards stay in memory.
@@ -84,13 +108,57 @@ class ShardSplitTaskGraphs:
         return model
 
 
-def _start_alike(module: nn.Module, group: ShardGroup) -> None:
-    """Give every device of ``group`` the first device's values of ``module`` before it is sliced.
+_LINEAR_RULES: tuple[SplitRule, ...] = (shard_linear, shard_linear_like)
+
+
+def _tie(
+    shard: nn.Module, originals: dict[str, nn.Parameter], shards_of: dict[int, tuple[str, nn.Parameter]], name: str
+) -> None:
+    """Make the shards of one tied tensor (an LM head sharing the embedding's weight) one parameter again.
+
+    Both rules must have cut it the same way (the vocabulary-parallel embedding and the
+    column-parallel head both shard the rows); otherwise the tie cannot hold.
+    """
+    current = dict(shard.named_parameters())
+    for key, original in originals.items():
+        made = current.get(key)
+        earlier = shards_of.get(id(original))
+        if earlier is None:
+            if made is not None:
+                shards_of[id(original)] = (name, made)
+            continue
+        first_name, first = earlier
+        if made is None or made.shape != first.shape or (shard_spec(made) is None) != (shard_spec(first) is None):
+            raise AnnotationError(
+                f"{first_name!r} and {name!r} share a tensor (tied weights), but their split rules cut it "
+                f"differently ({list(first.shape)} and {list(made.shape) if made is not None else 'none'}). Untie "
+                "them, or create the shared module outside the epl.split scope."
+            )
+        owner, _, attr = key.rpartition(".")
+        setattr(shard.get_submodule(owner) if owner else shard, attr, first)
+
+
+def _lower_sizes(model: nn.Module, decision: Decision, group: ShardGroup) -> None:
+    """Lower the integer attributes that a module's code uses as sizes of now-sharded tensors to this device's.
+
+    GPT-2's attention splits its fused q/k/v output with ``split_size``: each device's
+    output holds its share of each part, so the size becomes that share.
+    """
+    for module_name, whole in decision.fixups:
+        module = model.get_submodule(module_name)
+        local = group.sizes(whole)[group.index]
+        for attr, value in list(vars(module).items()):
+            if type(value) is int and value == whole:
+                setattr(module, attr, local)
+
+
+def _start_alike(tensors: list[torch.Tensor], group: ShardGroup) -> None:
+    """Give every device of ``group`` the first device's values of ``tensors`` before they are sliced.
 
     The shards then fit together even when the devices were seeded differently, and the
-    tensors every device keeps whole (a row-parallel bias) are equal.
+    tensors every device keeps whole (a row-parallel bias, a norm) are equal.
     """
-    broadcast_tensors(itertools.chain(module.parameters(), module.buffers()), group.communicator)
+    broadcast_tensors(tensors, group.communicator)
 
 
 def _check_supported(context: ParallelContext) -> None:
@@ -116,39 +184,35 @@ def split_stage_error(name: str) -> PlacementError:
 def find_targets(
     model: nn.Module, taskgraph: TaskGraph, rules: Mapping[type[nn.Module], SplitRule]
 ) -> list[SplitTarget]:
-    """The outermost modules holding ``taskgraph``'s tensors that a rule covers; a module no rule covers is an error."""
+    """The outermost modules holding ``taskgraph``'s tensors that a rule covers (registered, or by shape).
+
+    A module of a type no rule names is judged by the tensors it holds itself
+    (:func:`epl.sharding.rules.fallback_rule`); one that no rule fits is an error.
+    """
     owned = {id(t) for t in taskgraph.tensors}
     found: list[SplitTarget] = []
-    holder: dict[int, str] = {}
 
     def visit(name: str, module: nn.Module) -> None:
         if not any(id(t) in owned for t in itertools.chain(module.parameters(), module.buffers())):
             return
+        own = list(itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)))
+        has_children = any(True for child in module.children() for _ in child.parameters())
         rule = rule_for(module, rules)
+        if rule is None and any(id(t) in owned for t in own):
+            rule = fallback_rule(module)
+            if rule is None:
+                raise _no_rule(taskgraph, name, module)
+            if rule is keep_whole and has_children:
+                found.append(SplitTarget(name, module, rule, own_only=True))
+                rule = None
         if rule is not None:
-            for tensor in itertools.chain(module.parameters(), module.buffers()):
-                if id(tensor) in holder:
-                    raise _shared(taskgraph, holder[id(tensor)], name)
-                holder[id(tensor)] = name
             found.append(SplitTarget(name, module, rule))
             return
-        own = itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False))
-        if any(id(t) in owned for t in own):
-            raise _no_rule(taskgraph, name, module)
         for child_name, child in module.named_children():
             visit(f"{name}.{child_name}" if name else child_name, child)
 
     visit("", model)
     return found
-
-
-def _shared(taskgraph: TaskGraph, first: str, second: str) -> AnnotationError:
-    return AnnotationError(
-        f"{taskgraph.name} (split({taskgraph.strategy.device_count})) shares a tensor between the modules "
-        f"{first or 'model'!r} and {second or 'model'!r} (tied weights, or one module under two names). Split "
-        "rules shard each module on its own, so they would come apart. Untie them, or create the shared "
-        "module outside the epl.split scope."
-    )
 
 
 def _no_rule(taskgraph: TaskGraph, name: str, module: nn.Module) -> AnnotationError:
@@ -162,7 +226,9 @@ def _no_rule(taskgraph: TaskGraph, name: str, module: nn.Module) -> AnnotationEr
         f"        return {{{kind.__qualname__}: shard_it}}  # shard_it(module, shard: epl.ShardContext) -> nn.Module\n"
         f"with epl.Env.get().plugins.register(plugin, name=...) or an 'epl' entry point, "
         f"or create the module outside the epl.split scope. Built-in rules: nn.Linear, nn.Embedding, "
-        f"epl.nn.Experts, normalisation layers (kept whole)."
+        f"epl.nn.Experts, normalisation layers (kept whole); without a rule, modules holding only vectors "
+        f"and buffers are kept whole, a 2-D weight (and bias) is linear-like, weights stacked by expert "
+        f"are expert parallel."
     )
 
 

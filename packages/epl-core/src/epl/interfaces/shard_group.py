@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+from typing import Any
 
 from epl.interfaces.communicator import Communicator
 
@@ -38,6 +39,9 @@ class ShardGroup:
     communicator: Communicator
     batch_split: bool = False
     collectives: collections.Counter[str] = field(default_factory=collections.Counter)
+    #: The last input entered into the shards and its entered form, so layers reading the same input
+    #: (q, k and v; gate and up) share one collective: (weak reference to the input, entered, grad enabled).
+    entry: tuple[Any, Any, bool] | None = field(default=None, repr=False)
 
     @property
     def index(self) -> int:

@@ -21,10 +21,15 @@ if TYPE_CHECKING:
     from epl.interfaces.shard_group import ShardGroup
 
 #: How the split transform wants a module laid out, from where it sits in the model.
-#: ``alone``: inputs and outputs whole (the default). ``column``: the first Linear of a
-#: Linear -> elementwise -> Linear pair (output stays sharded). ``row``: the second (input
-#: arrives sharded). ``logits``: the model's output layer, read only by a parallel loss.
-ShardRole = Literal["alone", "column", "row", "logits"]
+#: ``alone``: inputs and outputs whole (the default). ``column``: a first layer of a
+#: column/row region (q/k/v, gate/up: its output stays sharded). ``row``: the last layer
+#: of a region (o, down: its input arrives sharded). ``logits``: the model's output layer,
+#: read only by a parallel loss. ``whole``: every device keeps the module whole (a small
+#: embedding not fed by the model's input, a router read by no sharded layer).
+ShardRole = Literal["alone", "column", "row", "logits", "whole"]
+
+#: How a linear-like module holds its weight: ``out_in`` as nn.Linear, ``in_out`` as GPT-2's Conv1D.
+WeightLayout = Literal["out_in", "in_out"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,12 @@ class ShardContext:
     name: str
     #: Where the module sits (see :data:`ShardRole`); rules that do not care treat every role as ``alone``.
     role: ShardRole = "alone"
+    #: A column layer's fused parts (3 for GPT-2's q/k/v ``c_attn``): each part is sharded on its own.
+    parts: int = 1
+    #: A column layer's output features that must stay on one device (a head's dimension).
+    granule: int = 1
+    #: How a linear-like module holds its weight.
+    weight_layout: WeightLayout = "out_in"
 
     @property
     def index(self) -> int:

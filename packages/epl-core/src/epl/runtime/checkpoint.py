@@ -80,6 +80,7 @@ class CheckpointedEngine(Protocol):
 #: Identifies the layout of the directory.
 FORMAT = "epl-checkpoint/1"
 _PIECE = "shard{index}of{count}dim{dim}"
+_PARTS = "parts{parts}"  # appended for shards of fused tensors (ShardSpec.parts > 1)
 
 
 # -- saving ------------------------------------------------------------------------------------
@@ -115,6 +116,7 @@ def _logical_items(engine: CheckpointedEngine) -> dict[str, Any]:
                 item = f"optim/{name}/{key}"
                 if spec is not None and value.shape == param.shape:
                     item += "/" + _PIECE.format(index=spec.group.index, count=spec.group.count, dim=spec.dim)
+                    item += _PARTS.format(parts=spec.parts) if spec.parts > 1 else ""
                 items[item] = value
     scaler = engine.loss_scaler
     meta = {
@@ -201,15 +203,15 @@ def _restore_optimizer(
     param_groups: list[dict[str, Any]] | None,
     device: torch.device,
 ) -> None:
-    from epl.sharding.parameters import shard_spec
+    from epl.sharding.parameters import assemble, shard_spec
 
     optimizer.state.clear()
     for (param, state_name), keys in states:
         if len(keys) == 1 and "/shard" not in keys[0]:
             value = loaded[keys[0]]
         else:
-            dim = int(keys[0].rsplit("dim", 1)[1])
-            value = torch.cat([loaded[key] for key in keys], dim=dim)
+            piece, _, parts = keys[0].rsplit("dim", 1)[1].partition("parts")
+            value = assemble([loaded[key] for key in keys], int(piece), int(parts or 1))
         spec = shard_spec(param)
         if spec is not None and value.dim() and value.shape[spec.dim] == spec.size:
             value = spec.slice_of(value).clone()

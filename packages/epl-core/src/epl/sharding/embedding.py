@@ -67,5 +67,5 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def shard_embedding(module: nn.Embedding, shard: ShardContext) -> nn.Module:
-    """The split rule for ``nn.Embedding``: vocabulary parallel."""
-    return VocabParallelEmbedding(module, shard)
+    """The split rule for ``nn.Embedding``: vocabulary parallel (kept whole when the layout says ``whole``)."""
+    return module if shard.role == "whole" else VocabParallelEmbedding(module, shard)

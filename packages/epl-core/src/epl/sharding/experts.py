@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from epl.errors import AnnotationError
+from epl.interfaces.shard_group import ShardGroup
 from epl.interfaces.split_rule import ShardContext
 from epl.nn.moe import Experts, expert_feed_forward
 from epl.sharding import collectives as C
@@ -62,3 +67,94 @@ class ExpertParallelExperts(nn.Module):
 def shard_experts(module: Experts, shard: ShardContext) -> nn.Module:
     """The split rule for :class:`epl.nn.Experts`: expert parallel."""
     return ExpertParallelExperts(module, shard)
+
+
+def stacked_experts_count(module: nn.Module) -> int | None:
+    """The number of experts of a module holding weights stacked by expert, or None.
+
+    Every parameter it holds itself has 3 or more dimensions and the same first size,
+    and one of its integer attributes says that size (``num_experts``).
+    """
+    params = list(module.parameters(recurse=False))
+    if not params or any(p.dim() < 3 for p in params):
+        return None
+    counts = {p.shape[0] for p in params}
+    if len(counts) != 1:
+        return None
+    (count,) = counts
+    named = [name for name, value in vars(module).items() if type(value) is int and value == count]
+    return count if named else None
+
+
+@dataclass(frozen=True)
+class ExpertRange:
+    """The experts one device holds of a fused experts module: ``first`` .. ``first + count - 1`` of ``total``."""
+
+    group: ShardGroup
+    first: int
+    count: int
+    total: int
+
+
+def _expert_parallel_forward(
+    self: nn.Module, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """Every token's weighted sum over its experts, like the unsplit module (see :func:`shard_stacked_experts`)."""
+    held: ExpertRange = self._epl_experts
+    group = held.group
+    if group.batch_split:
+        tokens, top_k_index = C.gather_rows(tokens, group), C.gather_rows(top_k_index, group)
+        top_k_weights = C.gather_rows(top_k_weights, group)
+    else:
+        tokens, top_k_weights = C.copy_to_shards(tokens, group), C.copy_to_shards(top_k_weights, group)
+    local = top_k_index - held.first
+    mine = (local >= 0) & (local < held.count)
+    local = local.masked_fill(~mine, held.count)
+    original = type(self).__mro__[1].forward
+    partial = original(self, tokens, local, top_k_weights.masked_fill(~mine, 0.0))
+    return C.reduce_scatter_rows(partial, group) if group.batch_split else C.reduce_from_shards(partial, group)
+
+
+def _extra_repr(self: nn.Module) -> str:
+    held: ExpertRange = self._epl_experts
+    return f"experts {held.first}..{held.first + held.count - 1} of {held.total} (expert parallel)"
+
+
+@functools.cache
+def _expert_parallel_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """``cls`` with its forward wrapped for expert parallelism (parameter names stay those of ``cls``)."""
+    methods = {"forward": _expert_parallel_forward, "extra_repr": _extra_repr}
+    return type(f"ExpertParallel{cls.__name__}", (cls,), methods)
+
+
+def shard_stacked_experts(module: nn.Module, shard: ShardContext) -> nn.Module:
+    """The fallback rule for fused experts modules (transformers' Mixtral/Qwen-MoE style): expert parallel.
+
+    The module is called as ``experts(tokens, top_k_index, top_k_weights)``. Each device
+    keeps a copy of it holding its experts only (its expert count attribute lowered to
+    match) and runs it on every token routed to one of them; routes to other devices'
+    experts point at the expert count, which such modules skip, with weight zero. The
+    partial outputs are summed over the devices: one all-reduce forward, one for the
+    input gradients backward. With the batch split over the devices, each device's
+    tokens are gathered first and the sum is reduce-scattered back.
+    """
+    count = stacked_experts_count(module)
+    assert count is not None
+    if count % shard.count:
+        raise AnnotationError(
+            f"{shard.name}: {count} experts cannot be shared equally by {shard.count} devices. "
+            f"Use a number of experts that is a multiple of {shard.count}."
+        )
+    local_count = count // shard.count
+    local = copy.copy(module)
+    local._parameters = dict(module._parameters)
+    local._buffers = dict(module._buffers)
+    local._modules = dict(module._modules)
+    for name, value in vars(module).items():
+        if type(value) is int and value == count:
+            setattr(local, name, local_count)
+    for name, param in module.named_parameters(recurse=False):
+        setattr(local, name, sharded_parameter(param, group=shard.group, dim=0))
+    local._epl_experts = ExpertRange(shard.group, shard.index * local_count, local_count, count)
+    local.__class__ = _expert_parallel_class(type(module))
+    return local

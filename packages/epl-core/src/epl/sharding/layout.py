@@ -1,26 +1,87 @@
-"""Where each split ``nn.Linear`` sits: alone, first or second of a column/row pair, or the model's logits.
+"""Where each split module sits: the role, fused parts and head size each split rule is told.
 
-The model is traced with ``torch.fx`` (entering only modules that hold split
-Linears); a Linear whose output passes through elementwise operations only, each
-used once, into another split Linear of matching width forms a pair, as in
-Megatron-LM's MLP. When tracing fails, the items of ``nn.Sequential`` containers
-are scanned instead. A lone split Linear whose output is the model's output is the
-``logits`` layer when the loss is ``nn.CrossEntropyLoss``. A Linear called more than
-once (or whose weight is read directly) keeps the ``alone`` role.
+First choice: the model runs once on a small example input and the recorded torch
+calls are followed from layer to layer (:mod:`epl.sharding.regions`): attention and
+MLP blocks of any model pair column-then-row as in Megatron-LM, embeddings read by
+no model input stay whole, and a layer whose output is the model's output is the
+``logits`` layer when a parallel loss reads it.
+
+When no example input can be made or the run fails, the model is traced with
+``torch.fx`` instead (entering only modules that hold split Linears): a Linear whose
+output passes through elementwise operations only, each used once, into another split
+Linear of matching width forms a pair. When tracing fails too, the items of
+``nn.Sequential`` containers are scanned. A Linear called more than once (or whose
+weight is read directly) keeps the ``alone`` role.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import operator
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from epl.interfaces.split_rule import ShardRole
+from epl.interfaces.split_rule import ShardRole, WeightLayout
+from epl.sharding.dataflow import example_input, record_dataflow
+from epl.sharding.regions import Pairing, find_pairs
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How one split module is laid out (passed to its rule through ``ShardContext``)."""
+
+    role: ShardRole = "alone"
+    parts: int = 1
+    granule: int = 1
+    weight_layout: WeightLayout = "out_in"
+    #: (module name, whole size): integer attributes of that module to lower to this device's size.
+    fixups: frozenset[tuple[str, int]] = frozenset()
+
+
+def decide_layout(
+    model: nn.Module, linears: set[str], embeddings: set[str], *, loss_is_cross_entropy: bool
+) -> dict[str, Decision]:
+    """The decision for each linear-like module in ``linears`` and each embedding in ``embeddings``."""
+    example = example_input(model)
+    if example is not None and linears:
+        try:
+            flow = record_dataflow(model, linears | embeddings, example)
+        except Exception as error:  # noqa: BLE001 - any failure falls back to tracing
+            _log.info("epl.split: the example run of the model failed (%s); tracing it instead", error)
+        else:
+            return _from_pairing(find_pairs(flow), linears, embeddings, loss_is_cross_entropy)
+    roles = assign_roles(model, linears, loss_is_cross_entropy=loss_is_cross_entropy)
+    return {name: Decision(role) for name, role in roles.items()}
+
+
+def _from_pairing(
+    pairing: Pairing, linears: set[str], embeddings: set[str], loss_is_cross_entropy: bool
+) -> dict[str, Decision]:
+    decisions: dict[str, Decision] = {}
+    for name in linears:
+        layout: WeightLayout = pairing.weight_layouts.get(name, "out_in")  # type: ignore[assignment]
+        if name in pairing.columns:
+            facts = pairing.columns[name]
+            decisions[name] = Decision("column", facts.parts, facts.granule, layout, frozenset(facts.fixups))
+        elif name in pairing.rows:
+            decisions[name] = Decision("row", weight_layout=layout)
+        elif name not in pairing.weight_layouts:
+            decisions[name] = Decision("whole")  # never computed as a linear layer in the example run
+        elif name in pairing.outputs and loss_is_cross_entropy:
+            decisions[name] = Decision("logits", weight_layout=layout)
+        else:
+            decisions[name] = Decision("alone", weight_layout=layout)
+    for name in embeddings:
+        decisions[name] = Decision("alone" if name in pairing.input_fed else "whole")
+    return decisions
 
 ELEMENTWISE_MODULES: tuple[type[nn.Module], ...] = (
     nn.ReLU,

@@ -14,24 +14,44 @@ _SPEC = "_epl_shard_spec"
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """How a shard relates to the whole tensor: sharded along ``dim`` of ``size`` items over ``group``."""
+    """How a shard relates to the whole tensor: sharded along ``dim`` of ``size`` items over ``group``.
+
+    ``parts`` > 1: the whole tensor is ``parts`` equal pieces along ``dim`` (a fused
+    q/k/v weight), each sharded on its own; a shard is its slice of every piece, in order.
+    """
 
     group: ShardGroup
     dim: int
     size: int
+    parts: int = 1
 
     def slice_of(self, whole: torch.Tensor) -> torch.Tensor:
         """This device's shard of ``whole``."""
-        return whole.narrow(self.dim, self.group.slice(self.size).start, self.group.sizes(self.size)[self.group.index])
+        pieces = whole.chunk(self.parts, self.dim) if self.parts > 1 else (whole,)
+        part = self.size // self.parts
+        start, length = self.group.slice(part).start, self.group.sizes(part)[self.group.index]
+        return torch.cat([piece.narrow(self.dim, start, length) for piece in pieces], dim=self.dim)
+
+    def piece_sizes(self) -> list[int]:
+        """Every device's length along ``dim``."""
+        return [size * self.parts for size in shard_sizes(self.size // self.parts, self.group.count)]
 
 
-def sharded_parameter(whole: torch.Tensor, *, group: ShardGroup, dim: int) -> nn.Parameter:
+def assemble(shards: list[torch.Tensor], dim: int, parts: int = 1) -> torch.Tensor:
+    """The whole tensor from every device's shard, in device order (see :class:`ShardSpec`)."""
+    if parts == 1:
+        return torch.cat(shards, dim=dim)
+    chunks = [shard.chunk(parts, dim) for shard in shards]
+    return torch.cat([chunk[j] for j in range(parts) for chunk in chunks], dim=dim)
+
+
+def sharded_parameter(whole: torch.Tensor, *, group: ShardGroup, dim: int, parts: int = 1) -> nn.Parameter:
     """A parameter holding this device's shard of ``whole`` along ``dim``, marked as a shard.
 
     ``requires_grad`` is taken from ``whole``; the values are copied, so the shard
     starts exactly as the unsplit layer did.
     """
-    spec = ShardSpec(group, dim % whole.dim(), whole.shape[dim])
+    spec = ShardSpec(group, dim % whole.dim(), whole.shape[dim], parts)
     parameter = nn.Parameter(spec.slice_of(whole).detach().clone(), requires_grad=whole.requires_grad)
     setattr(parameter, _SPEC, spec)
     return parameter
@@ -55,4 +75,7 @@ def gather_whole(tensor: torch.Tensor) -> torch.Tensor:
     from epl.sharding.collectives import gather_from_shards
 
     with torch.no_grad():
-        return gather_from_shards(tensor.detach(), spec.group, spec.dim, shard_sizes(spec.size, spec.group.count))
+        joined = gather_from_shards(tensor.detach(), spec.group, spec.dim, spec.piece_sizes())
+    if spec.parts == 1:
+        return joined
+    return assemble(list(joined.split(spec.piece_sizes(), dim=spec.dim)), spec.dim, spec.parts)

@@ -25,6 +25,7 @@ last and contiguous, and escapes nowhere else (not into the model's output).
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ class Sharded:
 
     sources: frozenset[str]
     dim: int
-    granule: int = 1
+    granule: Fraction | int = 1
 
 
 @dataclass
@@ -64,6 +65,12 @@ class Pairing:
     rows: dict[str, frozenset[str]] = field(default_factory=dict)
     #: Candidates whose output is a model output read by nothing else (the logits, when it is the loss's input).
     outputs: set[str] = field(default_factory=set)
+    #: Candidates whose input derives from the model's inputs (token embeddings, unlike position embeddings).
+    input_fed: set[str] = field(default_factory=set)
+    #: Linear-like candidates and how they hold their weights.
+    weight_layouts: dict[str, str] = field(default_factory=dict)
+    #: Why a candidate's region did not pair (for messages).
+    reasons: dict[str, str] = field(default_factory=dict)
 
 
 class _Rejected(Exception):
@@ -87,6 +94,9 @@ class _Analysis:
         self.order: list[str] = []
         self.read: set[int] = set()
         self.linear: set[str] = set()
+        self.derived: set[int] = {id(t) for t in flow.inputs}
+        self.input_fed: set[str] = set()
+        self.weight_layouts: dict[str, str] = {}
         #: Why each rejected column's region ended (for ``epl plan`` and error messages).
         self.reasons: dict[str, str] = {}
 
@@ -105,6 +115,10 @@ class _Analysis:
         self.calls[call.name] += 1
         if call.weight_layout is not None:
             self.linear.add(call.name)
+            self.weight_layouts[call.name] = call.weight_layout
+        if any(id(t) in self.derived for t in call.inputs):
+            self.input_fed.add(call.name)
+            self.derived.update(id(t) for t in call.outputs)
         if call.name not in self.order:
             self.order.append(call.name)
         for tensor in call.inputs:
@@ -123,6 +137,8 @@ class _Analysis:
     def _op(self, op: Op) -> None:
         inputs = list(tensors_in((op.args, op.kwargs)))
         self.read.update(id(t) for t in inputs)
+        if any(id(t) in self.derived for t in inputs):
+            self.derived.update(id(t) for t in tensors_in(op.result))
         sharded = [self.layout[id(t)] for t in inputs if id(t) in self.layout]
         if not sharded:
             return
@@ -138,10 +154,11 @@ class _Analysis:
             self.layout[id(tensor)] = Sharded(sources, dim, granule)
             for source in sources:
                 facts = self.facts[source]
-                facts.granule = math.lcm(facts.granule, granule)
+                if Fraction(granule).denominator == 1:
+                    facts.granule = math.lcm(facts.granule, int(granule))
 
     def _decide(self) -> Pairing:
-        pairing = Pairing()
+        pairing = Pairing(input_fed=self.input_fed, weight_layouts=self.weight_layouts, reasons=self.reasons)
         taken: set[str] = set()
         for name in self.order:
             columns = self.feeds.get(name)
@@ -193,6 +210,7 @@ _REDUCTIONS = {
     "argsort",
 }
 _MATMULS = {"matmul", "bmm", "__matmul__", "__rmatmul__"}
+_COMPLEX_VIEWS = {"view_as_complex", "view_as_real"}
 _REJECT = {"__setitem__", "gather", "scatter", "index_select", "take", "masked_scatter", "einsum", "baddbmm", "roll"}
 
 
@@ -219,6 +237,10 @@ def _propagate(
         return _broadcast(op, layout, outputs)  # e.g. ``1 + x`` as torch.add(1, x) or a whole first operand
     here = layout[id(first)]
     dim, granule = here.dim, here.granule
+    if name in _COMPLEX_VIEWS:  # pairs of reals as complex numbers and back: the last dim changes
+        if dim >= first.dim() - 1:
+            raise _Rejected(f"{name} of the sharded dimension")
+        return [(outputs[0], (dim, granule))]
     if name in _VIEWS:
         return [(out, _reshaped(first.shape, out.shape, dim, granule)) for out in outputs]
     if name in _TRANSPOSES:
@@ -290,11 +312,8 @@ def _reshaped(before: torch.Size, after: torch.Size, dim: int, granule: int) -> 
             k = next((k for k, s in enumerate(group_out) if s != 1), None)
             if k is None:
                 raise _Rejected("reshape drops the sharded dimension")
-            inner_after = math.prod(group_out[k + 1 :])
-            # Column features per index of the new sharded dim; shards hold whole indices of both.
-            if (granule * inner_after) % inner:
-                raise _Rejected("reshape splits a granule")
-            return start_j + k, granule * inner_after // inner
+            # Column features per index of the new sharded dim (a fraction after an expand duplicated them).
+            return start_j + k, Fraction(granule) * math.prod(group_out[k + 1 :]) / inner
     raise _Rejected("reshape lost the sharded dimension")
 
 
@@ -394,7 +413,7 @@ def _after_reduction(first: torch.Tensor, out: torch.Tensor, dim: int, dims: set
 def _broadcast(
     op: Op, layout: dict[int, Sharded], outputs: list[torch.Tensor]
 ) -> list[tuple[torch.Tensor, tuple[int, int]]]:
-    """An elementwise operation: every tensor output has the broadcast shape; whole operands broadcast over the shard."""
+    """An elementwise operation: outputs have the broadcast shape; whole operands broadcast over the shard."""
     inputs = list(tensors_in((op.args, op.kwargs)))
     if not outputs:
         return []
