@@ -122,9 +122,17 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
+#: transformers' fused experts run grouped matrix products, which take no float64: Mixtral trains in float32.
+FLOAT32 = {"mixtral"}
+#: Relative and absolute tolerance by model: float64 runs agree to rounding; float32 runs and the hand-written
+#: Llama (its rotary embedding computes in float32, as torchtitan's does) to float32 rounding.
+TOLERANCES = {"mixtral": 1e-5, "torchtitan llama": 1e-6}
+
+
 def built(name: str) -> nn.Module:
     torch.manual_seed(0)
-    return MODELS[name]().double()
+    model = MODELS[name]()
+    return model if name in FLOAT32 else model.double()
 
 
 def next_token_loss(outputs: Any, tokens: torch.Tensor) -> torch.Tensor:
@@ -190,4 +198,4 @@ def test_split_equals_the_local_run(ranks: list[dict[str, Any]], name: str) -> N
     expected, full = train_locally(model, adamw(model.parameters()), [(t, t) for t in batches()], 1, loss_for(name))
     for result in ranks:
         assert result[name]["state"].keys() == full.keys()
-        assert_rank_matches(result[name], expected, full, TOLERANCE)
+        assert_rank_matches(result[name], expected, full, TOLERANCES.get(name, TOLERANCE))

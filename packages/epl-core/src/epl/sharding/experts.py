@@ -155,6 +155,8 @@ def shard_stacked_experts(module: nn.Module, shard: ShardContext) -> nn.Module:
             setattr(local, name, local_count)
     for name, param in module.named_parameters(recurse=False):
         setattr(local, name, sharded_parameter(param, group=shard.group, dim=0))
+    if hasattr(local, "_is_expert_parallel"):
+        local._is_expert_parallel = True  # transformers' kernels then mask the routes to other devices' experts
     local._epl_experts = ExpertRange(shard.group, shard.index * local_count, local_count, count)
     local.__class__ = _expert_parallel_class(type(module))
     return local
