@@ -25,6 +25,18 @@ class Scale(nn.Module):
         return x * self.scale
 
 
+class Mixer(nn.Module):
+    """A layer no rule covers, holding a matrix that is not a linear layer's ``weight``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mixing = nn.Parameter(torch.eye(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Mix the features."""
+        return x @ self.mixing
+
+
 class ScaleRules:
     """A third party's plugin: keep ``Scale`` whole on every device (and count the calls)."""
 
@@ -44,11 +56,11 @@ class ScaleRules:
 def test_a_module_without_a_rule_fails_on_the_laptop_with_how_to_register_one() -> None:
     epl.init()
     with epl.split(2, name="head"):
-        model = nn.Sequential(nn.Linear(4, 4), Scale(4))
+        model = nn.Sequential(nn.Linear(4, 4), Mixer(4))
     with pytest.raises(epl.AnnotationError) as error:
         epl.parallelize(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     message = str(error.value)
-    assert "head (split(2)) holds the module '1'" in message and "Scale" in message
+    assert "head (split(2)) holds the module '1'" in message and "Mixer" in message
     assert "def epl_split_rules" in message and "outside the epl.split scope" in message
 
 

@@ -15,10 +15,11 @@ from epl.interfaces.collectives import broadcast_tensors, communicators_for
 from epl.interfaces.phases import TransformPhase
 from epl.interfaces.shard_group import ShardGroup
 from epl.interfaces.split_rule import ShardContext, SplitRule
-from epl.plugins.context import ParallelContext
+from epl.plugins.context import LossFn, ParallelContext
 from epl.sharding.cross_entropy import ShardedCrossEntropyLoss
 from epl.sharding.layout import Decision, decide_layout
-from epl.sharding.linear import shard_linear
+from epl.sharding.linear import ColumnParallelLinear, shard_linear
+from epl.sharding.logits import ShardedLogitsLoss
 from epl.sharding.parameters import is_sharded, shard_spec
 from epl.sharding.rules import fallback_rule, keep_whole, rule_for, shard_linear_like
 
@@ -74,8 +75,9 @@ class ShardSplitTaskGraphs:
         linears = {t.name for tg in mine for t in targets[tg.index] if t.rule in _LINEAR_RULES}
         embeddings = {t.name for tg in mine for t in targets[tg.index] if isinstance(t.module, nn.Embedding)}
         # Exactly nn.CrossEntropyLoss: a subclass may compute something else from the logits.
+        cross_entropy = type(context.loss_fn) is nn.CrossEntropyLoss
         decisions = decide_layout(
-            model, linears, embeddings, loss_is_cross_entropy=type(context.loss_fn) is nn.CrossEntropyLoss
+            model, linears, embeddings, loss_is_cross_entropy=cross_entropy, has_loss=context.loss_fn is not None
         )
         shards_of: dict[int, tuple[str, nn.Parameter]] = {}
         for tg in mine:
@@ -100,12 +102,19 @@ class ShardSplitTaskGraphs:
                 _lower_sizes(model, decision, group)
                 for tensor in own if target.own_only else itertools.chain(shard.parameters(), shard.buffers()):
                     context.split_tensors[id(tensor)] = (tg.index, is_sharded(tensor))
-                if decision.role == "logits":
-                    assert isinstance(target.module, nn.Linear) and isinstance(context.loss_fn, nn.CrossEntropyLoss)
-                    context.loss_fn = ShardedCrossEntropyLoss(context.loss_fn, group, target.module.out_features)
+                if decision.role == "logits" and isinstance(shard, ColumnParallelLinear):
+                    context.loss_fn = _parallel_loss(context.loss_fn, group, shard)
             # Forget the whole tensors, so that only the shards stay in memory.
             tg.tensors[:] = [t for t in tg.tensors if id(t) not in replaced or id(t) in context.split_tensors]
         return model
+
+
+def _parallel_loss(loss_fn: LossFn | None, group: ShardGroup, head: ColumnParallelLinear) -> LossFn:
+    """The loss over the split output layer's class-sharded logits: parallel cross-entropy where the loss has one."""
+    assert loss_fn is not None
+    if type(loss_fn) is nn.CrossEntropyLoss:
+        return ShardedCrossEntropyLoss(loss_fn, group, head.out_features)
+    return loss_fn if isinstance(loss_fn, ShardedLogitsLoss) else ShardedLogitsLoss(loss_fn)
 
 
 _LINEAR_RULES: tuple[SplitRule, ...] = (shard_linear, shard_linear_like)

@@ -47,9 +47,14 @@ class Decision:
 
 
 def decide_layout(
-    model: nn.Module, linears: set[str], embeddings: set[str], *, loss_is_cross_entropy: bool
+    model: nn.Module, linears: set[str], embeddings: set[str], *, loss_is_cross_entropy: bool, has_loss: bool
 ) -> dict[str, Decision]:
-    """The decision for each linear-like module in ``linears`` and each embedding in ``embeddings``."""
+    """The decision for each linear-like module in ``linears`` and each embedding in ``embeddings``.
+
+    ``has_loss``: a loss function reads the model's output (so an output layer may keep
+    its logits sharded: see :mod:`epl.sharding.logits`); ``loss_is_cross_entropy``: it is
+    exactly ``nn.CrossEntropyLoss`` (what the tracing fallback requires for the ``logits`` role).
+    """
     example = example_input(model)
     if example is not None and linears:
         try:
@@ -57,14 +62,12 @@ def decide_layout(
         except Exception as error:  # noqa: BLE001 - any failure falls back to tracing
             _log.info("epl.split: the example run of the model failed (%s); tracing it instead", error)
         else:
-            return _from_pairing(find_pairs(flow), linears, embeddings, loss_is_cross_entropy)
+            return _from_pairing(find_pairs(flow), linears, embeddings, has_loss)
     roles = assign_roles(model, linears, loss_is_cross_entropy=loss_is_cross_entropy)
     return {name: Decision(role) for name, role in roles.items()}
 
 
-def _from_pairing(
-    pairing: Pairing, linears: set[str], embeddings: set[str], loss_is_cross_entropy: bool
-) -> dict[str, Decision]:
+def _from_pairing(pairing: Pairing, linears: set[str], embeddings: set[str], has_loss: bool) -> dict[str, Decision]:
     decisions: dict[str, Decision] = {}
     for name in linears:
         layout: WeightLayout = pairing.weight_layouts.get(name, "out_in")  # type: ignore[assignment]
@@ -75,7 +78,7 @@ def _from_pairing(
             decisions[name] = Decision("row", weight_layout=layout)
         elif name not in pairing.weight_layouts:
             decisions[name] = Decision("whole")  # never computed as a linear layer in the example run
-        elif name in pairing.outputs and loss_is_cross_entropy:
+        elif name in pairing.outputs and has_loss and layout == "out_in":
             decisions[name] = Decision("logits", weight_layout=layout)
         else:
             decisions[name] = Decision("alone", weight_layout=layout)

@@ -17,6 +17,7 @@ from epl.errors import AnnotationError
 from epl.interfaces.shard_group import ShardGroup
 from epl.interfaces.split_rule import ShardContext, ShardRole
 from epl.sharding import collectives as C
+from epl.sharding.logits import mark_sharded_logits
 from epl.sharding.parameters import sharded_parameter
 
 
@@ -72,9 +73,10 @@ class ColumnParallelLinear(nn.Module):
         x = entered(x, group)
         weight = self.weight if self.weight_layout == "out_in" else self.weight.t()
         y = F.linear(x, weight, self.bias)
-        keep_sharded = self.role == "column" or (self.role == "logits" and torch.is_grad_enabled())
-        if keep_sharded:
+        if self.role == "column":
             return y
+        if self.role == "logits" and torch.is_grad_enabled():
+            return mark_sharded_logits(y, group, self.out_features)
         sizes = [size * self.parts for size in self.sizes]
         y = C.gather_from_shards(y, group, -1, sizes)
         if self.parts > 1:
