@@ -199,3 +199,99 @@ def test_split_equals_the_local_run(ranks: list[dict[str, Any]], name: str) -> N
     for result in ranks:
         assert result[name]["state"].keys() == full.keys()
         assert_rank_matches(result[name], expected, full, TOLERANCES.get(name, TOLERANCE))
+
+
+#: Megatron-LM's collectives per transformer block and step: an all-reduce of the attention's and of the MLP's
+#: output forward, and of the gradient of their inputs backward.
+MEGATRON_PER_BLOCK = {"all_reduce": 4}
+#: Outside the blocks: the vocabulary-parallel embedding's all-reduce (forward), the LM head's input gradient
+#: (backward) and the parallel cross-entropy's two (the row maximum, then the target logit and the sum).
+OUTSIDE_BLOCKS = {"all_reduce": 4}
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("name", ["llama", "gpt2", "torchtitan llama"])
+def test_collectives_per_block_are_megatrons(ranks: list[dict[str, Any]], name: str) -> None:
+    """q/k/v (or c_attn) and gate/up share one entry; o and down end the regions; the logits are never gathered."""
+    expected = {op: LAYERS * count + OUTSIDE_BLOCKS.get(op, 0) for op, count in MEGATRON_PER_BLOCK.items()}
+    for result in ranks:
+        assert result[name]["collectives"] == expected
+
+
+@pytest.mark.timeout(500)
+def test_the_layout_follows_megatron(ranks: list[dict[str, Any]]) -> None:
+    """Column q/k/v and gate/up, row o and down, GPT-2's fused c_attn in 3 parts, the head's logits sharded."""
+    llama_repr, gpt2_repr = ranks[0]["llama"]["repr"], ranks[0]["gpt2"]["repr"]
+    for layer in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        assert f"({layer}): ColumnParallelLinear" in llama_repr and "role=column" in llama_repr
+    for layer in ("o_proj", "down_proj"):
+        assert f"({layer}): RowParallelLinear" in llama_repr
+    assert "(lm_head): ColumnParallelLinear" in llama_repr and "role=logits" in llama_repr
+    assert "(input_layernorm): LlamaRMSNorm" in llama_repr and "(rotary_emb): LlamaRotaryEmbedding" in llama_repr
+    assert "(c_attn): ColumnParallelLinear(in_features=32, out_features=96 (shard 0 of 2: 48, 3 parts)" in gpt2_repr
+    assert "(wpe): Embedding" in gpt2_repr  # positions are not the model's input: kept whole, as Megatron does
+    assert "(wte): VocabParallelEmbedding" in gpt2_repr
+    mixtral_repr = ranks[0]["mixtral"]["repr"]
+    assert "experts 0..1 of 4 (expert parallel)" in mixtral_repr and "(gate): MixtralTopKRouter" in mixtral_repr
+
+
+def heads_that_do_not_divide() -> str:
+    import epl
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    epl.init()
+    config = LlamaConfig(
+        vocab_size=VOCABULARY, hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=3
+    )
+    with epl.split(2):
+        model = LlamaForCausalLM(config)
+    try:
+        epl.parallelize(model, optimizer=adamw, loss_fn=next_token_loss)
+    except epl.AnnotationError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_heads_that_do_not_divide_are_a_clear_error() -> None:
+    for message in run_ranks(heads_that_do_not_divide, 2, timeout=90):
+        assert "3 attention heads of 8 features each cannot be shared equally by 2 devices" in message
+
+
+def dropout_runs() -> dict[str, Any]:
+    """GPT-2 with every dropout on, trained twice from the same seed; each rank's replicated norm and RNG states."""
+    import epl
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    results = []
+    for _ in range(2):
+        epl.init()
+        torch.manual_seed(0)
+        config = GPT2Config(vocab_size=VOCABULARY, n_positions=32, n_embd=32, n_layer=LAYERS, n_head=4)
+        config.bos_token_id = config.eos_token_id = 0
+        with epl.split(2):
+            model = GPT2LMHeadModel(config).double()
+        engine = epl.parallelize(model, optimizer=adamw, loss_fn=next_token_loss)
+        losses = [float(engine.step(tokens, tokens)) for tokens in batches()[:2]]
+        (group,) = engine.context.shard_groups.values()
+        results.append(
+            {
+                "losses": losses,
+                "norm": engine.model.transformer.h[0].ln_2.weight.detach().clone(),
+                "region_state": group.random.state.clone(),
+            }
+        )
+        epl.Env.get().close()
+    return {"runs": results}
+
+
+@pytest.mark.timeout(200)
+def test_dropout_is_reproducible_and_replicated_activations_stay_identical() -> None:
+    first, second = (result["runs"] for result in run_ranks(dropout_runs, 2, timeout=180))
+    # Reproducible: the same seed gives the same losses.
+    for rank in (first, second):
+        assert rank[0]["losses"] == rank[1]["losses"]
+    # Replicated activations (and so the gradients of the norms every device holds) are identical on both devices.
+    assert torch.equal(first[0]["norm"], second[0]["norm"])
+    # Inside the regions each device draws from its own state.
+    assert not torch.equal(first[0]["region_state"], second[0]["region_state"])

@@ -21,6 +21,7 @@ from epl.sharding.layout import Decision, decide_layout
 from epl.sharding.linear import ColumnParallelLinear, shard_linear
 from epl.sharding.logits import ShardedLogitsLoss
 from epl.sharding.parameters import is_sharded, shard_spec
+from epl.sharding.random import RegionRandom
 from epl.sharding.rules import fallback_rule, keep_whole, rule_for, shard_linear_like
 
 
@@ -85,6 +86,7 @@ class ShardSplitTaskGraphs:
                 communicators[tuple(sorted(devices[tg.index, replica]))],
                 batch_split=plan.batch_parts(tg.index) > 1,
             )
+            group.random = RegionRandom(torch.initial_seed(), group.index, context.cluster.device)
             context.shard_groups[tg.index] = group
             replaced: set[int] = set()
             for target in targets[tg.index]:

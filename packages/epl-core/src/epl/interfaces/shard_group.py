@@ -42,6 +42,8 @@ class ShardGroup:
     #: The last input entered into the shards and its entered form, so layers reading the same input
     #: (q, k and v; gate and up) share one collective: (weak reference to the input, entered, grad enabled).
     entry: tuple[Any, Any, bool] | None = field(default=None, repr=False)
+    #: The random state of the column/row regions (``epl.sharding.random.RegionRandom``), or None.
+    random: Any = field(default=None, repr=False)
 
     @property
     def index(self) -> int:

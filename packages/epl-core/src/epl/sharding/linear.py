@@ -74,6 +74,8 @@ class ColumnParallelLinear(nn.Module):
         weight = self.weight if self.weight_layout == "out_in" else self.weight.t()
         y = F.linear(x, weight, self.bias)
         if self.role == "column":
+            if group.random is not None:
+                group.random.enter()  # dropouts of the sharded activations draw per device
             return y
         if self.role == "logits" and torch.is_grad_enabled():
             return mark_sharded_logits(y, group, self.out_features)
@@ -122,6 +124,8 @@ class RowParallelLinear(nn.Module):
         """The whole output (this device's rows of it when the batch is split over the devices)."""
         group = self.group
         group.entry = None  # the region's input is no longer needed for sharing
+        if group.random is not None:
+            group.random.leave()
         partial = F.linear(x, self.weight if self.weight_layout == "out_in" else self.weight.t())
         y = C.reduce_scatter_rows(partial, group) if group.batch_split else C.reduce_from_shards(partial, group)
         return y if self.bias is None else y + self.bias
