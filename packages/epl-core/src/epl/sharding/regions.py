@@ -168,8 +168,6 @@ class _Analysis:
                 continue
             if any(self.calls[c] != 1 or self.fed_rows[c] != {name} for c in columns):
                 continue
-            if any(c in self.feeds for c in columns):
-                continue  # a column fed by another region is that region's row
             pairing.rows[name] = frozenset(columns)
             for column in columns:
                 pairing.columns[column] = self.facts[column]
