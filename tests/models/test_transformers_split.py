@@ -295,3 +295,61 @@ def test_dropout_is_reproducible_and_replicated_activations_stay_identical() -> 
     assert torch.equal(first[0]["norm"], second[0]["norm"])
     # Inside the regions each device draws from its own state.
     assert not torch.equal(first[0]["region_state"], second[0]["region_state"])
+
+
+MAX_GRAD_NORM = 0.5
+
+
+def llama_replicas_with_zero() -> dict[str, Any]:
+    """Llama under split(2) on 4 processes (2 replicas), ZeRO v1, clipping on: each replica trains on its rows."""
+    import epl
+
+    epl.init(epl.Config({"zero.level": "v1", "optimizer.max_grad_norm": MAX_GRAD_NORM}))
+    with epl.split(2):
+        model = built("llama")
+    engine = epl.parallelize(model, optimizer=adamw, loss_fn=next_token_loss)
+    losses, norms = [], []
+    for tokens in batches():
+        share = BATCH // engine.num_replicas
+        rows = tokens[share * engine.replica_index : share * (engine.replica_index + 1)]
+        losses.append(float(engine.step(rows, rows)))
+        norms.append(engine.grad_norm)
+    state = engine.state_dict(full=True)["model"]
+    return {"replica": engine.replica_index, "losses": losses, "norms": norms, "state": state}
+
+
+def clipped_replicas_locally(replicas: int) -> tuple[list[list[float]], list[list[float]], dict[str, torch.Tensor]]:
+    """The reference: each replica's rows' gradient clipped on its own (clipping before the all-reduce, EPL's
+    default), then averaged, one AdamW step. Returns each replica's losses and norms, and the final state."""
+    model = built("llama")
+    optimizer = adamw(model.parameters())
+    losses: list[list[float]] = [[] for _ in range(replicas)]
+    norms: list[list[float]] = [[] for _ in range(replicas)]
+    for tokens in batches():
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for replica, rows in enumerate(tokens.chunk(replicas)):
+            model.zero_grad()
+            loss = next_token_loss(model(rows), rows)
+            loss.backward()
+            norms[replica].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)))
+            losses[replica].append(float(loss))
+            for sum_, p in zip(total, model.parameters(), strict=True):
+                sum_ += p.grad / replicas
+        for p, grad in zip(model.parameters(), total, strict=True):
+            p.grad = grad
+        optimizer.step()
+    return losses, norms, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(300)
+def test_split_with_replicas_zero_and_clipping_equals_the_local_run() -> None:
+    results = run_ranks(llama_replicas_with_zero, 4, timeout=240)
+    losses, norms, state = clipped_replicas_locally(2)
+    assert sorted(r["replica"] for r in results) == [0, 0, 1, 1]
+    assert norms[0][0] > MAX_GRAD_NORM  # clipping acts
+    for result in results:
+        replica = result["replica"]
+        torch.testing.assert_close(result["losses"], losses[replica], rtol=TOLERANCE, atol=TOLERANCE)
+        torch.testing.assert_close(result["norms"], norms[replica], rtol=TOLERANCE, atol=TOLERANCE)
+        for name, value in result["state"].items():
+            torch.testing.assert_close(value, state[name], rtol=TOLERANCE, atol=TOLERANCE, msg=name)
