@@ -236,8 +236,9 @@ def test_the_layout_follows_megatron(ranks: list[dict[str, Any]]) -> None:
 
 
 def heads_that_do_not_divide() -> str:
-    import epl
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    import epl
 
     epl.init()
     config = LlamaConfig(
@@ -260,8 +261,9 @@ def test_heads_that_do_not_divide_are_a_clear_error() -> None:
 
 def dropout_runs() -> dict[str, Any]:
     """GPT-2 with every dropout on, trained twice from the same seed; each rank's replicated norm and RNG states."""
-    import epl
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    import epl
 
     results = []
     for _ in range(2):

@@ -86,6 +86,7 @@ def _from_pairing(pairing: Pairing, linears: set[str], embeddings: set[str], has
         decisions[name] = Decision("alone" if name in pairing.input_fed else "whole")
     return decisions
 
+
 ELEMENTWISE_MODULES: tuple[type[nn.Module], ...] = (
     nn.ReLU,
     nn.ReLU6,

@@ -116,9 +116,7 @@ class RowParallelLinear(nn.Module):
         dim = 1 if shard.weight_layout == "out_in" else 0
         self.weight = sharded_parameter(linear.weight, group=self.group, dim=dim)
         bias = getattr(linear, "bias", None)
-        self.bias = (
-            nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad) if bias is not None else None
-        )
+        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The whole output (this device's rows of it when the batch is split over the devices)."""

@@ -25,10 +25,10 @@ last and contiguous, and escapes nowhere else (not into the model's output).
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -486,4 +486,3 @@ def _concatenate(
         raise _Rejected("concatenation along the sharded dimension")
     new_dim = dim + 1 if stack and along <= dim else dim
     return [(outputs[0], (new_dim, granules.pop()))]
-
