@@ -12,6 +12,7 @@ from torch import nn
 from epl.errors import EplError
 from epl.plugins.context import GradientReducer, LossFn, LossScaler, ParallelContext
 from epl.runtime.batch import call_model, micro_batches, to_device
+from epl.sharding.norms import clip_grad_norm
 
 ForwardContext = Callable[[], contextlib.AbstractContextManager[Any]]
 
@@ -77,6 +78,8 @@ class LocalStepRunner:
         self.max_grad_norm = max_grad_norm
         self.loss_scaler = loss_scaler
         self.forward_contexts = list(forward_contexts)
+        #: The gradient norm before clipping of the last step (None without ``optimizer.max_grad_norm``).
+        self.grad_norm: float | None = None
 
     @classmethod
     def from_context(cls, context: ParallelContext, **extra: Any) -> Self:
@@ -140,11 +143,14 @@ class LocalStepRunner:
             self.loss_scaler.unscale(self.model.parameters())  # nothing left to do when clipping unscaled them
 
     def clip_gradients(self) -> None:
-        """Scale this rank's gradients so that their total norm is at most ``optimizer.max_grad_norm``."""
+        """Scale the gradients so that the replica's total norm is at most ``optimizer.max_grad_norm``.
+
+        Shards of split tensors are counted once over their shard group (:mod:`epl.sharding.norms`).
+        """
         assert self.max_grad_norm is not None
         if self.loss_scaler is not None:
             self.loss_scaler.unscale(self.model.parameters())  # clip the true gradients
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.grad_norm = float(clip_grad_norm(self.model.parameters(), self.max_grad_norm))
 
     def loss(self, inputs: Any, targets: Any) -> torch.Tensor:
         """The scalar loss of ``inputs`` against ``targets`` (computed inside the forward contexts)."""

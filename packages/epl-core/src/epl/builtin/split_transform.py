@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from epl.annotations.taskgraph import TaskGraph
-from epl.errors import AnnotationError, ConfigError, PlacementError
+from epl.errors import AnnotationError, PlacementError
 from epl.interfaces.collectives import broadcast_tensors, communicators_for
 from epl.interfaces.phases import TransformPhase
 from epl.interfaces.shard_group import ShardGroup
@@ -176,11 +176,6 @@ def _check_supported(context: ParallelContext) -> None:
     plan = context.plan
     if plan.num_stages > 1:
         raise split_stage_error(next(tg.name for tg in plan.taskgraphs if tg.strategy == "split"))
-    if context.config["optimizer.max_grad_norm"] is not None:
-        raise ConfigError(
-            "optimizer.max_grad_norm with a split TaskGraph on several devices is not supported yet: the norm "
-            "needs every shard's gradients. Leave optimizer.max_grad_norm unset for split models."
-        )
 
 
 def split_stage_error(name: str) -> PlacementError:

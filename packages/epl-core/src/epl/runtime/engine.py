@@ -77,6 +77,14 @@ class Engine:
         return self.context.loss_scaler
 
     @property
+    def grad_norm(self) -> float | None:
+        """The gradient norm before clipping of the last step (None without ``optimizer.max_grad_norm``).
+
+        The replica's whole gradient: each shard of a split tensor counted once.
+        """
+        return getattr(self.runner, "grad_norm", None)
+
+    @property
     def plan(self) -> Plan:
         """The Plan this engine runs."""
         return self.context.plan
