@@ -138,3 +138,26 @@ def test_example_names_match_the_examples() -> None:
     from epl.examples.manual import EXAMPLES
 
     assert examples.names() == sorted(EXAMPLES)
+
+
+def test_plan_of_a_script_that_cannot_be_split_exits_non_zero(tmp_path: Path) -> None:
+    """The real run would fail (a module no split rule covers): ``epl plan`` says so and exits 1."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, epl\n"
+        "from torch import nn\n"
+        "class Mixer(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.mixing = nn.Parameter(torch.eye(4))\n"
+        "    def forward(self, x):\n"
+        "        return x @ self.mixing\n"
+        "epl.init()\n"
+        "with epl.split(2):\n"
+        "    model = nn.Sequential(nn.Linear(4, 4), Mixer())\n"
+        "epl.parallelize(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))\n"
+    )
+    result = CliRunner().invoke(make_cli(), ["plan", "-n", "2", str(script)])
+    assert result.exit_code == 1
+    assert "holds the module '1'" in result.output and "Mixer" in result.output
+    assert "def epl_split_rules" in result.output and "Traceback" not in result.output

@@ -121,7 +121,22 @@ def test_split_shards_come_from_the_split_rules() -> None:
     assert [plan.assignment(d).num_parameters for d in range(2)] == numels  # the Plan's shards, refined
 
 
-def test_split_module_without_a_rule_is_estimated_along_dimension_0_with_a_note() -> None:
+def test_split_module_no_rule_covers_fails_the_plan_as_it_would_fail_the_run() -> None:
+    class Mixer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mixing = nn.Parameter(torch.ones(5, 3))
+
+    epl.init()
+    with epl.split(2, name="odd"):
+        model = Mixer()
+    with pytest.raises(epl.AnnotationError, match="no split rule says how to shard that type"):
+        epl.plan(model, world_size=2)
+
+
+def test_linear_like_module_alone_is_estimated_whole() -> None:
+    """A 2-D ``weight`` of a type no rule names is linear-like: kept whole unless a column/row region holds it."""
+
     class Scale(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -131,8 +146,7 @@ def test_split_module_without_a_rule_is_estimated_along_dimension_0_with_a_note(
     with epl.split(2, name="odd"):
         model = Scale()
     memory = epl.plan(model, world_size=2).memory
-    assert [m.parameter_bytes for m in memory] == [4 * 9, 4 * 6]  # rows 3 + 2, the larger shard first
-    assert "odd: parameters sharded along dimension 0 as an estimate" in memory[0].notes[-1]
+    assert [m.parameter_bytes for m in memory] == [4 * 15, 4 * 15]
 
 
 # -- the estimate against memory_report on real processes ---------------------------------------

@@ -47,6 +47,8 @@ class RuleShardShapes:
         group = ShardGroup(cast(Any, _Seat(position, count)), batch_split=self.plan.batch_parts(taskgraph) > 1)
         found: dict[int, tuple[int, ShardPieces]] = {}
         for key, target in enumerate(self._targets[taskgraph]):
+            if target.own_only:
+                continue  # kept whole: its own tensors count as they are
             role = self._roles.get(target.name, "alone")
             shard = target.rule(_meta_copy(target.module), ShardContext(group, target.name, role))
             prefix = f"{target.name}." if target.name else ""

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from epl.errors import AnnotationError
 from epl.placement.memory_estimate import EstimatedTensor, MemoryEstimate, ShardPieces, ShardShapes
 
 if TYPE_CHECKING:
@@ -357,6 +358,8 @@ class _Holdings:
                 if self._shapes is None:
                     raise LookupError("no installed plugin estimates the shards of split TaskGraphs")
                 self._shard_cache[index, position] = dict(self._shapes.pieces(index, position)), None
+            except AnnotationError:
+                raise  # the real run would fail the same way (a module no rule covers, sizes that do not divide)
             except Exception as exc:  # noqa: BLE001 - a rule that needs the devices: estimate along dimension 0
                 note = (
                     f"{taskgraph.name}: parameters sharded along dimension 0 as an estimate "
