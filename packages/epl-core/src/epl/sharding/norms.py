@@ -53,6 +53,8 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch
     clamped to 1), with each shard and each replicated tensor counted once.
     """
     params = [p for p in parameters if p.grad is not None]
+    if not any(shard_spec(p) is not None for p in params):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)  # exactly PyTorch's when nothing is sharded
     norm = total_grad_norm(params)
     coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     grads = [p.grad for p in params]
