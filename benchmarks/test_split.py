@@ -37,8 +37,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from tests.helpers.distributed import run_ranks
 
+from benchmarks.collectives import collectives_of
 from benchmarks.harness import MIB, Ratio, ResultRow, Section, mib, ms, record, short_mode
-from epl_memory.measure import peak_allocated_bytes, trace_events
+from epl_memory.measure import peak_allocated_bytes
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -147,7 +148,7 @@ def race_against_dtensor(rounds: int, steps: int) -> dict[str, Any]:
         torch.testing.assert_close(ours_grad, x.grad, msg="EPL and DTensor computed different input gradients")
     for a, b in zip(mine, (p.to_local() for p in theirs.parameters()), strict=True):
         torch.testing.assert_close(a, b, msg="EPL and DTensor took different training steps")
-    collectives = {"epl": collectives_of(epl_step), "torch": collectives_of(torch_step)}
+    collectives = {"epl": collectives_of(epl_step).counts, "torch": collectives_of(torch_step).counts}
     for side, counts in collectives.items():
         # The same communication on both sides: one all-reduce of the [BATCH, WIDTH] output
         # forward, one of the input gradient backward, nothing else.
@@ -172,22 +173,6 @@ def race_against_dtensor(rounds: int, steps: int) -> dict[str, Any]:
         "epl_collectives_per_step": collectives["epl"],
         "torch_collectives_per_step": collectives["torch"],
     }
-
-
-def collectives_of(step: Callable[[], object]) -> dict[str, int]:
-    """The c10d collectives one call of ``step`` issues on this rank, counted by "operation [shape]"."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        step()
-    counts: dict[str, int] = {}
-    for event in trace_events(prof):
-        name = event.get("name", "")
-        if name.startswith("c10d::") and name != "c10d::barrier":
-            dims = event["args"].get("Input Dims") or [[[]]]
-            key = f"{name.removeprefix('c10d::').rstrip('_')} {dims[0][0] if dims[0] else []}"
-            counts[key] = counts.get(key, 0) + 1
-    return counts
 
 
 def race_cross_entropy(rounds: int) -> dict[str, Any]:

@@ -140,8 +140,9 @@ def test_example_names_match_the_examples() -> None:
     assert examples.names() == sorted(EXAMPLES)
 
 
-def test_plan_of_a_script_that_cannot_be_split_exits_non_zero(tmp_path: Path) -> None:
-    """The real run would fail (a module no split rule covers): ``epl plan`` says so and exits 1."""
+@pytest.mark.parametrize("world", [1, 2])
+def test_plan_of_a_script_that_cannot_be_split_exits_non_zero(tmp_path: Path, world: int) -> None:
+    """The real run would fail (a module no split rule covers), in one process too: ``epl plan`` says so, exits 1."""
     script = tmp_path / "train.py"
     script.write_text(
         "import torch, epl\n"
@@ -157,7 +158,112 @@ def test_plan_of_a_script_that_cannot_be_split_exits_non_zero(tmp_path: Path) ->
         "    model = nn.Sequential(nn.Linear(4, 4), Mixer())\n"
         "epl.parallelize(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))\n"
     )
-    result = CliRunner().invoke(make_cli(), ["plan", "-n", "2", str(script)])
+    result = CliRunner().invoke(make_cli(), ["plan", "-n", str(world), str(script)])
     assert result.exit_code == 1
     assert "holds the module '1'" in result.output and "Mixer" in result.output
     assert "def epl_split_rules" in result.output and "Traceback" not in result.output
+
+
+def split_script(tmp_path: Path, model: str, *, device_count: int = 2, after: str = "") -> Path:
+    """A script that builds ``model`` (an expression) under ``epl.split(device_count)``."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, epl\n"
+        "from torch import nn\n"
+        "epl.init()\n"
+        f"with epl.split({device_count}, name='tp'):\n"
+        f"    model = {model}\n"
+        f"{after}"
+        "epl.parallelize(model, optimizer=torch.optim.Adam)\n"
+    )
+    return script
+
+
+@pytest.mark.parametrize(
+    ("model", "device_count", "after", "message"),
+    [
+        ("epl.nn.Experts(3, 8, 16)", 2, "", "3 experts cannot be shared equally by 2 devices"),
+        (
+            "nn.Sequential(nn.Linear(8, 2), nn.ReLU(), nn.Linear(2, 8))",
+            4,
+            "",
+            "0: the output features of the linear layer: 2 cannot be shared",
+        ),
+        (
+            "nn.Linear(4, 4)",
+            2,
+            "with epl.replicate(1):\n    model = nn.Sequential(model, nn.Linear(4, 4))\n",
+            "A split TaskGraph cannot be a pipeline stage yet (tp)",
+        ),
+    ],
+)
+def test_plan_of_a_script_whose_sizes_do_not_split_exits_non_zero(
+    tmp_path: Path, model: str, device_count: int, after: str, message: str
+) -> None:
+    """What the run would refuse while sharding, ``epl plan`` refuses with the same message, without a traceback."""
+    script = split_script(tmp_path, model, device_count=device_count, after=after)
+    result = run("plan", "-n", str(device_count + (1 if after else 0)), str(script))
+    assert result.exit_code == 1, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+MLP = """\
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.gate_proj = nn.Linear(16, 64, bias=False)
+        self.down_proj = nn.Linear(64, 16, bias=False)
+    def forward(self, x):
+        return x + self.down_proj(torch.relu(self.gate_proj(self.norm(x))))
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(16, 10)
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+"""
+
+
+def test_plan_of_a_split_script_shows_each_devices_shards(tmp_path: Path) -> None:
+    """One line per layer-numbers-as-``*`` pattern and shapes; devices holding alike share a table; JSON too."""
+    script = split_script(tmp_path, "Net()")
+    script.write_text(script.read_text().replace("epl.init()\n", MLP + "epl.init()\n"))
+    result = run("plan", "-n", "4", str(script))
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert "shards of tp (split(2)), per device of replica 0; every replica alike:\n  each of devices 0, 1:" in text
+    rows = [" ".join(line.split()) for line in text.split("each of devices 0, 1:")[1].split("\n\n")[0].splitlines()]
+    assert rows[1:] == [
+        "layers.*.norm.weight [16] whole x4",
+        "layers.*.norm.bias [16] whole x4",
+        "layers.*.gate_proj.weight [32, 16] of [64, 16] x4",
+        "layers.*.down_proj.weight [16, 32] of [16, 64] x4",
+        "head.weight [5, 16] of [10, 16]",
+        "head.bias [5] of [10]",
+    ]
+    plan = json.loads(run("plan", "-n", "4", "--json", str(script)).stdout)
+    (tp,) = plan["taskgraphs"]
+    assert len(tp["shards"]) == 2 and tp["shards"][0] == tp["shards"][1]
+    assert tp["shards"][0][2] == {
+        "name": "layers.*.gate_proj.weight",
+        "module": "Linear",
+        "shape": [32, 16],
+        "whole": [64, 16],
+        "sharded": True,
+        "tied": [],
+        "count": 4,
+    }
+
+
+def test_plan_shows_uneven_shards_device_by_device(tmp_path: Path) -> None:
+    script = split_script(tmp_path, "nn.Sequential(nn.Linear(8, 15), nn.ReLU(), nn.Linear(15, 6), nn.LayerNorm(6))")
+    result = run("plan", "-n", "2", str(script))
+    assert result.exit_code == 0, result.output
+    device_0, device_1 = result.stdout.split("  device 0:\n")[1].split("\n\n")[0].split("  device 1:\n")
+    assert "0.weight  [8, 8]  of [15, 8]" in device_0 and "0.weight  [7, 8]  of [15, 8]" in device_1
+    assert "2.weight  [6, 7]  of [6, 15]" in device_1
+    assert "2.bias    [6]     whole" in device_1 and "3.bias    [6]     whole" in device_1  # not one ``*.bias`` row

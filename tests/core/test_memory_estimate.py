@@ -134,6 +134,50 @@ def test_split_module_no_rule_covers_fails_the_plan_as_it_would_fail_the_run() -
         epl.plan(model, world_size=2)
 
 
+class Mixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mixing = nn.Parameter(torch.ones(5, 3))
+
+
+def register_rule(rule: Callable[[nn.Module, Any], nn.Module]) -> None:
+    class Rules:
+        @epl.hookimpl
+        def epl_split_rules(self) -> dict[type[nn.Module], Any]:
+            return {Mixer: rule}
+
+    epl.Env.get().plugins.register(Rules(), name="mixer-rules")
+
+
+def test_rule_that_needs_the_devices_is_estimated_along_dimension_0() -> None:
+    def communicates(module: nn.Module, shard: Any) -> nn.Module:
+        shard.group.communicator.all_reduce(module.mixing)
+        return module
+
+    epl.init()
+    register_rule(communicates)
+    with epl.split(2, name="odd"):
+        model = Mixer()
+    plan = epl.plan(model, world_size=2)
+    assert "odd: parameters sharded along dimension 0 as an estimate" in plan.memory[0].notes[-1]
+    assert [[(r.name, r.shape, r.whole) for r in rows] for rows in plan.taskgraphs[0].shards] == [
+        [("mixing", (3, 3), (5, 3))],
+        [("mixing", (2, 3), (5, 3))],
+    ]
+
+
+def test_rule_raising_an_epl_error_fails_the_plan_as_it_would_fail_the_run() -> None:
+    def refuses(module: nn.Module, shard: Any) -> nn.Module:
+        raise epl.ConfigError("mixing needs mixer.heads to divide the devices")
+
+    epl.init()
+    register_rule(refuses)
+    with epl.split(2, name="odd"):
+        model = Mixer()
+    with pytest.raises(epl.ConfigError, match="mixer.heads"):
+        epl.plan(model, world_size=2)
+
+
 def test_linear_like_module_alone_is_estimated_whole() -> None:
     """A 2-D ``weight`` of a type no rule names is linear-like: kept whole unless a column/row region holds it."""
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
+
 import pytest
 from torch import nn
 
@@ -139,6 +141,58 @@ def test_plan_round_trips_through_json() -> None:
     again = Plan.from_dict(__import__("json").loads(plan.to_json()))
     assert again == plan
     assert str(again) == str(plan)
+
+
+def test_split_plan_round_trips_through_json_with_its_shards() -> None:
+    epl.init()
+    with epl.split(4, name="head"):
+        model = nn.Linear(8, 10)
+    plan = epl.plan(model, world_size=8)
+    weight, bias = plan.taskgraphs[0].shards[2]
+    assert (weight.name, weight.module, weight.shape, weight.whole, weight.sharded) == (
+        "weight",
+        "Linear",
+        (2, 8),
+        (10, 8),
+        True,
+    )
+    assert (bias.shape, bias.whole) == ((2,), (10,))
+    again = Plan.from_dict(__import__("json").loads(plan.to_json()))
+    assert again == plan and str(again) == str(plan)
+    assert "  each of devices 0, 1:\n" in str(plan) and "  each of devices 2, 3:\n" in str(plan)
+
+
+def test_tied_weights_show_once_with_their_other_name() -> None:
+    epl.init()
+    with epl.split(2, name="lm"):
+        model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    plan = epl.plan(model, world_size=2)
+    assert "    1.weight (tied to 0.weight)  [5, 4]  of [10, 4]\n" in str(plan)
+    assert [m.parameter_bytes for m in plan.memory] == [4 * 20, 4 * 20]
+
+
+def test_shard_rows_count_the_layers_alike() -> None:
+    from epl.placement.shards import ShardRow, layer_pattern, summarise
+
+    assert layer_pattern("model.layers.12.mlp.up_proj.weight") == "model.layers.*.mlp.up_proj.weight"
+    up = ShardRow(name="", module="Linear", shape=(4, 2), whole=(8, 2), sharded=True)
+    norm = ShardRow(name="", module="LayerNorm", shape=(2,), whole=(2,), sharded=False)
+    held = [replace(row, name=f"layers.{i}.{row.module}.weight") for i in range(3) for row in (up, norm)]
+    held += [replace(norm, name="0.bias", module="Linear"), replace(norm, name="1.bias")]  # not alike: modules differ
+    held.append(replace(up, name="head.weight", tied=("embed.weight",)))
+    rows = summarise(held)
+    assert [(r.name, r.count) for r in rows] == [
+        ("layers.*.Linear.weight", 3),
+        ("layers.*.LayerNorm.weight", 3),
+        ("0.bias", 1),
+        ("1.bias", 1),
+        ("head.weight", 1),
+    ]
+    assert rows[0].cells() == ["layers.*.Linear.weight", "[4, 2]", "of [8, 2]", "x3"]
+    assert rows[1].cells() == ["layers.*.LayerNorm.weight", "[2]", "whole", "x3"]
+    assert rows[4].cells() == ["head.weight (tied to embed.weight)", "[4, 2]", "of [8, 2]", ""]
+    assert ShardRow.from_dict(__import__("json").loads(__import__("json").dumps(asdict(rows[4])))) == rows[4]
 
 
 def test_plan_text_for_1024_devices_is_short() -> None:

@@ -1,10 +1,13 @@
 """transformers' models, unmodified, under one ``epl.split(2)`` scope, equal the local run.
 
-Llama (grouped-query attention, RMSNorm, rotary embeddings, SwiGLU), GPT-2 (Conv1D,
-fused q/k/v ``c_attn``, LM head tied to the embedding), BERT (embeddings with buffers,
-a classification head), Mixtral (router and fused experts: expert parallel) and a
-Llama written by hand the torchtitan way (:mod:`tests.models.handwritten_llama`): tiny
-configs, random weights, nothing downloaded, float64. Each trains 4 AdamW steps on 2
+Llama (grouped-query attention, RMSNorm, rotary embeddings, SwiGLU), Mistral and Qwen2
+(the same shape; Qwen2 with q/k/v biases), GPT-2 (Conv1D, fused q/k/v ``c_attn``, LM
+head tied to the embedding), BERT (embeddings with buffers, a classification head),
+Mixtral, Qwen2-MoE (a shared expert and its one-output gate) and Qwen3-MoE (norms of
+each attention head) with fused experts (expert parallel), and a Llama written by hand
+the torchtitan way (:mod:`tests.models.handwritten_llama`): tiny configs, random
+weights, nothing downloaded, float64 (Mixtral, on transformers' default grouped expert
+products, float32). Each trains 4 AdamW steps on 2
 processes and on one; losses and parameters (gathered whole) agree within
 ``TOLERANCE``. No rules, no edits: the layout comes from the model's computation.
 
@@ -107,6 +110,84 @@ def mixtral() -> nn.Module:
     return MixtralForCausalLM(config)
 
 
+def mistral() -> nn.Module:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=VOCABULARY,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=4,
+        attn_implementation="sdpa",
+    )
+    return MistralForCausalLM(config)
+
+
+def qwen2() -> nn.Module:
+    """Qwen2: Llama's shape with biases on q, k and v."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCABULARY,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def qwen2_moe() -> nn.Module:
+    """Qwen2-MoE: fused experts, a shared expert (an MLP) and its gate of one output (kept whole)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        vocab_size=VOCABULARY,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+        experts_implementation="eager",  # float64 (the default grouped products take float32 only: see Mixtral)
+    )
+    return Qwen2MoeForCausalLM(config)
+
+
+def qwen3_moe() -> nn.Module:
+    """Qwen3-MoE: fused experts, and q/k norms over each head (whole weights applied to sharded heads)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=VOCABULARY,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+        experts_implementation="eager",
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
 def torchtitan_llama() -> nn.Module:
     return handwritten_llama.Transformer(
         handwritten_llama.ModelArgs(dim=32, n_layers=LAYERS, n_heads=4, n_kv_heads=2, vocab_size=VOCABULARY)
@@ -118,6 +199,10 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "gpt2": gpt2,
     "bert": bert,
     "mixtral": mixtral,
+    "mistral": mistral,
+    "qwen2": qwen2,
+    "qwen2-moe": qwen2_moe,
+    "qwen3-moe": qwen3_moe,
     "torchtitan llama": torchtitan_llama,
 }
 
@@ -210,7 +295,7 @@ OUTSIDE_BLOCKS = {"all_reduce": 4}
 
 
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("name", ["llama", "gpt2", "torchtitan llama"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gpt2", "torchtitan llama"])
 def test_collectives_per_block_are_megatrons(ranks: list[dict[str, Any]], name: str) -> None:
     """q/k/v (or c_attn) and gate/up share one entry; o and down end the regions; the logits are never gathered."""
     expected = {op: LAYERS * count + OUTSIDE_BLOCKS.get(op, 0) for op, count in MEGATRON_PER_BLOCK.items()}
@@ -233,6 +318,12 @@ def test_the_layout_follows_megatron(ranks: list[dict[str, Any]]) -> None:
     assert "(wte): VocabParallelEmbedding" in gpt2_repr
     mixtral_repr = ranks[0]["mixtral"]["repr"]
     assert "experts 0..1 of 4 (expert parallel)" in mixtral_repr and "(gate): MixtralTopKRouter" in mixtral_repr
+    qwen2_moe_repr = ranks[0]["qwen2-moe"]["repr"]
+    # The shared expert is an MLP pair; its gate has one output, too narrow to share: every device computes it.
+    assert "(shared_expert_gate): Linear(in_features=32, out_features=1" in qwen2_moe_repr
+    assert "(shared_expert): Qwen2MoeMLP(\n            (gate_proj): ColumnParallelLinear" in qwen2_moe_repr
+    qwen3_moe_repr = ranks[0]["qwen3-moe"]["repr"]
+    assert "(q_norm): Qwen3MoeRMSNorm" in qwen3_moe_repr and "(q_proj): ColumnParallelLinear" in qwen3_moe_repr
 
 
 def heads_that_do_not_divide() -> str:

@@ -78,8 +78,12 @@ class LocalStepRunner:
         self.max_grad_norm = max_grad_norm
         self.loss_scaler = loss_scaler
         self.forward_contexts = list(forward_contexts)
-        #: The gradient norm before clipping of the last step (None without ``optimizer.max_grad_norm``).
-        self.grad_norm: float | None = None
+        self._grad_norm: torch.Tensor | None = None
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The total gradient norm before clipping of the last step (None without ``optimizer.max_grad_norm``)."""
+        return None if self._grad_norm is None else float(self._grad_norm)
 
     @classmethod
     def from_context(cls, context: ParallelContext, **extra: Any) -> Self:
@@ -103,6 +107,7 @@ class LocalStepRunner:
             raise EplError("Engine.step needs an optimizer: pass optimizer=... to epl.parallelize().")
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         self.optimizer.zero_grad(set_to_none=True)
+        self._grad_norm = None
         if self.gradient_reducer is not None:
             self.gradient_reducer.start()
         if self.loss_scaler is not None:
@@ -143,14 +148,16 @@ class LocalStepRunner:
             self.loss_scaler.unscale(self.model.parameters())  # nothing left to do when clipping unscaled them
 
     def clip_gradients(self) -> None:
-        """Scale the gradients so that the replica's total norm is at most ``optimizer.max_grad_norm``.
+        """Scale the gradients so that their total 2-norm is at most ``optimizer.max_grad_norm``; keep the norm.
 
-        Shards of split tensors are counted once over their shard group (:mod:`epl.sharding.norms`).
+        The norm is the whole model's (a split tensor's shards counted once over their shard group,
+        :mod:`epl.sharding.norms`), of the reduced gradient or, when clipping comes before the
+        data-parallel reduction, of the gradient of this rank's rows.
         """
         assert self.max_grad_norm is not None
         if self.loss_scaler is not None:
             self.loss_scaler.unscale(self.model.parameters())  # clip the true gradients
-        self.grad_norm = float(clip_grad_norm(self.model.parameters(), self.max_grad_norm))
+        self._grad_norm = clip_grad_norm(self.model.parameters(), self.max_grad_norm).detach()
 
     def loss(self, inputs: Any, targets: Any) -> torch.Tensor:
         """The scalar loss of ``inputs`` against ``targets`` (computed inside the forward contexts)."""

@@ -4,7 +4,9 @@ Each rule builds the shard one device would hold from a copy of the module whose
 live on the ``meta`` device, so every shard has the size a run gives it and nothing is
 allocated. The rules see a shard group whose communicator is a stand-in (a position,
 no peers): a rule that communicates while it builds fails, and the estimate falls back
-to sharding along dimension 0 with a note.
+to sharding along dimension 0 with a note. What the run would refuse is refused here
+with the run's error (an :class:`~epl.errors.EplError`): a module no rule covers, sizes
+a rule cannot share (``ShardGroup.require``, experts), a split TaskGraph as a pipeline stage.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from epl.annotations.taskgraph import TaskGraph
-from epl.builtin.split_transform import find_targets
+from epl.builtin.split_transform import find_targets, split_stage_error
 from epl.interfaces.shard_group import ShardGroup
 from epl.interfaces.split_rule import ShardContext, ShardRole, SplitRule
 from epl.placement.memory_estimate import ShardPieces
@@ -30,11 +32,16 @@ from epl.sharding.parameters import is_sharded
 
 
 class RuleShardShapes:
-    """The shards of a model's split TaskGraphs, built by their split rules on ``meta`` copies."""
+    """The shards of a model's split TaskGraphs, built by their split rules on ``meta`` copies.
+
+    Built, it has found a rule for every module (raising the run's error where none fits).
+    """
 
     def __init__(
         self, model: nn.Module, taskgraphs: list[TaskGraph], plan: Plan, rules: Mapping[type[nn.Module], SplitRule]
     ) -> None:
+        if taskgraphs and not plan.local and plan.num_stages > 1:
+            raise split_stage_error(taskgraphs[0].name)
         self.plan = plan
         self.taskgraphs = {tg.index: tg for tg in taskgraphs}
         self._targets = {tg.index: find_targets(model, tg, rules) for tg in taskgraphs}

@@ -10,12 +10,13 @@ import torch
 from torch import nn
 
 from epl.annotations.taskgraph import TaskGraph
-from epl.errors import AnnotationError, PlacementError
+from epl.errors import AnnotationError, ConfigError, PlacementError
 from epl.interfaces.collectives import broadcast_tensors, communicators_for
 from epl.interfaces.phases import TransformPhase
 from epl.interfaces.shard_group import ShardGroup
 from epl.interfaces.split_rule import ShardContext, SplitRule
 from epl.plugins.context import LossFn, ParallelContext
+from epl.sharding.collectives import sum_gradient_over_shards
 from epl.sharding.cross_entropy import ShardedCrossEntropyLoss
 from epl.sharding.layout import Decision, decide_layout
 from epl.sharding.linear import ColumnParallelLinear, shard_linear
@@ -51,7 +52,8 @@ class ShardSplitTaskGraphs:
     on the laptop too. The layout (which layers pair column-then-row, fused parts,
     head sizes) comes from :func:`epl.sharding.layout.decide_layout`. When the
     model's output is a split classifier and the loss is ``nn.CrossEntropyLoss``,
-    the loss is replaced by the parallel cross-entropy.
+    the loss is replaced by the parallel cross-entropy. A whole parameter used on
+    sharded activations (a per-head norm) has its gradient summed over the devices.
     """
 
     name = "shard_split_taskgraphs"
@@ -77,10 +79,12 @@ class ShardSplitTaskGraphs:
         embeddings = {t.name for tg in mine for t in targets[tg.index] if isinstance(t.module, nn.Embedding)}
         # Exactly nn.CrossEntropyLoss: a subclass may compute something else from the logits.
         cross_entropy = type(context.loss_fn) is nn.CrossEntropyLoss
-        decisions = decide_layout(
+        layout = decide_layout(
             model, linears, embeddings, loss_is_cross_entropy=cross_entropy, has_loss=context.loss_fn is not None
         )
+        decisions = layout.decisions
         shards_of: dict[int, tuple[str, nn.Parameter]] = {}
+        group_of: dict[str, ShardGroup] = {}
         for tg in mine:
             group = ShardGroup(
                 communicators[tuple(sorted(devices[tg.index, replica]))],
@@ -90,6 +94,7 @@ class ShardSplitTaskGraphs:
             context.shard_groups[tg.index] = group
             replaced: set[int] = set()
             for target in targets[tg.index]:
+                group_of[target.name] = group
                 own = target.tensors()
                 _start_alike(own, group)
                 replaced.update(id(t) for t in own)
@@ -108,6 +113,11 @@ class ShardSplitTaskGraphs:
                     context.loss_fn = _parallel_loss(context.loss_fn, group, shard)
             # Forget the whole tensors, so that only the shards stay in memory.
             tg.tensors[:] = [t for t in tg.tensors if id(t) not in replaced or id(t) in context.split_tensors]
+        for name, columns in layout.partial_gradients.items():
+            groups = {id(group_of[c]): group_of[c] for c in columns if c in group_of}
+            # With the batch split over the devices, the gradient reduction averages it over them already.
+            if len(groups) == 1 and not (group := next(iter(groups.values()))).batch_split:
+                sum_gradient_over_shards(model.get_parameter(name), group)
         return model
 
 
@@ -173,9 +183,18 @@ def _start_alike(tensors: list[torch.Tensor], group: ShardGroup) -> None:
 
 
 def _check_supported(context: ParallelContext) -> None:
-    plan = context.plan
+    plan, config = context.plan, context.config
     if plan.num_stages > 1:
         raise split_stage_error(next(tg.name for tg in plan.taskgraphs if tg.strategy == "split"))
+    if config["optimizer.max_grad_norm"] is not None and not config.get("communication.clip_after_allreduce", False):
+        splitting = [tg.name for tg in plan.taskgraphs if tg.strategy == "split" and plan.batch_parts(tg.index) > 1]
+        if splitting:
+            raise ConfigError(
+                f"optimizer.max_grad_norm clips before the gradient reduction, but the devices of {splitting[0]} "
+                "also split the batch (it is colocated with a replicate TaskGraph), so no device holds its "
+                "replica's gradient before the reduction. Set communication.clip_after_allreduce to true (with "
+                "zero.level 'v1'/'v2', which need clipping before it, use zero.level 'v0' or no clipping)."
+            )
 
 
 def split_stage_error(name: str) -> PlacementError:

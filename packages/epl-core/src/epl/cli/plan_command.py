@@ -52,6 +52,10 @@ def plan_command(
     virtual cluster, and stops at epl.parallelize. Arguments after SCRIPT are
     passed to it. Example: epl plan --world-size 1024 train.py --lr 3e-4
 
+    For each split TaskGraph, what each device of a replica holds, by the split
+    rules (layer numbers shown as *); what the run would refuse to split (a module
+    no rule covers, sizes that do not divide) fails with the run's message.
+
     Under the Plan, the memory each device would hold: parameters, gradients and
     optimizer states, estimated (with ZeRO and other plugins' adjustments);
     activations are not estimated.

@@ -8,7 +8,10 @@ computed from the model's parameters and the Plan instead of from a run's tensor
   tensor parallelism answers it by running its split rules on ``meta`` copies, so
   each shard has the size the run gives it and nothing is allocated). Where no
   plugin answers or a rule cannot run here, each parameter is sharded along
-  dimension 0 (the larger shards first) and a note says so.
+  dimension 0 (the larger shards first) and a note says so. Where the run would
+  fail (an :class:`~epl.errors.EplError`: a module no rule covers, sizes that do
+  not divide), the estimate fails with the run's error. The Plan's
+  ``TaskGraphSpec.shards`` list what each device holds (:mod:`epl.placement.shards`).
 * gradients: the bytes of the parameters that require grad.
 * optimizer states: from the optimizer's class and each parameter group's options,
   by :data:`OPTIMIZER_STATES`: how many state tensors the size of the parameter it
@@ -28,12 +31,14 @@ tensors the rank holds and the copies of each.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from epl.errors import AnnotationError
+from epl.errors import EplError
 from epl.placement.memory_estimate import EstimatedTensor, MemoryEstimate, ShardPieces, ShardShapes
+from epl.placement.shards import ShardRow, summarise
 
 if TYPE_CHECKING:
     import torch
@@ -42,7 +47,7 @@ if TYPE_CHECKING:
     from epl.annotations.taskgraph import TaskGraph
     from epl.config import Config
     from epl.placement.copies import Copies
-    from epl.placement.plan import Plan
+    from epl.placement.plan import Plan, TaskGraphSpec
 
 
 class EstimateHooks(Protocol):
@@ -150,17 +155,14 @@ def with_memory(
     """``plan`` with :attr:`Plan.memory` (see :func:`estimate_memory`).
 
     The split TaskGraphs' shard sizes (``TaskGraphSpec.shard_parameters``/``shard_bytes``,
-    estimated along dimension 0 when the Plan is built) become those of their split rules.
+    estimated along dimension 0 when the Plan is built) become those of their split rules,
+    and ``TaskGraphSpec.shards`` lists what each of their devices holds. Raises the
+    :class:`~epl.errors.EplError` the run would raise when a split TaskGraph cannot be split.
     """
     from dataclasses import replace
 
     memory, holdings = _estimate(plan, model, taskgraphs, config=config, hooks=hooks, optimizer=optimizer)
-    specs = tuple(
-        replace(tg, **dict(zip(("shard_parameters", "shard_bytes"), holdings.shard_sizes(tg.index), strict=True)))
-        if tg.index in holdings.split
-        else tg
-        for tg in plan.taskgraphs
-    )
+    specs = tuple(holdings.refined(tg) if tg.index in holdings.split else tg for tg in plan.taskgraphs)
     return replace(plan, taskgraphs=specs, memory=memory)
 
 
@@ -193,6 +195,7 @@ def _estimate(
 ) -> tuple[tuple[MemoryEstimate, ...], _Holdings]:
     view = _OptimizerView.of(optimizer, model)
     holdings = _Holdings(plan, model, taskgraphs, hooks, view)
+    holdings.check_local()
     copies: dict[tuple[int, bool, int], Copies] = {}
     estimates = []
     for rank in range(plan.world_size):
@@ -292,7 +295,8 @@ class _Holdings:
         self.plan, self.model, self.view, self.hooks = plan, model, view, hooks
         self.owner = {id(t): tg.index for tg in taskgraphs for t in tg.tensors}
         self.params = [(name, p) for name, p in model.named_parameters() if not is_lazy(p)]
-        self.split = {tg.index: tg for tg in taskgraphs if tg.strategy.kind == "split"} if not plan.local else {}
+        self.split_taskgraphs = [tg for tg in taskgraphs if tg.strategy.kind == "split"]
+        self.split = {tg.index: tg for tg in self.split_taskgraphs} if not plan.local else {}
         self._shapes: ShardShapes | None = None
         self._cache: dict[tuple[tuple[int, int], ...], tuple[tuple[EstimatedTensor, ...], tuple[str, ...]]] = {}
         self._shard_cache: dict[tuple[int, int], tuple[dict[int, tuple[int, ShardPieces]], str | None]] = {}
@@ -337,15 +341,62 @@ class _Holdings:
         )
 
     # -- split TaskGraphs ------------------------------------------------------------------
-    def shard_sizes(self, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(parameters, bytes) each position of split TaskGraph ``index`` holds."""
-        numels, sizes = [], []
-        for position in range(self.split[index].strategy.device_count):
-            shards = {key: pieces for key, pieces in self._shards(index, position, []).values()}
-            held = [piece for pieces in shards.values() for _, piece, _ in pieces]
-            numels.append(sum(p.numel() for p in held))
-            sizes.append(sum(p.numel() * p.element_size() for p in held))
-        return tuple(numels), tuple(sizes)
+    def check_local(self) -> None:
+        """In a one-process Plan, have the split TaskGraphs' shards worked out: it fails where the run would.
+
+        Nothing is sharded in one process, but the run still looks up a rule for every module
+        (the core's answer to ``epl_estimate_shards`` does, as it is built).
+        """
+        if self.plan.local and self.split_taskgraphs:
+            self.hooks.estimate_shards(self.model, self.split_taskgraphs, self.plan)
+
+    def refined(self, spec: TaskGraphSpec) -> TaskGraphSpec:
+        """``spec`` of a split TaskGraph with each position's shards as its split rules make them."""
+        from dataclasses import replace
+
+        positions = range(self.split[spec.index].strategy.device_count)
+        held = [self._held(spec.index, position) for position in positions]
+        return replace(
+            spec,
+            shard_parameters=tuple(sum(p.numel() for _, p, _ in pieces) for pieces in held),
+            shard_bytes=tuple(sum(p.numel() * p.element_size() for _, p, _ in pieces) for pieces in held),
+            shards=tuple(self._rows(pieces) for pieces in held),
+        )
+
+    def _held(self, index: int, position: int) -> ShardPieces:
+        """The parameters of every shard module at ``position`` of split TaskGraph ``index``, in order."""
+        shards = {key: pieces for key, pieces in self._shards(index, position, []).values()}
+        return [piece for pieces in shards.values() for piece in pieces]
+
+    @functools.cached_property
+    def wholes(self) -> dict[str, ShardRow]:
+        """Parameter name (tied ones under each name) -> the parameter as a row: whole, its module, other names."""
+        from torch.nn.parameter import is_lazy
+
+        named = [(n, p) for n, p in self.model.named_parameters(remove_duplicate=False) if not is_lazy(p)]
+        names: dict[int, list[str]] = {}
+        for name, param in named:
+            names.setdefault(id(param), []).append(name)
+        return {
+            name: ShardRow(
+                name=name,
+                module=type(self.model.get_submodule(name.rpartition(".")[0])).__name__,
+                shape=tuple(param.shape),
+                whole=tuple(param.shape),
+                sharded=False,
+                tied=tuple(other for other in names[id(param)] if other != name),
+            )
+            for name, param in named
+        }
+
+    def _rows(self, pieces: ShardPieces) -> tuple[ShardRow, ...]:
+        from dataclasses import replace
+
+        unknown = ShardRow(name="", module="", shape=(), whole=None, sharded=False)
+        return summarise(
+            replace(self.wholes.get(name, unknown), name=name, shape=tuple(piece.shape), sharded=sharded)
+            for name, piece, sharded in pieces
+        )
 
     def _shards(self, index: int, position: int, notes: list[str]) -> dict[int, tuple[int, ShardPieces]]:
         """id(parameter) -> (its module, the shard's parameters) at ``position`` of split TaskGraph ``index``."""
@@ -358,8 +409,8 @@ class _Holdings:
                 if self._shapes is None:
                     raise LookupError("no installed plugin estimates the shards of split TaskGraphs")
                 self._shard_cache[index, position] = dict(self._shapes.pieces(index, position)), None
-            except AnnotationError:
-                raise  # the real run would fail the same way (a module no rule covers, sizes that do not divide)
+            except EplError:
+                raise  # the run would fail the same way (a module no rule covers, sizes that do not divide)
             except Exception as exc:  # noqa: BLE001 - a rule that needs the devices: estimate along dimension 0
                 note = (
                     f"{taskgraph.name}: parameters sharded along dimension 0 as an estimate "
@@ -374,13 +425,13 @@ class _Holdings:
     def _along_dim0(self, taskgraph: TaskGraph, position: int, count: int) -> dict[int, tuple[int, ShardPieces]]:
         import torch
 
-        from epl.placement.plan import _dim0_shard_numels
+        from epl.interfaces.shard_group import shard_sizes
 
         names = {id(p): name for name, p in self.params}
         found: dict[int, tuple[int, ShardPieces]] = {}
         for key, param in enumerate(taskgraph.parameters):
             if id(param) in names:
-                numel = _dim0_shard_numels(param, count)[position]
-                piece = torch.empty(numel, dtype=param.dtype, device="meta").requires_grad_(param.requires_grad)
+                shape = (shard_sizes(param.shape[0], count)[position], *param.shape[1:]) if param.dim() else ()
+                piece = torch.empty(shape, dtype=param.dtype, device="meta").requires_grad_(param.requires_grad)
                 found[id(param)] = (-1 - key, [(names[id(param)], piece, True)])
         return found

@@ -22,8 +22,9 @@ class ShardShapes(Protocol):
     def pieces(self, taskgraph: int, position: int) -> Mapping[int, tuple[int, ShardPieces]]:
         """``id(model parameter)`` -> (a key of the module it belongs to, the parameters of that module's shard).
 
-        For device ``position`` of split TaskGraph ``taskgraph``. Raise when it cannot be worked out
-        without the devices; the estimate then shards each parameter along dimension 0 and says so.
+        For device ``position`` of split TaskGraph ``taskgraph``. Raise an :class:`~epl.errors.EplError`
+        where the run would (the Plan then fails with it); any other exception when it cannot be worked
+        out without the devices: the estimate then shards each parameter along dimension 0 and says so.
         """
         ...
 

@@ -23,6 +23,7 @@ from torch.nn.parameter import is_lazy
 
 from epl.placement.memory_estimate import MemoryEstimate, distinct_notes
 from epl.placement.render import count, format_bytes, format_devices, table
+from epl.placement.shards import ShardRow, same_positions
 
 if TYPE_CHECKING:
     from epl.annotations.taskgraph import TaskGraph
@@ -34,7 +35,8 @@ class TaskGraphSpec:
 
     For a split TaskGraph, ``shard_parameters``/``shard_bytes`` give what each of
     its devices holds, estimated by sharding every parameter along dimension 0
-    until the split rules say otherwise.
+    until the split rules say otherwise; ``shards`` lists it by parameter once they
+    have (``epl.plan``/``epl plan``).
     """
 
     index: int
@@ -49,6 +51,9 @@ class TaskGraphSpec:
     modules: tuple[str, ...] = ()
     #: Parameters of lazy modules not yet materialised (not counted above).
     lazy_parameters: int = 0
+    #: Per position of a split TaskGraph, the parameters its device holds (by the split rules); empty until
+    #: estimated.
+    shards: tuple[tuple[ShardRow, ...], ...] = ()
 
     @classmethod
     def from_taskgraph(cls, taskgraph: TaskGraph) -> TaskGraphSpec:
@@ -75,6 +80,13 @@ class TaskGraphSpec:
             modules=tuple(taskgraph.modules),
             lazy_parameters=len(taskgraph.parameters) - len(params),
         )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TaskGraphSpec:
+        """Rebuild a spec from ``dataclasses.asdict`` output."""
+        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        fields["shards"] = tuple(tuple(ShardRow.from_dict(row) for row in held) for held in data.get("shards", ()))
+        return cls(**fields)
 
     @property
     def label(self) -> str:
@@ -211,10 +223,7 @@ class Plan:
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         """Rebuild a Plan from :meth:`to_dict` output."""
         fields = dict(data)
-        fields["taskgraphs"] = tuple(
-            TaskGraphSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in tg.items()})
-            for tg in data["taskgraphs"]
-        )
+        fields["taskgraphs"] = tuple(TaskGraphSpec.from_dict(tg) for tg in data["taskgraphs"])
         fields["slots"] = tuple(tuple(s) for s in data["slots"])
         fields["notes"] = tuple(data.get("notes", ()))
         fields["memory"] = tuple(MemoryEstimate.from_dict(m) for m in data.get("memory", ()))
@@ -275,11 +284,26 @@ def render_plan(plan: Plan) -> str:
         more = plan.world_size - len(shown)
         same = "; every replica is laid out like replica 0" if plan.num_replicas > 1 else ""
         lines.append(f"  ... {more} more devices{same} (Plan.assignment(device) describes any of them)")
+    for tg in plan.taskgraphs:
+        if tg.shards:
+            lines += ["", *render_shards(plan, tg)]
     if plan.memory:
         lines += ["", *render_memory(plan, shown)]
     if plan.notes:
         lines += ["", "notes:"] + [f"  - {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def render_shards(plan: Plan, tg: TaskGraphSpec) -> list[str]:
+    """What each device of replica 0 holds of split TaskGraph ``tg``: devices holding alike share a table."""
+    alike = "; every replica alike" if plan.num_replicas > 1 else ""
+    lines = [f"shards of {tg.name} ({tg.label}), per device of replica 0{alike}:"]
+    devices = plan.devices(tg.index, 0)
+    for positions, rows in same_positions(tg.shards):
+        held = [devices[p] for p in positions]
+        lines.append(f"  device {held[0]}:" if len(held) == 1 else f"  each of devices {format_devices(held)}:")
+        lines += ["  " + line for line in table([row.cells() for row in rows])] if rows else ["    nothing"]
+    return lines
 
 
 def render_memory(plan: Plan, devices: Sequence[int]) -> list[str]:

@@ -169,11 +169,14 @@ def epl_estimate_shards(
 ) -> ShardShapes | None:
     """Work out what each device of the split TaskGraphs would hold, without the devices.
 
-    Called by ``epl.plan`` and ``epl plan`` (at most once per estimate) when the Plan has split
-    TaskGraphs. *firstresult*. The core answers last by running ``split_rules`` on ``meta``
-    copies of the modules (nothing is allocated). Return None to leave it to another plugin;
-    with no answer, or when ``pieces`` raises, each parameter is estimated as sharded along
-    dimension 0 and the Plan says so.
+    Called by ``epl.plan`` and ``epl plan`` (at most once per estimate) when the model has split
+    TaskGraphs, also for a one-process Plan (``plan.local``: only built, so that it can refuse
+    what the run refuses). *firstresult*. The core answers last by running ``split_rules`` on
+    ``meta`` copies of the modules (nothing is allocated). Return None to leave it to another
+    plugin. An :class:`~epl.errors.EplError` raised here or by ``pieces`` fails the Plan (raise
+    the run's error: a module no rule covers, sizes that do not divide); with no answer, or
+    when ``pieces`` raises anything else, each parameter is estimated as sharded along
+    dimension 0 and the Plan says so. ``Plan.taskgraphs[i].shards`` shows the pieces.
 
     :param model: the annotated model (whole, on its own device).
     :param taskgraphs: the split TaskGraphs of ``model``.

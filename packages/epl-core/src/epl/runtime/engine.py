@@ -78,9 +78,10 @@ class Engine:
 
     @property
     def grad_norm(self) -> float | None:
-        """The gradient norm before clipping of the last step (None without ``optimizer.max_grad_norm``).
+        """The total gradient 2-norm before clipping of the last step (None without ``optimizer.max_grad_norm``).
 
-        The replica's whole gradient: each shard of a split tensor counted once.
+        The norm that was clipped: the whole model's, each shard of a split tensor counted once; of
+        the reduced gradient with ``communication.clip_after_allreduce``, else of this rank's rows'.
         """
         return getattr(self.runner, "grad_norm", None)
 

@@ -21,6 +21,8 @@ function                    forward                                 backward
 ``copy_to_shards``/``reduce_from_shards`` are Megatron-LM's *f* and *g*; the
 ``rows`` functions are the sequence-parallel pair used when the batch is split over
 the same devices (colocated ``replicate(n)`` and ``split(n)``).
+:func:`sum_gradient_over_shards` is no function of activations: it sums the gradient
+of a whole parameter that each device applies to its shard of an activation.
 """
 
 from __future__ import annotations
@@ -216,3 +218,19 @@ def reduce_scatter_rows(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor
 def all_to_all(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     """Send chunk j of dimension 0 to device j and receive device j's chunk into chunk j; backward sends back."""
     return _AllToAll.apply(tensor, group)
+
+
+def sum_gradient_over_shards(parameter: torch.Tensor, group: ShardGroup) -> None:
+    """Have ``parameter``'s gradient summed over ``group`` in each backward pass, before it is accumulated.
+
+    For a parameter every device holds whole but applies to its shard of an activation
+    only (a norm of each attention head: each device holds some heads), so each device's
+    gradient covers its shard. (Not needed when the batch is split over the devices: the
+    data-parallel reduction averages whole parameters over them, which sums the shards'
+    parts of the gradient of the devices' mean loss.)
+    """
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(grad, group)
+
+    parameter.register_hook(summed)

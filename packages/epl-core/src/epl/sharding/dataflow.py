@@ -57,6 +57,8 @@ class Dataflow:
     events: list[Op | ModuleCall] = field(default_factory=list)
     inputs: list[torch.Tensor] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
+    #: ``id(parameter)`` -> its name, for the model's parameters that learn (the events hold the same objects).
+    parameters: dict[int, str] = field(default_factory=dict)
 
     def calls_of(self, name: str) -> list[ModuleCall]:
         """Every call of the candidate module ``name``."""
@@ -128,7 +130,7 @@ def record_dataflow(model: nn.Module, candidates: set[str], example: Any) -> Dat
     """
     names = {module: name for name, module in model.named_modules()}
     chosen = {module: name for module, name in names.items() if name in candidates}
-    flow = Dataflow()
+    flow = Dataflow(parameters={id(p): name for name, p in model.named_parameters() if p.requires_grad})
     recorder = _Recorder(flow, chosen, names)
     handles = []
     for module in names:

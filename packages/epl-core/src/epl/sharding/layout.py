@@ -20,7 +20,7 @@ import collections
 import logging
 import operator
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
@@ -46,9 +46,20 @@ class Decision:
     fixups: frozenset[tuple[str, int]] = frozenset()
 
 
+@dataclass(frozen=True)
+class Layout:
+    """The decisions for a model's split modules, and the whole parameters whose gradients are per shard."""
+
+    #: Module name -> its decision (modules not named take ``Decision()``).
+    decisions: dict[str, Decision]
+    #: Parameter name -> the column modules of the regions it is used in whole (on sharded activations, as a
+    #: per-head norm's weight): each device's gradient covers its shard only and is summed over the devices.
+    partial_gradients: dict[str, frozenset[str]] = field(default_factory=dict)
+
+
 def decide_layout(
     model: nn.Module, linears: set[str], embeddings: set[str], *, loss_is_cross_entropy: bool, has_loss: bool
-) -> dict[str, Decision]:
+) -> Layout:
     """The decision for each linear-like module in ``linears`` and each embedding in ``embeddings``.
 
     ``has_loss``: a loss function reads the model's output (so an output layer may keep
@@ -62,9 +73,10 @@ def decide_layout(
         except Exception as error:  # noqa: BLE001 - any failure falls back to tracing
             _log.info("epl.split: the example run of the model failed (%s); tracing it instead", error)
         else:
-            return _from_pairing(find_pairs(flow), linears, embeddings, has_loss)
+            pairing = find_pairs(flow)
+            return Layout(_from_pairing(pairing, linears, embeddings, has_loss), dict(pairing.partial_gradients))
     roles = assign_roles(model, linears, loss_is_cross_entropy=loss_is_cross_entropy)
-    return {name: Decision(role) for name, role in roles.items()}
+    return Layout({name: Decision(role) for name, role in roles.items()})
 
 
 def _from_pairing(pairing: Pairing, linears: set[str], embeddings: set[str], has_loss: bool) -> dict[str, Decision]:

@@ -149,8 +149,12 @@ def _check_divides(shard: ShardContext, part: int, what: str) -> None:
 
 
 def shard_linear(module: nn.Module, shard: ShardContext) -> nn.Module:
-    """The split rule for linear-like modules: row-parallel as the last of a region, column-parallel otherwise."""
-    if shard.role == "whole":
+    """The split rule for linear-like modules: row-parallel as the last of a region, column-parallel otherwise.
+
+    A layer alone (in no region) with fewer output features than devices, as a gate of one
+    output (Qwen2-MoE's ``shared_expert_gate``), is kept whole: every device computes it.
+    """
+    if shard.role == "whole" or (shard.role == "alone" and _features(module, shard)[1] < shard.count):
         return module
     if shard.role == "row":
         return RowParallelLinear(module, shard)

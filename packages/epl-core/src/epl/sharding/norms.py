@@ -1,8 +1,11 @@
-"""The global gradient norm of a model whose parameters may be shards: each tensor counted once.
+"""Gradient clipping by the global norm of a model whose parameters may be shards: each tensor counted once.
 
-A shard's squares are summed over its shard group (one all-reduce per group); a
-tensor every device of a group holds whole (a norm's weight, a row-parallel bias)
-is counted once, from this device's copy, as is every tensor outside split scopes.
+A shard's squares are summed over its shard group (one all-reduce per group of
+devices); a tensor every device of a group holds whole (a norm's weight, a
+row-parallel bias, a replicated layer) is counted once, from this device's copy.
+That copy must be the replica's gradient: identical on every device of the group,
+which holds unless the group also splits the batch and the gradients are not yet
+reduced (the split transform refuses that combination). Only the 2-norm.
 """
 
 from __future__ import annotations
@@ -12,52 +15,78 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from epl.interfaces.communicator import ReduceOp
+from epl.interfaces.communicator import Communicator, ReduceOp
 from epl.sharding.parameters import shard_spec
+
+#: Added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does.
+EPSILON = 1e-6
 
 
 def total_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
-    """The 2-norm of the whole model's gradient (a collective over every shard group the parameters belong to)."""
-    grads_by_group: dict[int, list[torch.Tensor]] = {}
-    groups = {}
+    """The 2-norm (float64) of the gradient of ``parameters``, shards summed over their groups.
+
+    A collective over every shard group of ``parameters``: every device of a group must
+    call it with the same parameters (it takes part even where a shard has no gradient).
+    """
+    params = list(parameters)
     whole: list[torch.Tensor] = []
-    for param in parameters:
-        if param.grad is None:
-            continue
+    shards: dict[int, tuple[Communicator, torch.device, list[torch.Tensor]]] = {}
+    for param in params:
         spec = shard_spec(param)
         if spec is None:
-            whole.append(param.grad)
-        else:
-            grads_by_group.setdefault(id(spec.group), []).append(param.grad)
-            groups[id(spec.group)] = spec.group
-    device = next((g.device for g in whole), None) or next((g[0].device for g in grads_by_group.values()), None)
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    if whole:
-        total += _sum_of_squares(whole)
-    for key, grads in grads_by_group.items():
-        shard_squares = _sum_of_squares(grads).reshape(1)
-        groups[key].communicator.all_reduce(shard_squares, ReduceOp.SUM).wait()
-        total += shard_squares[0]
+            if param.grad is not None:
+                whole.append(param.grad)
+            continue
+        # Keyed by communicator: split TaskGraphs on the same devices share one all-reduce.
+        communicator = spec.group.communicator
+        _, _, grads = shards.setdefault(id(communicator), (communicator, param.device, []))
+        if param.grad is not None:
+            grads.append(param.grad)
+    device = whole[0].device if whole else next((d for _, d, _ in shards.values()), None)
+    total = _sum_of_squares(whole, device)
+    for communicator, shard_device, grads in shards.values():  # in the order of the parameters: same on every device
+        squares = _sum_of_squares(grads, shard_device).reshape(1)
+        communicator.all_reduce(squares, ReduceOp.SUM).wait()
+        total = total + squares[0].to(total.device)
     return total.sqrt()
 
 
-def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
-    norms = torch._foreach_norm(grads, 2.0)
-    return torch.stack([n.double() for n in norms]).square().sum()
-
-
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Scale the gradients so that their global norm is at most ``max_norm``; return the norm before clipping.
+    """Scale the gradients so that their global 2-norm is at most ``max_norm``; return the norm before clipping.
 
-    As ``torch.nn.utils.clip_grad_norm_`` (2-norm, coefficient ``max_norm / (norm + 1e-6)``
-    clamped to 1), with each shard and each replicated tensor counted once.
+    As ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + 1e-6)`` clamped
+    to 1, non-finite norms not an error), with each shard and each tensor held whole counted
+    once (see :func:`total_grad_norm`). Without shards it is ``clip_grad_norm_`` itself.
     """
-    params = [p for p in parameters if p.grad is not None]
-    if not any(shard_spec(p) is not None for p in params):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)  # exactly PyTorch's when nothing is sharded
+    params = list(parameters)
+    if all(shard_spec(p) is None for p in params):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
     norm = total_grad_norm(params)
-    coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    grads = [p.grad for p in params]
-    if grads:
-        torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
+    coefficient = (max_norm / (norm + EPSILON)).clamp(max=1.0)
+    dense: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            continue
+        if grad.is_sparse:
+            grad.mul_(coefficient.to(grad.device, grad.dtype))
+        else:
+            dense.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, dtype), grads in dense.items():
+        torch._foreach_mul_(grads, coefficient.to(device, dtype))
     return norm
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device | None) -> torch.Tensor:
+    """The sum of the squared entries of ``grads`` in float64 on ``device`` (norms by device and dtype, as torch)."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    dense: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        if grad.is_sparse:
+            total = total + torch.linalg.vector_norm(grad.coalesce().values()).double().to(device).square()
+        else:
+            dense.setdefault((grad.device, grad.dtype), []).append(grad)
+    for group in dense.values():
+        norms = torch.stack([n.to(device=device, dtype=torch.float64) for n in torch._foreach_norm(group, 2.0)])
+        total = total + norms.square().sum()
+    return total

@@ -20,6 +20,11 @@ each tensor is sharded:
 
 A region pairs when it reaches exactly one candidate, with the sharded dimension
 last and contiguous, and escapes nowhere else (not into the model's output).
+
+A parameter used whole on a region's sharded activations (the weight of a norm applied
+to each attention head, as Qwen3's ``q_norm``) gets from each device the gradient of
+that device's shard only: the pairing lists it in ``partial_gradients``, so that its
+gradient is summed over the devices. One also used outside the regions ends them.
 """
 
 from __future__ import annotations
@@ -71,6 +76,9 @@ class Pairing:
     weight_layouts: dict[str, str] = field(default_factory=dict)
     #: Why a candidate's region did not pair (for messages).
     reasons: dict[str, str] = field(default_factory=dict)
+    #: Parameters used whole on the sharded activations of paired regions -> those regions' columns: each
+    #: device computes their gradient over its shard only, to be summed over the devices.
+    partial_gradients: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 class _Rejected(Exception):
@@ -99,6 +107,12 @@ class _Analysis:
         self.weight_layouts: dict[str, str] = {}
         #: Why each rejected column's region ended (for ``epl plan`` and error messages).
         self.reasons: dict[str, str] = {}
+        #: id(tensor) -> the parameter it is, or was made from alone (``w.float()``, ``1 + w``).
+        self.parameter_of: dict[int, str] = dict(flow.parameters)
+        #: Parameter -> the columns of the regions whose sharded activations it is used on, whole.
+        self.inside: dict[str, set[str]] = defaultdict(set)
+        #: Parameters used outside every region.
+        self.outside: set[str] = set()
 
     def run(self) -> Pairing:
         for event in self.flow.events:
@@ -123,6 +137,8 @@ class _Analysis:
             self.order.append(call.name)
         for tensor in call.inputs:
             self.read.add(id(tensor))
+            if id(tensor) in self.parameter_of:
+                self.outside.add(self.parameter_of[id(tensor)])
             found = self.layout.get(id(tensor))
             if found is None:
                 continue
@@ -140,7 +156,12 @@ class _Analysis:
         if any(id(t) in self.derived for t in inputs):
             self.derived.update(id(t) for t in tensors_in(op.result))
         sharded = [self.layout[id(t)] for t in inputs if id(t) in self.layout]
+        parameters = {self.parameter_of[id(t)] for t in inputs if id(t) in self.parameter_of}
         if not sharded:
+            if len(parameters) == 1 and all(id(t) in self.parameter_of for t in inputs):
+                self.parameter_of.update(dict.fromkeys(map(id, tensors_in(op.result)), parameters.pop()))
+            else:
+                self.outside |= parameters
             return
         sources = frozenset().union(*(s.sources for s in sharded))
         try:
@@ -149,7 +170,10 @@ class _Analysis:
             for source in sources - self.bad:
                 self.reasons[source] = f"{rejected} (in {op.module or 'the model'}: {_name(op.func)})"
             self.bad |= sources
+            self.outside |= parameters  # the region's layers keep whole outputs: a whole use
             return
+        for parameter in parameters:
+            self.inside[parameter] |= sources
         for tensor, (dim, granule) in results:
             self.layout[id(tensor)] = Sharded(sources, dim, granule)
             for source in sources:
@@ -158,6 +182,11 @@ class _Analysis:
                     facts.granule = math.lcm(facts.granule, int(granule))
 
     def _decide(self) -> Pairing:
+        for parameter in self.outside & self.inside.keys():
+            # Its gradient would be partly per device, partly whole: no sum over the devices fixes both.
+            for source in self.inside[parameter] - self.bad:
+                self.reasons[source] = f"the parameter {parameter} is used on the sharded activations and elsewhere"
+            self.bad |= self.inside[parameter]
         pairing = Pairing(input_fed=self.input_fed, weight_layouts=self.weight_layouts, reasons=self.reasons)
         taken: set[str] = set()
         for name in self.order:
@@ -177,6 +206,9 @@ class _Analysis:
             if isinstance(event, ModuleCall) and event.name not in taken and self.calls[event.name] == 1:
                 if event.outputs and all(id(t) in outputs and id(t) not in self.read for t in event.outputs):
                     pairing.outputs.add(event.name)
+        for parameter, columns in self.inside.items():
+            if paired := frozenset(columns & pairing.columns.keys()):
+                pairing.partial_gradients[parameter] = paired
         return pairing
 
 
