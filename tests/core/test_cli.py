@@ -267,3 +267,33 @@ def test_plan_shows_uneven_shards_device_by_device(tmp_path: Path) -> None:
     assert "0.weight  [8, 8]  of [15, 8]" in device_0 and "0.weight  [7, 8]  of [15, 8]" in device_1
     assert "2.weight  [6, 7]  of [6, 15]" in device_1
     assert "2.bias    [6]     whole" in device_1 and "3.bias    [6]     whole" in device_1  # not one ``*.bias`` row
+
+
+LLAMA = (
+    "__import__('transformers').LlamaForCausalLM(__import__('transformers').LlamaConfig(vocab_size=64, "
+    "hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads={heads}, num_key_value_heads=2, "
+    "attn_implementation='sdpa'))"
+)
+
+
+def test_plan_of_a_transformers_llama_shows_megatrons_layout(tmp_path: Path) -> None:
+    """The shards the run makes (decided from the model's computation): q/k/v, gate/up by rows, o and down by columns."""
+    result = run("plan", "-n", "2", str(split_script(tmp_path, LLAMA.format(heads=4))))
+    assert result.exit_code == 0, result.output
+    rows = {" ".join(line.split()) for line in result.stdout.splitlines()}
+    for row in [
+        "model.layers.*.self_attn.q_proj.weight [16, 32] of [32, 32] x2",
+        "model.layers.*.self_attn.k_proj.weight [8, 32] of [16, 32] x2",  # whole key/value heads
+        "model.layers.*.self_attn.o_proj.weight [32, 16] of [32, 32] x2",  # row parallel
+        "model.layers.*.mlp.down_proj.weight [32, 24] of [32, 48] x2",
+        "model.layers.*.input_layernorm.weight [32] whole x2",
+        "model.embed_tokens.weight [32, 32] of [64, 32]",
+    ]:
+        assert row in rows, result.stdout
+
+
+def test_plan_of_a_transformers_llama_whose_heads_do_not_divide_exits_non_zero(tmp_path: Path) -> None:
+    script = split_script(tmp_path, LLAMA.format(heads=6).replace("hidden_size=32", "hidden_size=24"), device_count=4)
+    result = run("plan", "-n", "4", str(script))
+    assert result.exit_code == 1, result.output
+    assert "6 attention heads of 4 features each cannot be shared equally by 4 devices" in result.output

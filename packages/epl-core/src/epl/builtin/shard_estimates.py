@@ -6,7 +6,10 @@ allocated. The rules see a shard group whose communicator is a stand-in (a posit
 no peers): a rule that communicates while it builds fails, and the estimate falls back
 to sharding along dimension 0 with a note. What the run would refuse is refused here
 with the run's error (an :class:`~epl.errors.EplError`): a module no rule covers, sizes
-a rule cannot share (``ShardGroup.require``, experts), a split TaskGraph as a pipeline stage.
+a rule cannot share (``ShardGroup.require``, heads, experts), a split TaskGraph as a pipeline
+stage. The rules are told the layout the run would decide (:func:`epl.sharding.layout.decide_layout`:
+one example forward of the whole model), so row-parallel layers, fused parts and whole heads
+are estimated as the run shards them.
 """
 
 from __future__ import annotations
@@ -21,13 +24,12 @@ import torch
 from torch import nn
 
 from epl.annotations.taskgraph import TaskGraph
-from epl.builtin.split_transform import find_targets, split_stage_error
+from epl.builtin.split_transform import LINEAR_RULES, find_targets, split_stage_error
 from epl.interfaces.shard_group import ShardGroup
-from epl.interfaces.split_rule import ShardContext, ShardRole, SplitRule
+from epl.interfaces.split_rule import ShardContext, SplitRule
 from epl.placement.memory_estimate import ShardPieces
 from epl.placement.plan import Plan
-from epl.sharding.layout import assign_roles
-from epl.sharding.linear import shard_linear
+from epl.sharding.layout import Decision, decide_layout
 from epl.sharding.parameters import is_sharded
 
 
@@ -45,8 +47,13 @@ class RuleShardShapes:
         self.plan = plan
         self.taskgraphs = {tg.index: tg for tg in taskgraphs}
         self._targets = {tg.index: find_targets(model, tg, rules) for tg in taskgraphs}
-        linears = {t.name for targets in self._targets.values() for t in targets if t.rule is shard_linear}
-        self._roles: dict[str, ShardRole] = assign_roles(model, linears, loss_is_cross_entropy=False)
+        targets = [t for found in self._targets.values() for t in found]
+        linears = {t.name for t in targets if t.rule in LINEAR_RULES}
+        embeddings = {t.name for t in targets if isinstance(t.module, nn.Embedding)}
+        self._decisions: dict[str, Decision] = {}
+        if linears and not plan.local:
+            layout = decide_layout(model, linears, embeddings, loss_is_cross_entropy=False, has_loss=False)
+            self._decisions = layout.decisions
 
     def pieces(self, taskgraph: int, position: int) -> dict[int, tuple[int, ShardPieces]]:
         """``id(model parameter)`` -> (its module's index, the shard's parameters) at ``position``."""
@@ -56,8 +63,11 @@ class RuleShardShapes:
         for key, target in enumerate(self._targets[taskgraph]):
             if target.own_only:
                 continue  # kept whole: its own tensors count as they are
-            role = self._roles.get(target.name, "alone")
-            shard = target.rule(_meta_copy(target.module), ShardContext(group, target.name, role))
+            decision = self._decisions.get(target.name, Decision())
+            shard_context = ShardContext(
+                group, target.name, decision.role, decision.parts, decision.granule, decision.weight_layout
+            )
+            shard = target.rule(_meta_copy(target.module), shard_context)
             prefix = f"{target.name}." if target.name else ""
             pieces: ShardPieces = [(prefix + name, p, is_sharded(p)) for name, p in shard.named_parameters()]
             for param in target.module.parameters():

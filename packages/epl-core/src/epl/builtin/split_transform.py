@@ -75,7 +75,7 @@ class ShardSplitTaskGraphs:
         communicators = communicators_for(world, list(devices.values()))
         rank, replica = context.cluster.rank, context.replica_index
         mine = [tg for tg in split if tg.index in plan.taskgraphs_on(rank)]
-        linears = {t.name for tg in mine for t in targets[tg.index] if t.rule in _LINEAR_RULES}
+        linears = {t.name for tg in mine for t in targets[tg.index] if t.rule in LINEAR_RULES}
         embeddings = {t.name for tg in mine for t in targets[tg.index] if isinstance(t.module, nn.Embedding)}
         # Exactly nn.CrossEntropyLoss: a subclass may compute something else from the logits.
         cross_entropy = type(context.loss_fn) is nn.CrossEntropyLoss
@@ -129,7 +129,8 @@ def _parallel_loss(loss_fn: LossFn | None, group: ShardGroup, head: ColumnParall
     return loss_fn if isinstance(loss_fn, ShardedLogitsLoss) else ShardedLogitsLoss(loss_fn)
 
 
-_LINEAR_RULES: tuple[SplitRule, ...] = (shard_linear, shard_linear_like)
+#: The rules of linear-like modules: the layout (column, row, alone) is decided for the modules they cover.
+LINEAR_RULES: tuple[SplitRule, ...] = (shard_linear, shard_linear_like)
 
 
 def _tie(
