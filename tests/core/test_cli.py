@@ -277,7 +277,7 @@ LLAMA = (
 
 
 def test_plan_of_a_transformers_llama_shows_megatrons_layout(tmp_path: Path) -> None:
-    """The shards the run makes (decided from the model's computation): q/k/v, gate/up by rows, o and down by columns."""
+    """The shards the run makes (from the model's computation): q/k/v, gate/up by rows, o and down by columns."""
     result = run("plan", "-n", "2", str(split_script(tmp_path, LLAMA.format(heads=4))))
     assert result.exit_code == 0, result.output
     rows = {" ".join(line.split()) for line in result.stdout.splitlines()}
