@@ -37,22 +37,23 @@ BATCH, SEQUENCE, STEPS, VOCABULARY = 4, 8, 4, 96
 #: Relative and absolute tolerance of losses and parameters (float64).
 TOLERANCE = 1e-10
 LAYERS = 2
+#: What the decoder-only models share: 4 attention heads over 2 key/value heads (grouped-query attention).
+DECODER: dict[str, Any] = {
+    "vocab_size": VOCABULARY,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "attn_implementation": "sdpa",
+}
 
 
 def llama() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=VOCABULARY,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(LlamaConfig(**DECODER))
 
 
 def gpt2() -> nn.Module:
@@ -95,97 +96,44 @@ def bert() -> nn.Module:
 def mixtral() -> nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    config = MixtralConfig(
-        vocab_size=VOCABULARY,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    return MixtralForCausalLM(config)
+    return MixtralForCausalLM(MixtralConfig(**DECODER, num_local_experts=4, num_experts_per_tok=2))
 
 
 def mistral() -> nn.Module:
     from transformers import MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(
-        vocab_size=VOCABULARY,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        sliding_window=4,
-        attn_implementation="sdpa",
-    )
-    return MistralForCausalLM(config)
+    return MistralForCausalLM(MistralConfig(**DECODER, sliding_window=4))
 
 
 def qwen2() -> nn.Module:
     """Qwen2: Llama's shape with biases on q, k and v."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=VOCABULARY,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    return Qwen2ForCausalLM(config)
+    return Qwen2ForCausalLM(Qwen2Config(**DECODER))
+
+
+#: The fused experts of the Qwen MoE models: 4 of 16 features, 2 per token, run by transformers' loop over experts
+#: (float64; its default grouped products take float32 only: see Mixtral).
+QWEN_EXPERTS: dict[str, Any] = {
+    "moe_intermediate_size": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "experts_implementation": "eager",
+}
 
 
 def qwen2_moe() -> nn.Module:
     """Qwen2-MoE: fused experts, a shared expert (an MLP) and its gate of one output (kept whole)."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    config = Qwen2MoeConfig(
-        vocab_size=VOCABULARY,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=24,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-        experts_implementation="eager",  # float64 (the default grouped products take float32 only: see Mixtral)
-    )
-    return Qwen2MoeForCausalLM(config)
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(**DECODER, **QWEN_EXPERTS, shared_expert_intermediate_size=24))
 
 
 def qwen3_moe() -> nn.Module:
     """Qwen3-MoE: fused experts, and q/k norms over each head (whole weights applied to sharded heads)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(
-        vocab_size=VOCABULARY,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-        experts_implementation="eager",
-    )
-    return Qwen3MoeForCausalLM(config)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**DECODER, **QWEN_EXPERTS, head_dim=8))
 
 
 def torchtitan_llama() -> nn.Module:
