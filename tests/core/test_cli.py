@@ -189,12 +189,6 @@ def split_script(tmp_path: Path, model: str, *, device_count: int = 2, after: st
             "",
             "0: the output features of the linear layer: 2 cannot be shared",
         ),
-        (
-            "nn.Linear(4, 4)",
-            2,
-            "with epl.replicate(1):\n    model = nn.Sequential(model, nn.Linear(4, 4))\n",
-            "A split TaskGraph cannot be a pipeline stage yet (tp)",
-        ),
     ],
 )
 def test_plan_of_a_script_whose_sizes_do_not_split_exits_non_zero(
@@ -202,7 +196,7 @@ def test_plan_of_a_script_whose_sizes_do_not_split_exits_non_zero(
 ) -> None:
     """What the run would refuse while sharding, ``epl plan`` refuses with the same message, without a traceback."""
     script = split_script(tmp_path, model, device_count=device_count, after=after)
-    result = run("plan", "-n", str(device_count + (1 if after else 0)), str(script))
+    result = run("plan", "-n", str(device_count), str(script))
     assert result.exit_code == 1, result.output
     assert message in result.output and "Traceback" not in result.output
 
@@ -297,3 +291,20 @@ def test_plan_of_a_transformers_llama_whose_heads_do_not_divide_exits_non_zero(t
     result = run("plan", "-n", "4", str(script))
     assert result.exit_code == 1, result.output
     assert "6 attention heads of 4 features each cannot be shared equally by 4 devices" in result.output
+
+
+def test_plan_of_split_stages_shows_the_grid_and_each_stages_shards(tmp_path: Path) -> None:
+    """Two split(2) stages on 8 devices: tensor parallel inside each stage, 2 stages, 2 replicas."""
+    script = split_script(
+        tmp_path,
+        "nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 8))",
+        after="with epl.split(2, name='second'):\n    model = nn.Sequential(model, nn.Linear(8, 4))\n",
+    )
+    result = run("plan", "-n", "8", str(script))
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert "2 replicas x 4 devices per replica, 2 pipeline stages" in text
+    assert "0          tp      split(2)" in text and "0, 1, 4, 5" in text and "2, 3, 6, 7" in text
+    rows = {" ".join(line.split()) for line in text.splitlines()}
+    assert "0.2.weight [8, 8] of [8, 16]" in rows  # the first stage's pair: row parallel
+    assert "1.weight [2, 8] of [4, 8]" in rows  # the second stage's lone Linear: column parallel

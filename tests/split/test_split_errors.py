@@ -93,18 +93,7 @@ def misuse() -> dict[str, str]:
         with epl.split(2):
             return nn.Embedding(10, 4, sparse=True)
 
-    def stages() -> nn.Module:
-        with epl.replicate(1):
-            first = nn.Linear(4, 4)
-        with epl.split(1):
-            second = nn.Linear(4, 4)
-        return nn.Sequential(first, second)
-
-    return {
-        "experts": attempt({}, experts),
-        "embedding": attempt({}, embedding),
-        "pipeline": attempt({}, stages),
-    }
+    return {"experts": attempt({}, experts), "embedding": attempt({}, embedding)}
 
 
 @pytest.mark.multiprocess
@@ -114,8 +103,6 @@ def test_misuse_on_processes_gets_one_clear_error() -> None:
     assert errors[0]["experts"].startswith("AnnotationError") and "3 experts" in errors[0]["experts"]
     assert "multiple of 2" in errors[0]["experts"]
     assert "sparse" in errors[0]["embedding"]
-    assert "cannot be a pipeline stage yet" in errors[0]["pipeline"]
-    assert "cluster.colocate_split_and_replicate=True" in errors[0]["pipeline"]
 
 
 def test_tied_weights_under_split_are_accepted_on_the_laptop() -> None:

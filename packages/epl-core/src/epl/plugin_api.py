@@ -13,7 +13,7 @@ What is here, by what a plugin does with it:
   :class:`WrapperPhase`, :class:`GradientReducer`, :class:`LossScaler`, :class:`StepRunner`),
   the core's :class:`LocalStepRunner` to build on, and the helpers runners share
   (:func:`micro_batches`, :func:`split_batch`, :func:`to_device`, :func:`as_arguments`,
-  :func:`inside`, :func:`step_or_skip`);
+  :func:`inside`, :func:`step_or_skip`, :func:`clip_grad_norm`);
 * communicate: :class:`Communicator` (the protocol a communicator implements), :class:`Work`,
   :class:`CompletedWork`, :class:`ReduceOp`, :func:`broadcast_tensors`, :func:`communicators_for`,
   :class:`Cluster`, :func:`free_port`;
@@ -40,7 +40,6 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.annotations.strategies import Strategy, replicate
     from epl.annotations.taskgraph import TaskGraph
     from epl.builtin.local_runner import ForwardContext, LocalStepRunner, inside, step_or_skip
-    from epl.builtin.split_transform import split_stage_error
     from epl.config import Config
     from epl.errors import (
         AnnotationError,
@@ -78,6 +77,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     )
     from epl.ports import free_port
     from epl.runtime.batch import as_arguments, micro_batches, split_batch, to_device
+    from epl.sharding.norms import clip_grad_norm
 
 #: Public name -> the module of epl-core it lives in.
 _EXPORTS: dict[str, str] = {
@@ -100,8 +100,8 @@ _EXPORTS: dict[str, str] = {
     "ForwardContext": "epl.builtin.local_runner",
     "inside": "epl.builtin.local_runner",
     "step_or_skip": "epl.builtin.local_runner",
-    "split_stage_error": "epl.builtin.split_transform",
     "micro_batches": "epl.runtime.batch",
+    "clip_grad_norm": "epl.sharding.norms",
     "split_batch": "epl.runtime.batch",
     "to_device": "epl.runtime.batch",
     "as_arguments": "epl.runtime.batch",

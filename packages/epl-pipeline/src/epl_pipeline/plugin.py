@@ -69,20 +69,12 @@ class KeepLocalStage:
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """Trace ``model`` into stages, then swap the other stages' root modules for placeholders."""
-        from epl.plugin_api import PlacementError, split_stage_error
+        from epl.plugin_api import PlacementError
         from epl_pipeline.partition import trace_stages
-        from epl_pipeline.stages import RemoteStage, replace_module, stage_roots
+        from epl_pipeline.stages import RemoteStage, check_stage_widths, replace_module, stage_roots
 
         plan = context.plan
-        split = [tg.name for tg in plan.taskgraphs if tg.strategy == "split"]
-        if split:
-            raise split_stage_error(split[0])
-        if any(tg.device_count != 1 for tg in plan.taskgraphs):
-            raise PlacementError(
-                "This version pipelines replicate(device_count=1) stages only; got "
-                + ", ".join(f"{tg.name}: {tg.label}" for tg in plan.taskgraphs)
-                + ". Use device_count=1 for every stage; EPL adds data parallelism over the remaining devices."
-            )
+        check_stage_widths(plan)
         stage = plan.taskgraphs_on(context.cluster.rank)[0]
         roots = stage_roots(model, context.taskgraphs)
         empty = [tg.name for tg in plan.taskgraphs if tg.index not in set(roots.values())]
@@ -127,13 +119,8 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     """The pipeline executor, running the schedule named by ``pipeline.strategy``."""
     if not _pipelined(context):
         return None
-    from epl.plugin_api import EplError
     from epl_pipeline.runner import PipelineStepRunner
 
-    if context.config["optimizer.max_grad_norm"] is not None:
-        raise EplError(
-            "optimizer.max_grad_norm is not supported with pipelines yet; clip in the model or leave it unset."
-        )
     plan, rank = context.plan, context.cluster.rank
     replica = plan.replica_of(rank)
     stage = context.pipeline_stage
@@ -143,6 +130,13 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     world = context.communicator
     replica_group = world.split([list(plan.devices_of_replica(r)) for r in range(plan.num_replicas)])
     last_device = plan.devices(stages - 1, replica)[0]
+    # Each device of a split stage exchanges activations with the device at its position in the neighbours.
+    position = plan.devices(stage, replica).index(rank)
+    width = plan.taskgraphs[0].device_count
+    # The devices at one position of every stage of a replica: the global gradient norm adds their squares.
+    peers = world.split(
+        [[plan.devices(s, r)[p] for s in range(stages)] for r in range(plan.num_replicas) for p in range(width)]
+    )
     runner = PipelineStepRunner(
         model=context.model,
         optimizer=context.optimizer,
@@ -152,14 +146,16 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
         stage=stage,
         num_micro_batch=plan.num_micro_batch,
         world=world,
-        previous_rank=plan.devices(stage - 1, replica)[0] if stage > 0 else None,
-        next_rank=plan.devices(stage + 1, replica)[0] if stage < stages - 1 else None,
+        previous_rank=plan.devices(stage - 1, replica)[position] if stage > 0 else None,
+        next_rank=plan.devices(stage + 1, replica)[position] if stage < stages - 1 else None,
         replica=replica_group,
         last_stage_member=replica_group.ranks.index(last_device),
         device=context.cluster.device,
         gradient_reducer=context.gradient_reducer,
         loss_scaler=context.loss_scaler,
         forward_contexts=context.forward_contexts,
+        max_grad_norm=context.config["optimizer.max_grad_norm"],
+        stage_peers=peers,
     )
     return runner
 

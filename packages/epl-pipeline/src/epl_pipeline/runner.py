@@ -20,6 +20,7 @@ from epl.plugin_api import (
     LossFn,
     LossScaler,
     Schedule,
+    clip_grad_norm,
     inside,
     micro_batches,
     step_or_skip,
@@ -47,6 +48,8 @@ class PipelineStepRunner:
     AMP's autocast), the backward outside them. With a ``loss_scaler`` the last stage
     scales each micro-batch's loss before its backward; after the reduction the gradients
     are unscaled and the update is skipped when any rank of the job found a non-finite one.
+    With ``max_grad_norm`` the gradients are clipped by their 2-norm over every stage of the
+    replica (``stage_peers``: the devices at this position of every stage) and every shard.
     """
 
     def __init__(
@@ -68,6 +71,8 @@ class PipelineStepRunner:
         gradient_reducer: GradientReducer | None,
         loss_scaler: LossScaler | None = None,
         forward_contexts: Sequence[ForwardContext] = (),
+        max_grad_norm: float | None = None,
+        stage_peers: Communicator | None = None,
     ) -> None:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.staged, self.stage, self.num_micro_batch = staged, stage, num_micro_batch
@@ -88,6 +93,20 @@ class PipelineStepRunner:
         #: Most micro-batches whose activations this stage held at once, in the last step.
         self.peak_in_flight = 0
         self._started = 0.0  # when the running action's inputs had arrived
+        self.max_grad_norm, self.stage_peers = max_grad_norm, stage_peers
+        self._grad_norm: torch.Tensor | None = None
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The last step's gradient 2-norm before clipping, over every stage (None without ``max_grad_norm``)."""
+        return None if self._grad_norm is None else float(self._grad_norm)
+
+    def clip_gradients(self) -> None:
+        """Scale the gradients so that the 2-norm over every stage and shard is at most ``max_grad_norm``."""
+        assert self.max_grad_norm is not None
+        if self.loss_scaler is not None:
+            self.loss_scaler.unscale(self._params)  # clip the true gradients
+        self._grad_norm = clip_grad_norm(self._params, self.max_grad_norm, self.stage_peers).detach()
 
     @property
     def last(self) -> bool:
@@ -117,8 +136,12 @@ class PipelineStepRunner:
             if channel is not None:
                 channel.flush()
         self.last_timeline = timeline
+        clip = self.clip_gradients if self.max_grad_norm is not None else None
+        self._grad_norm = None
         if self.gradient_reducer is not None:
-            self.gradient_reducer.finish(None)
+            self.gradient_reducer.finish(clip)
+        elif clip is not None:
+            clip()
         if self.loss_scaler is not None:
             self.loss_scaler.unscale(self._params)
         step_or_skip(self.optimizer, self.loss_scaler, self._params)

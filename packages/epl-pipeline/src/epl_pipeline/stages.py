@@ -9,7 +9,26 @@ from __future__ import annotations
 
 from torch import nn
 
-from epl.plugin_api import PlacementError, TaskGraph
+from epl.plugin_api import PlacementError, Plan, TaskGraph
+
+
+def check_stage_widths(plan: Plan) -> None:
+    """Refuse stages this version cannot pipeline: stages of different device counts, ``replicate(k > 1)`` stages.
+
+    Every stage is ``split(t)`` (tensor parallel inside the stage, each device exchanging
+    activations with the device at its position in the next stage), or ``replicate(1)``,
+    all with the same device count.
+    """
+    widths = {tg.device_count for tg in plan.taskgraphs}
+    wide_replicas = [tg for tg in plan.taskgraphs if tg.strategy == "replicate" and tg.device_count > 1]
+    if len(widths) > 1 or wide_replicas:
+        raise PlacementError(
+            "This version pipelines stages of one device count each, all split(t) (tensor parallel inside the "
+            "stage) or all replicate(1); got "
+            + ", ".join(f"{tg.name}: {tg.label}" for tg in plan.taskgraphs)
+            + ". Give every stage the same split device_count, or device_count=1 for replicate stages; EPL "
+            "adds data parallelism over the remaining devices."
+        )
 
 
 def stage_roots(model: nn.Module, taskgraphs: list[TaskGraph]) -> dict[str, int]:

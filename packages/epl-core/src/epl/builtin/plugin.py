@@ -51,10 +51,13 @@ def epl_split_rules() -> dict[type[nn.Module], SplitRule]:
 
 @hookimpl
 def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | None:
-    """Shard the split TaskGraphs by their rules (in a one-process run: only check that every module has one)."""
-    from epl.builtin.split_transform import ShardSplitTaskGraphs
+    """Decide the split TaskGraphs' layout on the whole model, then shard them by their rules (in a one-process
+    run: only check that every module has one)."""
+    from epl.builtin.split_transform import DecideSplitLayout, ShardSplitTaskGraphs
 
-    return [ShardSplitTaskGraphs()] if any(tg.strategy.kind == "split" for tg in context.taskgraphs) else None
+    if not any(tg.strategy.kind == "split" for tg in context.taskgraphs):
+        return None
+    return [DecideSplitLayout(), ShardSplitTaskGraphs()]
 
 
 @hookimpl(trylast=True)

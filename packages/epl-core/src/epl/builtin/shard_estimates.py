@@ -6,8 +6,7 @@ allocated. The rules see a shard group whose communicator is a stand-in (a posit
 no peers): a rule that communicates while it builds fails, and the estimate falls back
 to sharding along dimension 0 with a note. What the run would refuse is refused here
 with the run's error (an :class:`~epl.errors.EplError`): a module no rule covers, sizes
-a rule cannot share (``ShardGroup.require``, heads, experts), a split TaskGraph as a pipeline
-stage. The rules are told the layout the run would decide (:func:`epl.sharding.layout.decide_layout`:
+a rule cannot share (``ShardGroup.require``, heads, experts). The rules are told the layout the run would decide (:func:`epl.sharding.layout.decide_layout`:
 one example forward of the whole model), so row-parallel layers, fused parts and whole heads
 are estimated as the run shards them.
 """
@@ -24,7 +23,7 @@ import torch
 from torch import nn
 
 from epl.annotations.taskgraph import TaskGraph
-from epl.builtin.split_transform import LINEAR_RULES, find_targets, split_stage_error
+from epl.builtin.split_transform import LINEAR_RULES, find_targets
 from epl.interfaces.shard_group import ShardGroup
 from epl.interfaces.split_rule import ShardContext, SplitRule
 from epl.placement.memory_estimate import ShardPieces
@@ -42,18 +41,21 @@ class RuleShardShapes:
     def __init__(
         self, model: nn.Module, taskgraphs: list[TaskGraph], plan: Plan, rules: Mapping[type[nn.Module], SplitRule]
     ) -> None:
-        if taskgraphs and not plan.local and plan.num_stages > 1:
-            raise split_stage_error(taskgraphs[0].name)
         self.plan = plan
         self.taskgraphs = {tg.index: tg for tg in taskgraphs}
         self._targets = {tg.index: find_targets(model, tg, rules) for tg in taskgraphs}
-        targets = [t for found in self._targets.values() for t in found]
-        linears = {t.name for t in targets if t.rule in LINEAR_RULES}
-        embeddings = {t.name for t in targets if isinstance(t.module, nn.Embedding)}
         self._decisions: dict[str, Decision] = {}
-        if linears and not plan.local:
-            layout = decide_layout(model, linears, embeddings, loss_is_cross_entropy=False, has_loss=False)
-            self._decisions = layout.decisions
+        if plan.local:
+            return
+        # As the run decides it: over the split TaskGraphs a device runs (one pipeline stage, or all of them).
+        together = [list(self._targets)] if plan.num_stages == 1 else [[index] for index in self._targets]
+        for indices in together:
+            targets = [t for index in indices for t in self._targets[index]]
+            linears = {t.name for t in targets if t.rule in LINEAR_RULES}
+            embeddings = {t.name for t in targets if isinstance(t.module, nn.Embedding)}
+            if linears:
+                layout = decide_layout(model, linears, embeddings, loss_is_cross_entropy=False, has_loss=False)
+                self._decisions.update(layout.decisions)
 
     def pieces(self, taskgraph: int, position: int) -> dict[int, tuple[int, ShardPieces]]:
         """``id(model parameter)`` -> (its module's index, the shard's parameters) at ``position``."""

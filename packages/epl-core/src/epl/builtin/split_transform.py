@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from epl.annotations.taskgraph import TaskGraph
-from epl.errors import AnnotationError, ConfigError, PlacementError
+from epl.errors import AnnotationError, ConfigError
 from epl.interfaces.collectives import broadcast_tensors, communicators_for
 from epl.interfaces.phases import TransformPhase
 from epl.interfaces.shard_group import ShardGroup
@@ -18,7 +18,7 @@ from epl.interfaces.split_rule import ShardContext, SplitRule
 from epl.plugins.context import LossFn, ParallelContext
 from epl.sharding.collectives import sum_gradient_over_shards
 from epl.sharding.cross_entropy import ShardedCrossEntropyLoss
-from epl.sharding.layout import Decision, decide_layout
+from epl.sharding.layout import Decision, Layout, decide_layout
 from epl.sharding.linear import ColumnParallelLinear, shard_linear
 from epl.sharding.logits import ShardedLogitsLoss
 from epl.sharding.parameters import is_sharded, shard_spec
@@ -45,6 +45,51 @@ class SplitTarget:
         return list(itertools.chain(self.module.parameters(recurse=recurse), self.module.buffers(recurse=recurse)))
 
 
+@dataclass
+class SplitLayoutState:
+    """The core's state in a ParallelContext: the layout of this rank's split TaskGraphs, decided on the whole model."""
+
+    layout: Layout | None = None
+
+
+class DecideSplitLayout:
+    """Model transform: decide the layout of this rank's split TaskGraphs while the whole model is there.
+
+    One example forward of the model (:func:`epl.sharding.layout.decide_layout`) says which
+    layers pair column-then-row; it runs before a pipeline keeps only this rank's stage,
+    so a split stage is laid out from the model's real computation too. Changes nothing.
+    """
+
+    name = "decide_split_layout"
+    phase = TransformPhase.DECIDE_LAYOUT
+
+    def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
+        """Store the layout in ``context.state(SplitLayoutState)``; return ``model`` as it is."""
+        if not context.plan.local:
+            _check_supported(context)
+            context.state(SplitLayoutState).layout = _decide_layout(model, context)
+        return model
+
+
+def _decide_layout(model: nn.Module, context: ParallelContext) -> Layout:
+    """The layout of the split TaskGraphs this rank runs: their linear-like modules and embeddings."""
+    rules = context.plugins.split_rules()
+    mine = set(context.plan.taskgraphs_on(context.cluster.rank))
+    targets = [
+        t
+        for tg in context.taskgraphs
+        if tg.index in mine and tg.strategy.kind == "split"
+        for t in find_targets(model, tg, rules)
+    ]
+    linears = {t.name for t in targets if t.rule in LINEAR_RULES}
+    embeddings = {t.name for t in targets if isinstance(t.module, nn.Embedding)}
+    # Exactly nn.CrossEntropyLoss: a subclass may compute something else from the logits.
+    cross_entropy = type(context.loss_fn) is nn.CrossEntropyLoss
+    return decide_layout(
+        model, linears, embeddings, loss_is_cross_entropy=cross_entropy, has_loss=context.loss_fn is not None
+    )
+
+
 class ShardSplitTaskGraphs:
     """Model transform: shard the modules of every split TaskGraph this rank runs, by their split rules.
 
@@ -69,19 +114,15 @@ class ShardSplitTaskGraphs:
         plan = context.plan
         if plan.local:
             return model
-        _check_supported(context)
+        layout = context.state(SplitLayoutState).layout
+        if layout is None:  # DecideSplitLayout did not run: decide on the model as it is now
+            _check_supported(context)
+            layout = _decide_layout(model, context)
         world = context.communicator
         devices = {(tg.index, r): plan.devices(tg.index, r) for tg in split for r in range(plan.num_replicas)}
         communicators = communicators_for(world, list(devices.values()))
         rank, replica = context.cluster.rank, context.replica_index
         mine = [tg for tg in split if tg.index in plan.taskgraphs_on(rank)]
-        linears = {t.name for tg in mine for t in targets[tg.index] if t.rule in LINEAR_RULES}
-        embeddings = {t.name for tg in mine for t in targets[tg.index] if isinstance(t.module, nn.Embedding)}
-        # Exactly nn.CrossEntropyLoss: a subclass may compute something else from the logits.
-        cross_entropy = type(context.loss_fn) is nn.CrossEntropyLoss
-        layout = decide_layout(
-            model, linears, embeddings, loss_is_cross_entropy=cross_entropy, has_loss=context.loss_fn is not None
-        )
         decisions = layout.decisions
         shards_of: dict[int, tuple[str, nn.Parameter]] = {}
         group_of: dict[str, ShardGroup] = {}
@@ -185,8 +226,6 @@ def _start_alike(tensors: list[torch.Tensor], group: ShardGroup) -> None:
 
 def _check_supported(context: ParallelContext) -> None:
     plan, config = context.plan, context.config
-    if plan.num_stages > 1:
-        raise split_stage_error(next(tg.name for tg in plan.taskgraphs if tg.strategy == "split"))
     if config["optimizer.max_grad_norm"] is not None and not config.get("communication.clip_after_allreduce", False):
         splitting = [tg.name for tg in plan.taskgraphs if tg.strategy == "split" and plan.batch_parts(tg.index) > 1]
         if splitting:
@@ -196,15 +235,6 @@ def _check_supported(context: ParallelContext) -> None:
                 "replica's gradient before the reduction. Set communication.clip_after_allreduce to true (with "
                 "zero.level 'v1'/'v2', which need clipping before it, use zero.level 'v0' or no clipping)."
             )
-
-
-def split_stage_error(name: str) -> PlacementError:
-    """The error for a split TaskGraph planned as a pipeline stage (not supported yet)."""
-    return PlacementError(
-        f"A split TaskGraph cannot be a pipeline stage yet ({name}): its devices would need activations "
-        "from another stage. Set cluster.colocate_split_and_replicate=True so that split and replicate "
-        "TaskGraphs share the same devices (the manual's classification and MoE recipes)."
-    )
 
 
 def find_targets(

@@ -16,12 +16,17 @@ import enum
 class TransformPhase(enum.IntEnum):
     """The phases of the model transforms, in the order they run."""
 
-    #: Keep only this rank's pipeline stage (epl-pipeline). First: every later phase then touches only
-    #: the modules and tensors this rank keeps, and no collective is issued for the other stages' tensors.
+    #: Decide how the split TaskGraphs are laid out (column/row regions, fused parts, heads) from one
+    #: example forward of the whole model (the core's tensor parallelism). First: the whole model still
+    #: runs, before a pipeline keeps only this rank's stage. Changes no module.
+    DECIDE_LAYOUT = 5
+    #: Keep only this rank's pipeline stage (epl-pipeline). Before the phases that change the model:
+    #: they then touch only the modules and tensors this rank keeps, and no collective is issued for the
+    #: other stages' tensors.
     KEEP_STAGE = 10
-    #: Replace the modules of split TaskGraphs by this device's shards (the core's tensor parallelism).
-    #: After the stage is kept (a stage's split modules only), before the weights are synchronised, so
-    #: the shards are what the copies agree on.
+    #: Replace the modules of split TaskGraphs by this device's shards (the core's tensor parallelism),
+    #: as decided in ``DECIDE_LAYOUT``. After the stage is kept (a stage's split modules only), before
+    #: the weights are synchronised, so the shards are what the copies agree on.
     SHARD = 20
     #: Make every copy of a tensor start from the first copy's values, and set up what data parallelism
     #: needs on the model (epl-comm). After every phase that replaces or creates tensors of the model.

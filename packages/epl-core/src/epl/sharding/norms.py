@@ -1,4 +1,4 @@
-"""Gradient clipping by the global norm of a model whose parameters may be shards: each tensor counted once.
+"""Gradient clipping by the global norm of a model whose parameters may be shards or pipeline stages.
 
 A shard's squares are summed over its shard group (one all-reduce per group of
 devices); a tensor every device of a group holds whole (a norm's weight, a
@@ -22,11 +22,13 @@ from epl.sharding.parameters import shard_spec
 EPSILON = 1e-6
 
 
-def total_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+def total_grad_norm(parameters: Iterable[nn.Parameter], stages: Communicator | None = None) -> torch.Tensor:
     """The 2-norm (float64) of the gradient of ``parameters``, shards summed over their groups.
 
     A collective over every shard group of ``parameters``: every device of a group must
     call it with the same parameters (it takes part even where a shard has no gradient).
+    ``stages``: the devices holding the other pipeline stages of the same replica (one per
+    stage, at this device's position in its stage), whose squares are added.
     """
     params = list(parameters)
     whole: list[torch.Tensor] = []
@@ -48,20 +50,27 @@ def total_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
         squares = _sum_of_squares(grads, shard_device).reshape(1)
         communicator.all_reduce(squares, ReduceOp.SUM).wait()
         total = total + squares[0].to(total.device)
+    if stages is not None:
+        total = total.reshape(1)
+        stages.all_reduce(total, ReduceOp.SUM).wait()
+        total = total[0]
     return total.sqrt()
 
 
-def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(
+    parameters: Iterable[nn.Parameter], max_norm: float, stages: Communicator | None = None
+) -> torch.Tensor:
     """Scale the gradients so that their global 2-norm is at most ``max_norm``; return the norm before clipping.
 
     As ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + 1e-6)`` clamped
     to 1, non-finite norms not an error), with each shard and each tensor held whole counted
-    once (see :func:`total_grad_norm`). Without shards it is ``clip_grad_norm_`` itself.
+    once (see :func:`total_grad_norm`); with ``stages``, over every pipeline stage of the
+    replica. Without shards or stages it is ``clip_grad_norm_`` itself.
     """
     params = list(parameters)
-    if all(shard_spec(p) is None for p in params):
+    if stages is None and all(shard_spec(p) is None for p in params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    norm = total_grad_norm(params)
+    norm = total_grad_norm(params, stages)
     coefficient = (max_norm / (norm + EPSILON)).clamp(max=1.0)
     dense: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for param in params:

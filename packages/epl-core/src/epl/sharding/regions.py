@@ -165,7 +165,7 @@ class _Analysis:
             return
         sources = frozenset().union(*(s.sources for s in sharded))
         try:
-            results = _propagate(op, self.layout, self.facts)
+            results = _propagate_checked(op, self.layout, self.facts)
         except _Rejected as rejected:
             for source in sources - self.bad:
                 self.reasons[source] = f"{rejected} (in {op.module or 'the model'}: {_name(op.func)})"
@@ -246,6 +246,18 @@ _REJECT = {"__setitem__", "gather", "scatter", "index_select", "take", "masked_s
 
 def _name(func: Any) -> str:
     return getattr(func, "__name__", "") or ""
+
+
+def _propagate_checked(
+    op: Op, layout: dict[int, Sharded], facts: dict[str, ColumnFacts]
+) -> list[tuple[torch.Tensor, tuple[int, int]]]:
+    """:func:`_propagate`, with any failure to follow the operation (shapes it does not expect) a rejection."""
+    try:
+        return _propagate(op, layout, facts)
+    except _Rejected:
+        raise
+    except Exception as error:  # noqa: BLE001 - an operation the rules do not cover ends the region
+        raise _Rejected(f"{_name(op.func)} cannot be followed ({type(error).__name__})") from error
 
 
 def _propagate(

@@ -1,0 +1,167 @@
+"""Tensor parallelism inside pipeline stages, data parallelism over them: ``split(2)`` stages in a row.
+
+Two ``epl.split(2)`` TaskGraphs in a row are a 2-stage pipeline on 4 processes, each
+stage tensor parallel over its 2 devices (its Linear pair column- then row-parallel);
+on 8 processes there are 2 replicas of that. Each run trains 3 Adam steps of 4
+micro-batches with clipping on and is compared with the same model trained in one
+process (float64, within 1e-10): losses, the gradient norm of every step, and every
+parameter (each stage's gathered whole by its devices). Each device holds only its
+stage's shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers.distributed import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS, MICRO_BATCHES, REPLICA_ROWS = 3, 4, 8
+MAX_NORM = 0.05
+TOLERANCE = 1e-10
+#: What each device of a stage holds: half of the column layer's rows and bias, half of the row layer's
+#: columns, and the row layer's bias and the LayerNorm whole.
+STAGE_PARAMETERS = {0: 8 * 6 + 8 + 8 * 8 + 8 + 8 + 8, 1: 8 * 8 + 8 + 4 * 8 + 4}
+
+
+def build() -> nn.Module:
+    """Two split(2) stages: Linear(6, 16) -> GELU -> Linear(16, 8) -> LayerNorm, then Linear(8, 16) -> Tanh ->
+    Linear(16, 4)."""
+    import epl
+
+    torch.manual_seed(0)
+    with epl.split(2, name="stage_0"):
+        first = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 8), nn.LayerNorm(8))
+    with epl.split(2, name="stage_1"):
+        second = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    return nn.Sequential(first, second).double()
+
+
+def batches(replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(2)
+    rows = replicas * REPLICA_ROWS
+    return [
+        (
+            torch.randn(rows, 6, generator=generator, dtype=torch.float64),
+            torch.randn(rows, 4, generator=generator, dtype=torch.float64),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def train(config: dict[str, Any]) -> dict[str, Any]:
+    """One rank: train the split stages with EPL; its stage, replica, losses, norms, held and whole parameters."""
+    import epl
+
+    epl.init(epl.Config({"pipeline.num_micro_batch": MICRO_BATCHES, "optimizer.max_grad_norm": MAX_NORM, **config}))
+    engine = epl.parallelize(build(), optimizer=adam, loss_fn=nn.MSELoss())
+    losses, norms = [], []
+    for x, y in batches(engine.num_replicas):
+        rows = slice(engine.replica_index * REPLICA_ROWS, (engine.replica_index + 1) * REPLICA_ROWS)
+        losses.append(float(engine.step(x[rows], y[rows])))
+        norms.append(engine.grad_norm)
+    return {
+        "stage": engine.context.pipeline_stage,
+        "replica": engine.replica_index,
+        "held": sum(p.numel() for p in engine.parameters()),
+        "losses": losses,
+        "norms": norms,
+        "state": engine.state_dict(full=True)["model"],
+        "repr": repr(engine.model),
+    }
+
+
+def train_locally(replicas: int) -> tuple[list[list[float]], list[list[float]], dict[str, torch.Tensor]]:
+    """The one-process reference: each replica's rows in micro-batches, its gradient clipped on its own (clipping
+    before the all-reduce, the default), the replicas' gradients averaged, one Adam step."""
+    import epl
+
+    epl.init()
+    model = build()
+    optimizer = adam(model.parameters())
+    losses: list[list[float]] = [[] for _ in range(replicas)]
+    norms: list[list[float]] = [[] for _ in range(replicas)]
+    for x, y in batches(replicas):
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for replica, (xs, ys) in enumerate(zip(x.chunk(replicas), y.chunk(replicas), strict=True)):
+            model.zero_grad()
+            parts = []
+            for xm, ym in zip(xs.chunk(MICRO_BATCHES), ys.chunk(MICRO_BATCHES), strict=True):
+                loss = nn.functional.mse_loss(model(xm), ym)
+                (loss / MICRO_BATCHES).backward()
+                parts.append(float(loss.detach()))
+            norms[replica].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+            losses[replica].append(sum(parts) / MICRO_BATCHES)
+            for sum_, p in zip(total, model.parameters(), strict=True):
+                sum_ += p.grad / replicas
+        for p, grad in zip(model.parameters(), total, strict=True):
+            p.grad = grad
+        optimizer.step()
+    return losses, norms, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_equal_to_local(results: list[dict[str, Any]], replicas: int) -> None:
+    losses, norms, state = train_locally(replicas)
+    assert norms[0][0] > MAX_NORM  # clipping acts
+    for result in results:
+        replica = result["replica"]
+        assert result["held"] == STAGE_PARAMETERS[result["stage"]]
+        torch.testing.assert_close(result["losses"], losses[replica], rtol=TOLERANCE, atol=TOLERANCE)
+        torch.testing.assert_close(result["norms"], norms[replica], rtol=TOLERANCE, atol=TOLERANCE)
+        # Each stage's devices hold (and gather whole) their stage's tensors: "0.*" or "1.*".
+        assert set(result["state"]) == {name for name in state if name.startswith(f"{result['stage']}.")}
+        for name, value in result["state"].items():
+            torch.testing.assert_close(value, state[name], rtol=TOLERANCE, atol=TOLERANCE, msg=name)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["PreferForward", "PreferBackward"])
+def test_two_split_stages_on_four_processes_equal_the_local_run(strategy: str) -> None:
+    results = run_ranks(train, 4, {"pipeline.strategy": strategy}, timeout=100)
+    assert [(r["stage"], r["replica"]) for r in results] == [(0, 0), (0, 0), (1, 0), (1, 0)]
+    assert "(0): ColumnParallelLinear" in results[0]["repr"] and "(2): RowParallelLinear" in results[0]["repr"]
+    assert "stage=1 (on another rank)" in results[0]["repr"] and "stage=0 (on another rank)" in results[2]["repr"]
+    assert_equal_to_local(results, 1)
+
+
+@pytest.mark.timeout(240)
+def test_split_stages_times_two_replicas_on_eight_processes_equal_the_local_run() -> None:
+    """TP 2 x PP 2 x DP 2: the 4 devices of a replica are consecutive, the stage's 2 devices too."""
+    results = run_ranks(train, 8, {}, timeout=220)
+    assert [(r["stage"], r["replica"]) for r in results] == [(0, 0), (0, 0), (1, 0), (1, 0)] + [
+        (0, 1),
+        (0, 1),
+        (1, 1),
+        (1, 1),
+    ]
+    assert_equal_to_local(results, 2)
+
+
+def mixed_widths() -> str:
+    import epl
+
+    epl.init(epl.Config({"pipeline.num_micro_batch": 2}))
+    with epl.split(2, name="wide"):
+        first = nn.Linear(4, 4)
+    with epl.replicate(1, name="narrow"):
+        second = nn.Linear(4, 4)
+    try:
+        epl.parallelize(nn.Sequential(first, second), optimizer=adam, loss_fn=nn.MSELoss())
+    except epl.PlacementError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_stages_of_different_widths_are_one_clear_error() -> None:
+    for message in run_ranks(mixed_widths, 3, timeout=50):
+        assert "stages of one device count each" in message and "wide: split(2), narrow: replicate(1)" in message
