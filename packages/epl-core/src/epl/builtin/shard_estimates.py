@@ -6,9 +6,10 @@ allocated. The rules see a shard group whose communicator is a stand-in (a posit
 no peers): a rule that communicates while it builds fails, and the estimate falls back
 to sharding along dimension 0 with a note. What the run would refuse is refused here
 with the run's error (an :class:`~epl.errors.EplError`): a module no rule covers, sizes
-a rule cannot share (``ShardGroup.require``, heads, experts). The rules are told the layout the run would decide (:func:`epl.sharding.layout.decide_layout`:
-one example forward of the whole model), so row-parallel layers, fused parts and whole heads
-are estimated as the run shards them.
+a rule cannot share (``ShardGroup.require``, heads, experts). The rules are told the layout
+the run would decide (:func:`epl.sharding.layout.decide_layout`: one example forward of the
+whole model, per pipeline stage), so row-parallel layers, fused parts and whole heads are
+estimated as the run shards them.
 """
 
 from __future__ import annotations
