@@ -21,21 +21,29 @@ ROWS = 8
 class Net(nn.Module):
     """The same names under every layout: ``front.*`` and ``back.*``."""
 
-    def __init__(self, stages: bool = False, dropout: float = 0.0) -> None:
+    def __init__(self, stages: str = "", dropout: float = 0.0) -> None:
         super().__init__()
-        with epl.replicate(1, name="stage_0") if stages else nullcontext():
+        with stage(stages, "stage_0"):
             self.front = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
-        with epl.replicate(1, name="stage_1") if stages else nullcontext():
+        with stage(stages, "stage_1"):
             self.back = nn.Sequential(nn.Dropout(dropout), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.back(self.front(x))
 
 
+def stage(kind: str, name: str) -> Any:
+    """The annotation of a pipeline stage: ``replicate`` (one device), ``split`` (two), or none ("")."""
+    if kind == "replicate":
+        return epl.replicate(1, name=name)
+    return epl.split(2, name=name) if kind == "split" else nullcontext()
+
+
 LAYOUTS: dict[str, dict[str, Any]] = {
     "local": {},
     "data parallel": {},
-    "pipeline 2x2": {"stages": True, "config": {"pipeline.num_micro_batch": 2}},
+    "pipeline 2x2": {"stages": "replicate", "config": {"pipeline.num_micro_batch": 2}},
+    "split stages": {"stages": "split", "config": {"pipeline.num_micro_batch": 2}},
     "split": {"split": True},
     "zero v2": {"config": {"zero.level": "v2"}},
     "amp": {"config": {"amp.level": "O1", "amp.growth_interval": 1}},
@@ -55,7 +63,7 @@ def engine_for(layout: str, dropout: float = 0.0) -> epl.Engine:
     epl.init(epl.Config(options.get("config", {})))
     torch.manual_seed(0)
     with epl.split(2) if options.get("split") else nullcontext():
-        model = Net(options.get("stages", False), dropout).double()
+        model = Net(options.get("stages", ""), dropout).double()
     return epl.parallelize(model, optimizer=lambda p: torch.optim.AdamW(p, lr=0.01), loss_fn=nn.MSELoss())
 
 
@@ -92,6 +100,9 @@ def four_processes(folder: str) -> dict[str, Any]:
     results = {layout: load_and_step(layout, root / "pipeline") for layout in ("data parallel", "zero v2")}
     save_after_two_steps("zero v2", root / "zero")
     results["pipeline 2x2 from zero v2"] = load_and_step("pipeline 2x2", root / "zero")
+    save_after_two_steps("split stages", root / "3d")
+    results["data parallel from split stages"] = load_and_step("data parallel", root / "3d")
+    results["split stages from zero v2"] = load_and_step("split stages", root / "zero")
     return results
 
 
@@ -103,8 +114,9 @@ def two_processes(folder: str) -> dict[str, Any]:
 
 
 def test_a_checkpoint_loads_under_every_layout(tmp_path: Path) -> None:
-    """Saved as a 2-stage pipeline x 2 replicas, as ZeRO v2 over 4 and as split over 2; loaded as
-    4 replicas, ZeRO v2 over 4, split over 2, a pipeline and one local process: every load
+    """Saved as a 2-stage pipeline x 2 replicas, as ZeRO v2 over 4, as split over 2 and as 2 split(2) stages
+    (TP 2 x PP 2); loaded as 4 replicas, ZeRO v2 over 4, split over 2, a pipeline, split stages and one local
+    process: every load
     holds the saved weights and takes the uninterrupted run's next step (optimizer state included)."""
     reference = engine_for("local")
     step(reference, 0)
@@ -118,8 +130,8 @@ def test_a_checkpoint_loads_under_every_layout(tmp_path: Path) -> None:
         loads += rank_results.values()
     for rank_results in run_ranks(two_processes, 2, str(tmp_path), timeout=200):
         loads += rank_results.values()
-    loads += [load_and_step("local", tmp_path / name) for name in ("pipeline", "zero", "split")]
-    assert len(loads) == 4 + 4 + 4 + 2 + 3
+    loads += [load_and_step("local", tmp_path / name) for name in ("pipeline", "zero", "split", "3d")]
+    assert len(loads) == 4 * 5 + 2 + 4
     for result in loads:  # a pipeline stage holds its stage's names only
         assert result["global_step"] == 3
         assert result["loaded"] and set(result["loaded"]) <= set(expected)

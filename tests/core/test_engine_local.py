@@ -120,6 +120,23 @@ def test_predict_train_eval() -> None:
     assert engine.train().model.training
 
 
+def test_evaluate_gives_the_loss_and_touches_no_gradient_or_optimizer_state() -> None:
+    epl.init()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    engine = epl.parallelize(model, optimizer=OPTIMIZERS["adam"], loss_fn=nn.MSELoss())
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    engine.step(x, y)
+    grads = [p.grad.clone() for p in model.parameters()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    loss = engine.evaluate(x * 2, y)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, nn.functional.mse_loss(model(x * 2), y).detach(), rtol=0, atol=0)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert engine.global_step == 1
+
+
 def test_tuple_and_dict_inputs_and_model_computed_loss() -> None:
     class TwoInputs(nn.Module):
         def __init__(self) -> None:

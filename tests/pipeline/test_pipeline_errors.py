@@ -124,29 +124,3 @@ def test_weights_tied_across_stages_are_named() -> None:
 
     for message in run_ranks(_tied_across_stages, 2, timeout=60):
         assert "Pipeline stage 's1' holds no module" in message
-
-
-def _predict_on_a_pipeline() -> str:
-    import torch
-    from torch import nn
-
-    import epl
-
-    epl.init(epl.Config({"pipeline.num_micro_batch": 2}))
-    with epl.replicate(1, name="s0"):
-        first = nn.Linear(4, 4)
-    with epl.replicate(1, name="s1"):
-        second = nn.Linear(4, 2)
-    engine = epl.parallelize(nn.Sequential(first, second), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    try:
-        engine.predict(torch.randn(2, 4))
-    except epl.EplError as exc:
-        return str(exc)
-    return "no error"
-
-
-def test_predict_on_a_pipeline_says_what_to_do_instead() -> None:
-    from tests.helpers.distributed import run_ranks
-
-    for message in run_ranks(_predict_on_a_pipeline, 2, timeout=60):
-        assert "Engine.predict runs one-stage plans" in message

@@ -2,7 +2,8 @@
 
 Two ``epl.split(2)`` TaskGraphs in a row are a 2-stage pipeline on 4 processes, each
 stage tensor parallel over its 2 devices (its Linear pair column- then row-parallel);
-on 8 processes there are 2 replicas of that. Each run trains 3 Adam steps of 4
+on 8 processes there are 2 replicas of that, also with ZeRO v1 over the replicas. Each
+run trains 3 Adam steps of 4
 micro-batches with clipping on and is compared with the same model trained in one
 process (float64, within 1e-10): losses, the gradient norm of every step, and every
 parameter (each stage's gathered whole by its devices). Each device holds only its
@@ -58,18 +59,27 @@ def adam(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=0.01)
 
 
-def train(config: dict[str, Any]) -> dict[str, Any]:
-    """One rank: train the split stages with EPL; its stage, replica, losses, norms, held and whole parameters."""
+def train(config: dict[str, Any], evaluate: bool = False) -> dict[str, Any]:
+    """One rank: train the split stages with EPL; its stage, replica, losses, norms, held and whole parameters.
+
+    ``evaluate``: after the first step, also the loss (``Engine.evaluate``) and the outputs (``Engine.predict``)
+    of the first batch doubled.
+    """
     import epl
 
     epl.init(epl.Config({"pipeline.num_micro_batch": MICRO_BATCHES, "optimizer.max_grad_norm": MAX_NORM, **config}))
     engine = epl.parallelize(build(), optimizer=adam, loss_fn=nn.MSELoss())
-    losses, norms = [], []
-    for x, y in batches(engine.num_replicas):
+    losses, norms, evaluated = [], [], {}
+    for step, (x, y) in enumerate(batches(engine.num_replicas)):
         rows = slice(engine.replica_index * REPLICA_ROWS, (engine.replica_index + 1) * REPLICA_ROWS)
         losses.append(float(engine.step(x[rows], y[rows])))
         norms.append(engine.grad_norm)
+        if step == 0 and evaluate:  # a validation pass between steps: forward only, nothing trained
+            engine.eval()
+            evaluated = {"loss": float(engine.evaluate(x[rows] * 2, y[rows])), "output": engine.predict(x[rows] * 2)}
+            engine.train()
     return {
+        "evaluated": evaluated,
         "stage": engine.context.pipeline_stage,
         "replica": engine.replica_index,
         "held": sum(p.numel() for p in engine.parameters()),
@@ -134,9 +144,11 @@ def test_two_split_stages_on_four_processes_equal_the_local_run(strategy: str) -
 
 
 @pytest.mark.timeout(240)
-def test_split_stages_times_two_replicas_on_eight_processes_equal_the_local_run() -> None:
-    """TP 2 x PP 2 x DP 2: the 4 devices of a replica are consecutive, the stage's 2 devices too."""
-    results = run_ranks(train, 8, {}, timeout=220)
+@pytest.mark.parametrize("zero", [None, "v1"])
+def test_split_stages_times_two_replicas_on_eight_processes_equal_the_local_run(zero: str | None) -> None:
+    """TP 2 x PP 2 x DP 2 (with ZeRO v1 over the replicas: Megatron's distributed optimizer with pipelines): the
+    4 devices of a replica are consecutive, the stage's 2 devices too."""
+    results = run_ranks(train, 8, {"zero.level": zero} if zero else {}, timeout=220)
     assert [(r["stage"], r["replica"]) for r in results] == [(0, 0), (0, 0), (1, 0), (1, 0)] + [
         (0, 1),
         (0, 1),
@@ -165,3 +177,30 @@ def mixed_widths() -> str:
 def test_stages_of_different_widths_are_one_clear_error() -> None:
     for message in run_ranks(mixed_widths, 3, timeout=50):
         assert "stages of one device count each" in message and "wide: split(2), narrow: replicate(1)" in message
+
+
+@pytest.mark.timeout(120)
+def test_evaluation_between_steps_runs_forward_only_and_trains_nothing() -> None:
+    """``engine.evaluate`` and ``engine.predict`` on 2 split stages after the first step: the local model's loss and
+    outputs at that point; the training run after them is unchanged (equal to the local run)."""
+    results = run_ranks(train, 4, {}, True, timeout=100)
+    import epl
+
+    epl.init()
+    model = build()
+    optimizer = adam(model.parameters())
+    (x, y), *_ = batches(1)
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    optimizer.step()
+    with torch.no_grad():
+        expected_output = model(x * 2)
+        expected_loss = float(nn.functional.mse_loss(expected_output, y))
+    for result in results:
+        assert result["evaluated"]["loss"] == pytest.approx(expected_loss, rel=TOLERANCE, abs=TOLERANCE)
+        if result["stage"] == 1:  # the last stage's ranks hold the outputs, the others None
+            torch.testing.assert_close(result["evaluated"]["output"], expected_output, rtol=TOLERANCE, atol=TOLERANCE)
+        else:
+            assert result["evaluated"]["output"] is None
+    assert_equal_to_local(results, 1)

@@ -35,7 +35,14 @@ class DataParallelStepRunner(LocalStepRunner):
     def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """Train on this rank's share of one replica batch; return the replica's mean loss."""
         inputs, targets = self.share(inputs, targets)
-        loss = super().step(inputs, targets)
+        return self._replica_mean(super().step(inputs, targets))
+
+    def evaluate(self, inputs: Any, targets: Any = None) -> torch.Tensor:
+        """The loss of this rank's share of one replica batch, without gradients; the replica's mean."""
+        inputs, targets = self.share(inputs, targets)
+        return self._replica_mean(super().evaluate(inputs, targets))
+
+    def _replica_mean(self, loss: torch.Tensor) -> torch.Tensor:
         if self.replica is not None:
             loss = loss.clone()
             self.replica.all_reduce(loss, ReduceOp.AVG).wait()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from epl.plugin_api import (
@@ -85,6 +86,12 @@ class PipelineStepRunner:
         self.outbound = (
             Channel(world, next_rank, device, f"The values stage {stage} sends") if next_rank is not None else None
         )
+        # Forward-only passes (evaluate, predict) send values that need no gradient: a link of their own.
+        what = "sends while evaluating"
+        self.eval_inbound = Channel(world, previous_rank, device, f"What stage {stage - 1} {what}") if stage else None
+        self.eval_outbound = (
+            Channel(world, next_rank, device, f"What stage {stage} {what}") if next_rank is not None else None
+        )
         self._in_flight: dict[int, _InFlight] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self._params = [p for p in model.parameters() if p.requires_grad]
@@ -153,6 +160,61 @@ class PipelineStepRunner:
         self.replica.broadcast(loss, self.last_stage_member).wait()
         return loss
 
+    @torch.no_grad()
+    def evaluate(self, inputs: Any, targets: Any = None) -> torch.Tensor:
+        """The replica's mean loss of one replica batch by a forward-only pass (no gradient, no update)."""
+        results = self._forward_only(inputs, targets, with_loss=True)
+        loss = torch.stack(results).mean() if self.last else torch.zeros(())
+        loss = loss.to(torch.float64)
+        self.replica.broadcast(loss, self.last_stage_member).wait()
+        return loss
+
+    @torch.no_grad()
+    def predict(self, inputs: Any) -> Any:
+        """The model's outputs for a replica batch on the last stage's ranks (micro-batches joined), None elsewhere."""
+        results = self._forward_only(inputs, None, with_loss=False)
+        if not self.last:
+            return None
+        if len(results) == 1:
+            return results[0]
+        return pytree.tree_map(
+            lambda *parts: torch.cat(parts) if isinstance(parts[0], torch.Tensor) else parts[0], *results
+        )
+
+    def _forward_only(self, inputs: Any, targets: Any, *, with_loss: bool) -> list[Any]:
+        """Each micro-batch through this stage in order: received, run, sent on (the last stage: output or loss)."""
+        inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
+        results = []
+        for micro_inputs, micro_targets in micro_batches(inputs, targets, self.num_micro_batch):
+            if self.eval_inbound is None:
+                env = bind_inputs(self.staged, micro_inputs)
+            else:
+                values, _ = self.eval_inbound.receive()
+                env = dict(zip(self.staged.boundaries[self.stage - 1], values, strict=True))
+            with inside(self.forward_contexts):
+                run_nodes(self.model, self.nodes, env)
+            if self.eval_outbound is not None:
+                self.eval_outbound.send([env[n] for n in self.staged.boundaries[self.stage]])
+            elif with_loss:
+                results.append(self._loss(output_value(self.staged, env), micro_targets).detach())
+            else:
+                results.append(output_value(self.staged, env))
+        for channel in (self.eval_inbound, self.eval_outbound):
+            if channel is not None:
+                channel.flush()
+        return results
+
+    def _loss(self, output: Any, targets: Any) -> torch.Tensor:
+        """The last stage's scalar loss of one micro-batch (inside the forward contexts)."""
+        if self.loss_fn is None:
+            loss = output
+        else:
+            with inside(self.forward_contexts):
+                loss = self.loss_fn(output, targets) if targets is not None else self.loss_fn(output)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise EplError("The last pipeline stage must produce a scalar loss: pass loss_fn=... to parallelize.")
+        return loss
+
     def _run(self, action: Action, pieces: list[tuple[Any, Any]]) -> None:
         m = action.micro_batch
         if action.kind is ActionKind.FORWARD:
@@ -185,14 +247,7 @@ class PipelineStepRunner:
             specs = self.outbound.description.tensor_specs
             outputs = [t for t, spec in zip(sent, specs, strict=True) if spec.requires_grad]
         else:
-            output = output_value(self.staged, env)
-            if self.loss_fn is None:
-                loss = output
-            else:
-                with inside(self.forward_contexts):
-                    loss = self.loss_fn(output, targets) if targets is not None else self.loss_fn(output)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise EplError("The last pipeline stage must produce a scalar loss: pass loss_fn=... to parallelize.")
+            loss = self._loss(output_value(self.staged, env), targets)
             self._losses[m] = loss.detach()
             outputs = [loss / self.num_micro_batch]
             if self.loss_scaler is not None:

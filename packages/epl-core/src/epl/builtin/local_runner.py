@@ -159,6 +159,12 @@ class LocalStepRunner:
             self.loss_scaler.unscale(self.model.parameters())  # clip the true gradients
         self._grad_norm = clip_grad_norm(self.model.parameters(), self.max_grad_norm).detach()
 
+    @torch.no_grad()
+    def evaluate(self, inputs: Any, targets: Any = None) -> torch.Tensor:
+        """The loss of one batch, without gradients, touching neither gradients nor optimizer state."""
+        inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
+        return self.loss(inputs, targets).detach()
+
     def loss(self, inputs: Any, targets: Any) -> torch.Tensor:
         """The scalar loss of ``inputs`` against ``targets`` (computed inside the forward contexts)."""
         with inside(self.forward_contexts):

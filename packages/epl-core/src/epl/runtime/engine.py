@@ -40,16 +40,35 @@ class Engine:
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
-        """The model's outputs for ``inputs``, without gradients (the model's mode is unchanged)."""
+        """The model's outputs for ``inputs``, without gradients (the model's mode is unchanged).
+
+        On a pipeline every rank takes part (a forward-only pass over the stages, by
+        micro-batches); the ranks of the last stage return the outputs, the others None.
+        """
         if self.plan.num_stages > 1:
+            return self._runner_method("predict")(inputs)
+        return call_model(self.model, to_device(inputs, self.context.cluster.device))
+
+    def evaluate(self, inputs: Any, targets: Any = None) -> torch.Tensor:
+        """The loss of one replica batch without training on it: no gradients, no optimizer state touched.
+
+        As ``step`` returns it (the replica's mean, the same on every rank of the replica);
+        on a pipeline, a forward-only pass over the stages. The model's mode is unchanged:
+        call ``engine.eval()`` first for dropout off, ``engine.train()`` after.
+        """
+        return self._runner_method("evaluate")(inputs, targets)
+
+    def _runner_method(self, name: str) -> Any:
+        method = getattr(self.runner, name, None)
+        if method is None:
             from epl.errors import EplError
 
             raise EplError(
-                "Engine.predict runs one-stage plans; a pipeline's stages live on different ranks. To evaluate, "
-                "save a checkpoint (engine.save) and load it into a one-stage engine, or into the plain model "
-                "with epl.read_model_state."
+                f"Engine.{name} needs a step runner that evaluates; {type(self.runner).__name__} (from a plugin) "
+                f"has no {name}() method. Save a checkpoint (engine.save) and load it into the plain model with "
+                "epl.read_model_state to evaluate it."
             )
-        return call_model(self.model, to_device(inputs, self.context.cluster.device))
+        return method
 
     def train(self, mode: bool = True) -> Engine:
         """Put the model in training mode (``mode=False``: evaluation mode)."""
