@@ -43,6 +43,20 @@ def build() -> nn.Module:
     return nn.Sequential(first, second).double()
 
 
+def one_split_scope() -> nn.Module:
+    """The same layers built in one ``epl.split(2)`` scope, for ``auto.auto_parallel`` to cut into stages."""
+    import epl
+
+    torch.manual_seed(0)
+    with epl.split(2, name="everything"):
+        first = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 8), nn.LayerNorm(8))
+        second = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    return nn.Sequential(first, second).double()
+
+
+BUILDERS = {"stages": build, "auto": one_split_scope}
+
+
 def batches(replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(2)
     rows = replicas * REPLICA_ROWS
@@ -59,7 +73,7 @@ def adam(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=0.01)
 
 
-def train(config: dict[str, Any], evaluate: bool = False) -> dict[str, Any]:
+def train(config: dict[str, Any], evaluate: bool = False, model: str = "stages") -> dict[str, Any]:
     """One rank: train the split stages with EPL; its stage, replica, losses, norms, held and whole parameters.
 
     ``evaluate``: after the first step, also the loss (``Engine.evaluate``) and the outputs (``Engine.predict``)
@@ -68,7 +82,7 @@ def train(config: dict[str, Any], evaluate: bool = False) -> dict[str, Any]:
     import epl
 
     epl.init(epl.Config({"pipeline.num_micro_batch": MICRO_BATCHES, "optimizer.max_grad_norm": MAX_NORM, **config}))
-    engine = epl.parallelize(build(), optimizer=adam, loss_fn=nn.MSELoss())
+    engine = epl.parallelize(BUILDERS[model](), optimizer=adam, loss_fn=nn.MSELoss())
     losses, norms, evaluated = [], [], {}
     for step, (x, y) in enumerate(batches(engine.num_replicas)):
         rows = slice(engine.replica_index * REPLICA_ROWS, (engine.replica_index + 1) * REPLICA_ROWS)
@@ -119,18 +133,24 @@ def train_locally(replicas: int) -> tuple[list[list[float]], list[list[float]], 
     return losses, norms, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def assert_equal_to_local(results: list[dict[str, Any]], replicas: int) -> None:
+def assert_equal_to_local(
+    results: list[dict[str, Any]], replicas: int, held: dict[int, int] = STAGE_PARAMETERS
+) -> None:
     losses, norms, state = train_locally(replicas)
     assert norms[0][0] > MAX_NORM  # clipping acts
     for result in results:
         replica = result["replica"]
-        assert result["held"] == STAGE_PARAMETERS[result["stage"]]
+        assert result["held"] == held[result["stage"]]
         torch.testing.assert_close(result["losses"], losses[replica], rtol=TOLERANCE, atol=TOLERANCE)
         torch.testing.assert_close(result["norms"], norms[replica], rtol=TOLERANCE, atol=TOLERANCE)
-        # Each stage's devices hold (and gather whole) their stage's tensors: "0.*" or "1.*".
-        assert set(result["state"]) == {name for name in state if name.startswith(f"{result['stage']}.")}
         for name, value in result["state"].items():
             torch.testing.assert_close(value, state[name], rtol=TOLERANCE, atol=TOLERANCE, msg=name)
+    # Each stage's devices hold (and gather whole) their stage's tensors, the stages together all of them.
+    for stage in (0, 1):
+        names = [set(r["state"]) for r in results if r["stage"] == stage]
+        assert all(n == names[0] for n in names)
+    assert {name for r in results for name in r["state"]} == set(state)
+    assert not set.intersection(*({*r["state"]} for r in results))
 
 
 @pytest.mark.timeout(120)
@@ -204,3 +224,15 @@ def test_evaluation_between_steps_runs_forward_only_and_trains_nothing() -> None
         else:
             assert result["evaluated"]["output"] is None
     assert_equal_to_local(results, 1)
+
+
+@pytest.mark.timeout(120)
+def test_auto_parallel_cuts_a_split_model_into_split_stages() -> None:
+    """``with epl.split(2)`` around the whole model, ``auto.auto_parallel`` with 2 stages on 4 processes: each
+    stage tensor parallel over 2 devices, equal to the local run."""
+    config = {"auto.auto_parallel": True, "pipeline.num_stages": 2}
+    results = run_ranks(train, 4, config, False, "auto", timeout=100)
+    assert [(r["stage"], r["replica"]) for r in results] == [(0, 0), (0, 0), (1, 0), (1, 0)]
+    assert "(0): ColumnParallelLinear" in results[0]["repr"] and "(2): RowParallelLinear" in results[2]["repr"]
+    # Cut by parameter counts: the LayerNorm goes with the second stage (248 + 228 rather than 264 + 212).
+    assert_equal_to_local(results, 1, held={0: 8 * 6 + 8 + 8 * 8 + 8, 1: 8 + 8 + 8 * 8 + 8 + 4 * 8 + 4})

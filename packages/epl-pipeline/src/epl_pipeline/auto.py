@@ -12,23 +12,22 @@ contiguous cut with the smallest most expensive stage is chosen. Blocks that sha
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from torch import nn
 
-from epl.plugin_api import PlacementError, TaskGraph, replicate
+from epl.plugin_api import PlacementError, Strategy, TaskGraph, replicate, split
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 def partition(model: nn.Module, taskgraphs: list[TaskGraph], num_stages: int) -> list[TaskGraph]:
-    """``num_stages`` TaskGraphs (``replicate(1)``, named ``stage_<k>``) holding ``model``'s blocks."""
-    annotated = [tg.name for tg in taskgraphs if not tg.implicit]
-    if annotated:
-        raise PlacementError(
-            f"auto.auto_parallel partitions unannotated models, but this one has annotations ({annotated}). "
-            "Remove the annotations, or set auto.auto_parallel to False to use them."
-        )
+    """``num_stages`` TaskGraphs named ``stage_<k>`` holding ``model``'s blocks.
+
+    Each is ``replicate(1)``, or ``split(t)`` when the whole model was built in one
+    ``epl.split(t)`` scope (tensor parallel inside every stage).
+    """
+    stage_strategy = _stage_strategy(model, taskgraphs)
     blocks = _in_call_order(model, _blocks(model, num_stages))
     tied = _tied_spans(model, blocks)
     allowed = set(range(1, len(blocks))) - {cut for begin, end, _ in tied for cut in range(begin + 1, end + 1)}
@@ -49,7 +48,7 @@ def partition(model: nn.Module, taskgraphs: list[TaskGraph], num_stages: int) ->
         members = blocks[begin:end]
         unique = {id(t): t for _, module in members for t in [*module.parameters(), *module.buffers()]}
         tensors = list(unique.values())
-        stage = TaskGraph(index=index, strategy=replicate(1, name=f"stage_{index}"), tensors=tensors)
+        stage = TaskGraph(index=index, strategy=stage_strategy(f"stage_{index}"), tensors=tensors)
         stage.modules = [name for name, _ in members]
         stages.append(stage)
     placed = {id(t) for stage in stages for t in stage.tensors}
@@ -60,6 +59,25 @@ def partition(model: nn.Module, taskgraphs: list[TaskGraph], num_stages: int) ->
             "forward calls. Keep parameters inside submodules, or annotate the stages by hand."
         )
     return stages
+
+
+def _stage_strategy(model: nn.Module, taskgraphs: list[TaskGraph]) -> Callable[[str], Strategy]:
+    """How each stage is annotated: ``replicate(1)`` for an unannotated model, ``split(t)`` for one built in a single
+    ``epl.split(t)`` scope; any other annotation is an error."""
+    annotated = [tg for tg in taskgraphs if not tg.implicit]
+    if not annotated:
+        return lambda name: replicate(1, name=name)
+    (only, *more) = annotated
+    held = {id(t) for t in only.tensors}
+    whole = all(id(t) in held for t in [*model.parameters(), *model.buffers()])
+    if not more and only.strategy.kind == "split" and whole:
+        return lambda name: split(only.strategy.device_count, name=name)
+    raise PlacementError(
+        f"auto.auto_parallel partitions unannotated models, or models built entirely in one epl.split scope "
+        f"(each stage then tensor parallel), but this one has annotations ({[tg.name for tg in annotated]}). "
+        "Remove the annotations (or build the whole model in one epl.split scope), or set auto.auto_parallel "
+        "to False to use them."
+    )
 
 
 def balanced_cuts(costs: list[int], parts: int, allowed: Collection[int] | None = None) -> list[int]:
