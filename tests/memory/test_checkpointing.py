@@ -92,6 +92,7 @@ def train(config: dict[str, Any], build: Any = Tower, mark: Any = None) -> dict[
         "state": {k: v.clone() for k, v in engine.model.state_dict().items()},
         "saved": saved_bytes(engine.model, batches()[0][0]) if engine.plan.num_stages == 1 else None,
         "plan": state.plan.describe() if state.plan is not None else None,
+        "modules": state.plan.modules if state.plan is not None else None,
         "check": dict(check.results) if check is not None else None,
         "rank": env.cluster.rank,
     }
@@ -174,6 +175,24 @@ def test_with_data_parallel_and_with_a_pipeline_on_processes() -> None:
     config = {"gradient_checkpoint.type": "auto", "pipeline.num_micro_batch": 2}
     staged = run_ranks(train, 2, config, _stages, timeout=120)
     local = train({"pipeline.num_micro_batch": 2}, build=_stages)
+    for result in staged:
+        assert result["losses"] == pytest.approx(local["losses"], abs=1e-12)
+        for key, value in result["state"].items():
+            torch.testing.assert_close(value, local["state"][key], rtol=1e-12, atol=1e-12)
+
+
+def test_auto_checkpoints_the_repeated_blocks_of_each_pipeline_stage() -> None:
+    """auto.auto_parallel cuts the list of blocks between stages: each stage checkpoints its own blocks (the
+    list's other items are other stages' placeholders), and trains as the local run."""
+    config = {
+        "gradient_checkpoint.type": "auto",
+        "pipeline.num_micro_batch": 2,
+        "auto.auto_parallel": True,
+        "pipeline.num_stages": 2,
+    }
+    staged = run_ranks(train, 2, config, _deterministic, timeout=120)
+    assert [result["modules"] for result in staged] == [("blocks.0", "blocks.1"), ("blocks.2", "blocks.3")]
+    local = train({"pipeline.num_micro_batch": 2}, build=_deterministic)
     for result in staged:
         assert result["losses"] == pytest.approx(local["losses"], abs=1e-12)
         for key, value in result["state"].items():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,23 +141,35 @@ def plan_collection(model: nn.Module, allowed: Callable[[nn.Module], bool]) -> C
     return CheckpointPlan(modules=tuple(chosen))
 
 
-def plan_auto(model: nn.Module, allowed: Callable[[nn.Module], bool]) -> CheckpointPlan:
+def plan_auto(model: nn.Module, allowed: Callable[[nn.Module], bool], within: Collection[str] = ()) -> CheckpointPlan:
     """Repeated blocks (the items of the largest list of same-type modules, e.g. transformer layers),
-    else about sqrt(N) segments of the largest ``nn.Sequential``, balanced by parameter count."""
+    else about sqrt(N) segments of the largest ``nn.Sequential``, balanced by parameter count.
+
+    ``within``: the modules that run whole (a pipeline stage's roots; empty: the whole model):
+    only blocks inside them count (a list of layers whose other items are other stages' gives
+    this stage's items), and only Sequentials inside them are segmented.
+    """
+
+    def runs(name: str) -> bool:
+        return not within or any(name == root or name.startswith(f"{root}.") for root in within)
+
     best: tuple[int, list[str]] = (0, [])
     for name, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
-        children = list(container.named_children())
+        children = [
+            (f"{name}.{child}" if name else child, module)
+            for child, module in container.named_children()
+            if runs(f"{name}.{child}" if name else child)
+        ]
         kinds = {type(child) for _, child in children}
         repeated = len(children) >= 2 and len(kinds) == 1 and _holds_parameters(children[0][1])
         if repeated and len(children) > best[0]:
-            names = [f"{name}.{child}" if name else child for child, _ in children]
-            best = (len(children), [n for n in names if allowed(model.get_submodule(n))])
+            best = (len(children), [n for n, child in children if allowed(child)])
     if best[1]:
         return CheckpointPlan(modules=tuple(best[1]))
     sequentials = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Sequential) and len(m) >= 2]
-    sequentials = [(n, m) for n, m in sequentials if allowed(m)]
+    sequentials = [(n, m) for n, m in sequentials if allowed(m) and runs(n)]
     if not sequentials:
         return CheckpointPlan()
     name, sequential = max(sequentials, key=lambda item: len(item[1]))

@@ -47,8 +47,10 @@ class GradientCheckpointing:
             indices = [owner.get(id(t), 0) for t in [*module.parameters(), *module.buffers()]]
             return end < 0 or all(index <= end for index in indices)
 
-        choose = plan_auto if config["gradient_checkpoint.type"] == "auto" else plan_collection
-        plan = choose(model, allowed)
+        if config["gradient_checkpoint.type"] == "auto":
+            plan = plan_auto(model, allowed, context.stage_modules)
+        else:
+            plan = plan_collection(model, allowed)
         check = GradientCheck() if config["gradient_checkpoint.check_gradients"] else None
         apply_plan(model, plan, check)
         state = context.state(CheckpointingState)

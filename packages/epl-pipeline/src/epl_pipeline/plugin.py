@@ -87,6 +87,7 @@ class KeepLocalStage:
         owner = {id(t): tg.index for tg in context.taskgraphs for t in tg.tensors}
         staged = trace_stages(model, roots, plan.num_stages, owner)
         context.pipeline_stage = stage
+        context.stage_modules = tuple(name for name, owner_stage in roots.items() if owner_stage == stage)
         context.state(PipelineState).staged = staged
         for name, owner_stage in roots.items():
             if owner_stage != stage:

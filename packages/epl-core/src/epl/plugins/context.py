@@ -76,6 +76,9 @@ class ParallelContext:
     step_runner: StepRunner | None = None
     #: This rank's pipeline stage, set by the transform that keeps it (epl-pipeline); None: one stage.
     pipeline_stage: int | None = None
+    #: The qualified names of the modules this rank's pipeline stage runs whole (its roots), set with
+    #: ``pipeline_stage``; the rest of the model is not called as such. Empty: the whole model runs.
+    stage_modules: tuple[str, ...] = ()
     #: The shard group of each split TaskGraph this rank runs, by TaskGraph index (set by the split transform).
     shard_groups: dict[int, ShardGroup] = field(default_factory=dict)
     #: Tensors a split rule made: id -> (TaskGraph index, whether the tensor is a shard).
