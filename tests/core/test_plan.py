@@ -243,3 +243,32 @@ def test_plan_for_one_device_is_the_local_plan() -> None:
     epl.init()
     plan = epl.plan(examples.pipeline(), world_size=1)
     assert plan.local and plan.num_stages == 1
+
+
+def test_plan_names_the_process_groups_of_split_stages() -> None:
+    """TP 2 x PP 2 x DP 2 on 8 devices: Megatron's order (shards consecutive, then stages, then replicas)."""
+    epl.init()
+    with epl.split(2, name="stage_0"):
+        first = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    with epl.split(2, name="stage_1"):
+        second = nn.Linear(4, 2)
+    plan = epl.plan(nn.Sequential(first, second), world_size=8)
+    assert plan.process_groups() == {
+        "tensor parallel": [(0, 1), (2, 3), (4, 5), (6, 7)],
+        "pipeline": [(0, 2), (1, 3), (4, 6), (5, 7)],
+        "data parallel": [(0, 4), (1, 5), (2, 6), (3, 7)],
+    }
+    text = str(plan)
+    assert "process groups:\n  tensor parallel: [0, 1], [2, 3], [4, 5], [6, 7]\n" in text
+    assert "  data parallel: [0, 4], [1, 5], [2, 6], [3, 7]\n" in text
+    assert "  pipeline: [0, 2], [1, 3], [4, 6], [5, 7]\n" in text
+
+
+def test_plan_counts_the_process_groups_beyond_a_few() -> None:
+    epl.init()
+    with epl.split(2):
+        model = nn.Linear(4, 4)
+    text = str(epl.plan(model, world_size=16))
+    assert "  tensor parallel: [0, 1], [2, 3], [4, 5], [6, 7], ... (8 groups)\n" in text
+    assert "  data parallel: [0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]\n" in text
+    assert epl.plan(model, world_size=1).process_groups() == {}

@@ -210,6 +210,39 @@ class Plan:
             parameter_bytes=sum(b for _, b in sizes),
         )
 
+    def process_groups(self) -> dict[str, list[tuple[int, ...]]]:
+        """The groups of devices that communicate, by kind, in device order.
+
+        ``tensor parallel``: the devices of each split TaskGraph in each replica; ``pipeline``: in
+        each replica, the devices at one position of every stage (activations between stages,
+        the gradient norm over the stages; stages of one width); ``data parallel``: the devices
+        at one place of every replica (gradients reduced over the copies). Empty kinds are left out.
+        """
+        if self.local:
+            return {}
+        replicas = range(self.num_replicas)
+        groups: dict[str, list[tuple[int, ...]]] = {
+            "tensor parallel": [
+                self.devices(tg.index, r)
+                for tg in self.taskgraphs
+                if tg.strategy == "split" and tg.device_count > 1
+                for r in replicas
+            ],
+            "pipeline": [],
+            "data parallel": [],
+        }
+        widths = {tg.device_count for tg in self.taskgraphs}
+        if self.num_stages > 1 and len(widths) == 1:
+            (width,) = widths
+            groups["pipeline"] = [
+                tuple(self.devices(s, r)[p] for s in range(self.num_stages)) for r in replicas for p in range(width)
+            ]
+        if self.num_replicas > 1:
+            groups["data parallel"] = [
+                tuple(self.device_of(r, slot) for r in replicas) for slot in range(self.devices_per_replica)
+            ]
+        return {kind: sorted(found) for kind, found in groups.items() if found}
+
     def taskgraphs_on(self, rank: int) -> tuple[int, ...]:
         """Indices of the TaskGraphs that ``rank`` runs."""
         return tuple(index for index, _ in self.assignment(rank).taskgraphs)
@@ -284,6 +317,8 @@ def render_plan(plan: Plan) -> str:
         more = plan.world_size - len(shown)
         same = "; every replica is laid out like replica 0" if plan.num_replicas > 1 else ""
         lines.append(f"  ... {more} more devices{same} (Plan.assignment(device) describes any of them)")
+    if groups := plan.process_groups():
+        lines += ["", "process groups:", *render_groups(groups)]
     for tg in plan.taskgraphs:
         if tg.shards:
             lines += ["", *render_shards(plan, tg)]
@@ -292,6 +327,20 @@ def render_plan(plan: Plan) -> str:
     if plan.notes:
         lines += ["", "notes:"] + [f"  - {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+#: How many groups of each kind the Plan's text lists before it counts the rest.
+GROUPS_SHOWN = 4
+
+
+def render_groups(groups: dict[str, list[tuple[int, ...]]]) -> list[str]:
+    """One line per kind of process group: the first few groups, then how many there are."""
+    lines = []
+    for kind, found in groups.items():
+        shown = ", ".join("[" + format_devices(group) + "]" for group in found[:GROUPS_SHOWN])
+        more = f", ... ({len(found)} groups)" if len(found) > GROUPS_SHOWN else ""
+        lines.append(f"  {kind}: {shown}{more}")
+    return lines
 
 
 def render_shards(plan: Plan, tg: TaskGraphSpec) -> list[str]:
