@@ -92,7 +92,11 @@ def train(config: dict[str, Any], evaluate: bool = False, model: str = "stages")
             engine.eval()
             evaluated = {"loss": float(engine.evaluate(x[rows] * 2, y[rows])), "output": engine.predict(x[rows] * 2)}
             engine.train()
+    from epl_memory.checkpointing import CheckpointingState
+
+    checkpointed = engine.context.state(CheckpointingState).plan
     return {
+        "checkpointed": checkpointed.describe() if checkpointed is not None else None,
         "evaluated": evaluated,
         "stage": engine.context.pipeline_stage,
         "replica": engine.replica_index,
@@ -154,9 +158,18 @@ def assert_equal_to_local(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("strategy", ["PreferForward", "PreferBackward"])
-def test_two_split_stages_on_four_processes_equal_the_local_run(strategy: str) -> None:
-    results = run_ranks(train, 4, {"pipeline.strategy": strategy}, timeout=100)
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"pipeline.strategy": "PreferForward"},
+        {"pipeline.strategy": "PreferBackward"},
+        {"pipeline.strategy": "PreferBackward", "gradient_checkpoint.type": "auto"},
+    ],
+)
+def test_two_split_stages_on_four_processes_equal_the_local_run(config: dict[str, Any]) -> None:
+    results = run_ranks(train, 4, config, timeout=100)
+    if "gradient_checkpoint.type" in config:  # each stage recomputes segments of its own Sequential
+        assert [r["checkpointed"] for r in results] == ["0: 2 segments"] * 2 + ["1: 2 segments"] * 2
     assert [(r["stage"], r["replica"]) for r in results] == [(0, 0), (0, 0), (1, 0), (1, 0)]
     assert "(0): ColumnParallelLinear" in results[0]["repr"] and "(2): RowParallelLinear" in results[0]["repr"]
     assert "stage=1 (on another rank)" in results[0]["repr"] and "stage=0 (on another rank)" in results[2]["repr"]
