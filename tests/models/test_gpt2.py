@@ -218,5 +218,5 @@ def test_tied_embeddings_cannot_be_cut_apart() -> None:
     with pytest.raises(PlacementError, match=r"'wte' and 'lm_head' share 'wte.weight'.*tie_word_embeddings=False"):
         epl.plan(GPT2Stages(gpt2()), world_size=2)
     # GPT2LMHeadModel itself is not traceable by torch.fx: EPL says so
-    with pytest.raises(PlacementError, match=r"torch.fx could not trace its forward"):
+    with pytest.raises(PlacementError, match=r"torch.fx could not trace its forward.*Pipeline a plain nn.Module"):
         epl.plan(gpt2(), world_size=2)

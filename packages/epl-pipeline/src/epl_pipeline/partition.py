@@ -99,11 +99,26 @@ def trace_module(model: nn.Module, leaves: Collection[str]) -> fx.Graph:
     except Exception as error:  # noqa: BLE001 - every tracing failure gets the same explanation
         raise PlacementError(
             f"Cannot split {type(model).__name__} into pipeline stages: torch.fx could not trace its forward "
-            f"({type(error).__name__}: {error}). The code between stage modules must not branch on tensor "
-            "values or call untraceable functions; move such code inside one stage's module, or wrap it in a "
-            "function marked with torch.fx.wrap."
+            f"({type(error).__name__}: {error}). {_how_to_trace(model)}"
         ) from error
     return graph
+
+
+def _how_to_trace(model: nn.Module) -> str:
+    """What to do about a forward fx cannot trace; for transformers' models, what to pipeline instead."""
+    if type(model).__module__.startswith("transformers."):
+        return (
+            "EPL cannot pipeline transformers' models as they are yet: their forward builds caches and masks "
+            "that fx cannot trace. Pipeline a plain nn.Module whose forward calls the model's own modules in "
+            "order instead (for GPT-2: wte and wpe, each block of transformer.h, ln_f, lm_head; for Llama: "
+            "embed_tokens, rotary_emb once, each decoder layer with its position embeddings, norm, lm_head), "
+            "with tie_word_embeddings=False so that the embedding and the head can be on different stages. "
+            "Tensor parallelism (epl.split) and data parallelism take the model as it is."
+        )
+    return (
+        "The code between stage modules must not branch on tensor values or call untraceable functions; move "
+        "such code inside one stage's module, or wrap it in a function marked with torch.fx.wrap."
+    )
 
 
 def _attribute(model: nn.Module, qualified_name: str) -> Any:
