@@ -133,11 +133,8 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     last_device = plan.devices(stages - 1, replica)[0]
     # Each device of a split stage exchanges activations with the device at its position in the neighbours.
     position = plan.devices(stage, replica).index(rank)
-    width = plan.taskgraphs[0].device_count
     # The devices at one position of every stage of a replica: the global gradient norm adds their squares.
-    peers = world.split(
-        [[plan.devices(s, r)[p] for s in range(stages)] for r in range(plan.num_replicas) for p in range(width)]
-    )
+    peers = world.split([list(group) for group in plan.process_groups()["pipeline"]])
     runner = PipelineStepRunner(
         model=context.model,
         optimizer=context.optimizer,

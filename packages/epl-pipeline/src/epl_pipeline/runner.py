@@ -139,9 +139,7 @@ class PipelineStepRunner:
             self._run(action, pieces)
             timeline.append(Event(action, self._started, time.time()))
             self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
-        for channel in (self.inbound, self.outbound):
-            if channel is not None:
-                channel.flush()
+        _flush(self.inbound, self.outbound)
         self.last_timeline = timeline
         clip = self.clip_gradients if self.max_grad_norm is not None else None
         self._grad_norm = None
@@ -152,20 +150,18 @@ class PipelineStepRunner:
         if self.loss_scaler is not None:
             self.loss_scaler.unscale(self._params)
         step_or_skip(self.optimizer, self.loss_scaler, self._params)
-        loss = (
-            torch.stack([self._losses[m] for m in range(self.num_micro_batch)]).mean() if self.last else torch.zeros(())
-        )
+        losses = [self._losses[m] for m in range(self.num_micro_batch)] if self.last else []
         self._losses.clear()
-        loss = loss.to(torch.float64)
-        self.replica.broadcast(loss, self.last_stage_member).wait()
-        return loss
+        return self._replica_loss(losses)
 
     @torch.no_grad()
     def evaluate(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """The replica's mean loss of one replica batch by a forward-only pass (no gradient, no update)."""
-        results = self._forward_only(inputs, targets, with_loss=True)
-        loss = torch.stack(results).mean() if self.last else torch.zeros(())
-        loss = loss.to(torch.float64)
+        return self._replica_loss(self._forward_only(inputs, targets, with_loss=True))
+
+    def _replica_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of the last stage's micro-batch ``losses``, broadcast to every stage of the replica."""
+        loss = (torch.stack(losses).mean() if self.last else torch.zeros(())).to(torch.float64)
         self.replica.broadcast(loss, self.last_stage_member).wait()
         return loss
 
@@ -186,11 +182,7 @@ class PipelineStepRunner:
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         results = []
         for micro_inputs, micro_targets in micro_batches(inputs, targets, self.num_micro_batch):
-            if self.eval_inbound is None:
-                env = bind_inputs(self.staged, micro_inputs)
-            else:
-                values, _ = self.eval_inbound.receive()
-                env = dict(zip(self.staged.boundaries[self.stage - 1], values, strict=True))
+            env, _ = self._stage_inputs(self.eval_inbound, micro_inputs)
             with inside(self.forward_contexts):
                 run_nodes(self.model, self.nodes, env)
             if self.eval_outbound is not None:
@@ -199,10 +191,16 @@ class PipelineStepRunner:
                 results.append(self._loss(output_value(self.staged, env), micro_targets).detach())
             else:
                 results.append(output_value(self.staged, env))
-        for channel in (self.eval_inbound, self.eval_outbound):
-            if channel is not None:
-                channel.flush()
+        _flush(self.eval_inbound, self.eval_outbound)
         return results
+
+    def _stage_inputs(self, inbound: Channel | None, inputs: Any) -> tuple[dict[fx.Node, Any], list[torch.Tensor]]:
+        """What this stage's nodes read for one micro-batch (the model's inputs on the first stage, else the values
+        received on ``inbound``), and the received tensors that collect a gradient."""
+        if inbound is None:
+            return bind_inputs(self.staged, inputs), []
+        values, received = inbound.receive()
+        return dict(zip(self.staged.boundaries[self.stage - 1], values, strict=True)), received
 
     def _loss(self, output: Any, targets: Any) -> torch.Tensor:
         """The last stage's scalar loss of one micro-batch (inside the forward contexts)."""
@@ -231,13 +229,9 @@ class PipelineStepRunner:
             raise EplError(f"The pipeline executor runs F, B, I and W actions, not {action.kind.name}.")
 
     def _forward(self, m: int, inputs: Any, targets: Any) -> None:
-        received: list[torch.Tensor] = []
-        if self.inbound is None:
-            env = bind_inputs(self.staged, inputs)
-        else:
-            values, received = self.inbound.receive()
-            self._started = time.time()
-            env = dict(zip(self.staged.boundaries[self.stage - 1], values, strict=True))
+        env, received = self._stage_inputs(self.inbound, inputs)
+        if self.inbound is not None:
+            self._started = time.time()  # the action starts once its inputs have arrived
         with inside(self.forward_contexts):
             run_nodes(self.model, self.nodes, env)
         if self.outbound is not None:
@@ -275,3 +269,10 @@ class PipelineStepRunner:
                 [g if g is not None else torch.zeros_like(t) for g, t in zip(input_grads, flight.inputs, strict=True)]
             )
         flight.inputs = []
+
+
+def _flush(*channels: Channel | None) -> None:
+    """Wait for every send started on ``channels`` (None: no such link)."""
+    for channel in channels:
+        if channel is not None:
+            channel.flush()

@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 from epl.annotations.taskgraph import TaskGraph
-from epl.builtin.split_transform import LINEAR_RULES, find_targets
+from epl.builtin.split_transform import LINEAR_RULES, find_targets, layout_of
 from epl.interfaces.shard_group import ShardGroup
 from epl.interfaces.split_rule import ShardContext, SplitRule
 from epl.placement.memory_estimate import ShardPieces
 from epl.placement.plan import Plan
-from epl.sharding.layout import Decision, decide_layout
+from epl.sharding.layout import Decision
 from epl.sharding.parameters import is_sharded
 
 
@@ -52,11 +52,8 @@ class RuleShardShapes:
         together = [list(self._targets)] if plan.num_stages == 1 else [[index] for index in self._targets]
         for indices in together:
             targets = [t for index in indices for t in self._targets[index]]
-            linears = {t.name for t in targets if t.rule in LINEAR_RULES}
-            embeddings = {t.name for t in targets if isinstance(t.module, nn.Embedding)}
-            if linears:
-                layout = decide_layout(model, linears, embeddings, loss_is_cross_entropy=False, has_loss=False)
-                self._decisions.update(layout.decisions)
+            if any(t.rule in LINEAR_RULES for t in targets):
+                self._decisions.update(layout_of(model, targets, loss_fn=None).decisions)
 
     def pieces(self, taskgraph: int, position: int) -> dict[int, tuple[int, ShardPieces]]:
         """``id(model parameter)`` -> (its module's index, the shard's parameters) at ``position``."""

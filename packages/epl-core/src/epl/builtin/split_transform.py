@@ -72,7 +72,7 @@ class DecideSplitLayout:
 
 
 def _decide_layout(model: nn.Module, context: ParallelContext) -> Layout:
-    """The layout of the split TaskGraphs this rank runs: their linear-like modules and embeddings."""
+    """The layout of the split TaskGraphs this rank runs."""
     rules = context.plugins.split_rules()
     mine = set(context.plan.taskgraphs_on(context.cluster.rank))
     targets = [
@@ -81,13 +81,17 @@ def _decide_layout(model: nn.Module, context: ParallelContext) -> Layout:
         if tg.index in mine and tg.strategy.kind == "split"
         for t in find_targets(model, tg, rules)
     ]
+    return layout_of(model, targets, context.loss_fn)
+
+
+def layout_of(model: nn.Module, targets: list[SplitTarget], loss_fn: LossFn | None) -> Layout:
+    """The layout of ``targets`` (split together on the same devices): their linear-like modules and embeddings,
+    from one example forward of ``model``; ``loss_fn``: the loss that reads the model's output, if any."""
     linears = {t.name for t in targets if t.rule in LINEAR_RULES}
     embeddings = {t.name for t in targets if isinstance(t.module, nn.Embedding)}
     # Exactly nn.CrossEntropyLoss: a subclass may compute something else from the logits.
-    cross_entropy = type(context.loss_fn) is nn.CrossEntropyLoss
-    return decide_layout(
-        model, linears, embeddings, loss_is_cross_entropy=cross_entropy, has_loss=context.loss_fn is not None
-    )
+    cross_entropy = type(loss_fn) is nn.CrossEntropyLoss
+    return decide_layout(model, linears, embeddings, loss_is_cross_entropy=cross_entropy, has_loss=loss_fn is not None)
 
 
 class ShardSplitTaskGraphs:
