@@ -15,9 +15,10 @@ def train_locally(
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     micro_batches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.mse_loss,
+    max_norm: float | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Per batch: gradients of ``loss_fn`` (MSE by default) accumulated over ``micro_batches`` equal chunks,
-    one optimizer step.
+    clipped to ``max_norm`` if given, one optimizer step.
 
     Returns the mean micro-batch loss of every step and the final ``state_dict`` (cloned).
     """
@@ -29,6 +30,8 @@ def train_locally(
             loss = loss_fn(model(xm), ym)
             (loss / micro_batches).backward()
             parts.append(loss.detach())
+        if max_norm is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
         losses.append(float(torch.stack(parts).mean()))
     return losses, {k: v.clone() for k, v in model.state_dict().items()}

@@ -7,20 +7,12 @@ run on 2 processes is compared with the same model trained in one process by pla
 within 1e-12 (measured: bitwise equal).
 
 Data parallelism and ZeRO train the unmodified ``GPT2LMHeadModel``, with ``lm_head.weight``
-tied to ``wte.weight``. ZeRO v2 with the tie is an expected failure (an EPL bug, see
-``ZERO_V2_TIED_BUG``); v2 on the untied model passes.
+tied to ``wte.weight``, and ZeRO v2 on the untied model too.
 
-The pipeline runs HF's own modules (``wte``, ``wpe``, the ``GPT2Block``s of ``h``, ``ln_f``,
-``lm_head``) through :class:`GPT2Stages`, a plain ``forward`` over them, because
-``GPT2LMHeadModel.forward`` cannot be traced by ``torch.fx`` (EPL's partitioner traces the
-model): its decorated ``forward`` breaks fx's argument patching ("co_varnames is too small"),
-and ``GPT2Model.forward`` builds caches and masks from tensor values ("'Proxy' object does
-not support item assignment"). :func:`test_stage_wrapper_is_gpt2` shows the wrapper computes
-GPT2LMHeadModel's logits and trains exactly like it. The pipeline's GPT-2 has untied input
-and output embeddings (``tie_word_embeddings=False``): ``wte`` opens the model and ``lm_head``
-closes it, so tied they could only be on one stage, and EPL (which keeps no copies of one
-tensor in step across stages) refuses to cut them apart
-(:func:`test_tied_embeddings_cannot_be_cut_apart`).
+The pipelines run the unmodified ``GPT2LMHeadModel`` too, whose forward torch.fx cannot trace:
+every stage runs the model's own forward (EPL's replayed stages). Cut automatically, the tied
+``wte``/``lm_head`` weight is held by both stages and its gradients summed between them each
+step, as Megatron does; cut at a split point, the model is untied. Clipping is on.
 """
 
 from __future__ import annotations
@@ -35,7 +27,7 @@ from transformers import GPT2Config, GPT2LMHeadModel  # offline: tests/models/__
 from tests.helpers.distributed import run_ranks
 from tests.helpers.reference import assert_rank_matches, train_locally
 
-BATCH, SEQUENCE, STEPS, MICRO = 8, 16, 3, 2
+BATCH, SEQUENCE, STEPS, MICRO = 8, 16, 4, 2
 VOCABULARY = 128
 #: Relative and absolute tolerance of losses and parameters against the one-process run (float64).
 TOLERANCE = 1e-12
@@ -63,29 +55,9 @@ def gpt2(*, tied: bool = True, seed: int = 0) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config).double()
 
 
-class GPT2Stages(nn.Module):
-    """GPT2LMHeadModel's forward over its own modules, traceable by torch.fx between them.
-
-    Attention is causal without a mask: HF's SDPA attention sets ``is_causal`` when no mask is given.
-    """
-
-    def __init__(self, model: GPT2LMHeadModel) -> None:
-        super().__init__()
-        body = model.transformer
-        self.wte, self.wpe, self.drop, self.h, self.ln_f = body.wte, body.wpe, body.drop, body.h, body.ln_f
-        self.lm_head = model.lm_head
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        hidden = self.drop(self.wte(input_ids) + self.wpe(positions))
-        for block in self.h:
-            hidden = block(hidden)
-        return self.lm_head(self.ln_f(hidden))
-
-
 def next_token_loss(outputs: Any, tokens: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of each position's logits against the next token (HF's ``labels=input_ids`` loss)."""
-    logits = getattr(outputs, "logits", outputs)  # a ModelOutput from GPT2LMHeadModel, a tensor from GPT2Stages
+    logits = outputs.logits  # GPT2LMHeadModel's ModelOutput, on the last stage of a pipeline too
     return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 
@@ -98,9 +70,10 @@ def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
-def train_here(model: nn.Module) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_here(model: nn.Module, clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The reference: one process, each batch's gradient accumulated over 2 halves (the 2 ranks' shares)."""
-    return train_locally(model, adamw(model.parameters()), [(t, t) for t in batches()], MICRO, next_token_loss)
+    pairs = [(t, t) for t in batches()]
+    return train_locally(model, adamw(model.parameters()), pairs, MICRO, next_token_loss, max_norm=clip)
 
 
 def train_with_epl(config: dict[str, Any], model: nn.Module, rows_per_rank: bool) -> dict[str, Any]:
@@ -108,26 +81,40 @@ def train_with_epl(config: dict[str, Any], model: nn.Module, rows_per_rank: bool
 
     epl.init(epl.Config(config))
     engine = epl.parallelize(model, optimizer=adamw, loss_fn=next_token_loss)
-    losses = []
+    losses, norms = [], []
     for tokens in batches():
         if rows_per_rank:  # data parallel: this replica's share of the rows
             share = BATCH // engine.num_replicas
             tokens = tokens[share * engine.replica_index : share * (engine.replica_index + 1)]
         losses.append(float(engine.step(tokens, tokens)))
+        norms.append(engine.grad_norm)
     state = engine.state_dict()["model"]  # every rank calls it (ZeRO v2 gathers the parameters)
     return {
         "replica": engine.replica_index,
+        "stage": engine.context.pipeline_stage,
+        "held": sum(p.numel() for p in engine.parameters()),
+        "norms": norms,
         "losses": losses,
         "state": {k: v.detach().clone() for k, v in state.items()},
     }
 
 
 def every_run() -> dict[str, dict[str, Any]]:
-    """On each of 2 ranks: data parallel, ZeRO v1 and v2 on the tied model, v2 on the untied one, the pipeline."""
+    """On each of 2 ranks: data parallel, ZeRO v1 and v2 on the tied model, v2 on the untied one, the pipelines."""
     runs = {name: train_with_epl(config, gpt2(tied=tied), True) for name, (config, tied) in REPLICATED.items()}
-    pipeline = {"auto.auto_parallel": True, "pipeline.num_stages": 2, "pipeline.num_micro_batch": MICRO}
-    runs["pipeline"] = train_with_epl(pipeline, GPT2Stages(gpt2(tied=False)), False)
+    for name, (config, tied) in PIPELINES.items():
+        pipeline = {**config, "pipeline.num_micro_batch": MICRO, "optimizer.max_grad_norm": MAX_NORM}
+        runs[name] = train_with_epl(pipeline, gpt2(tied=tied), False)
     return runs
+
+
+#: The pipeline runs of the unmodified GPT2LMHeadModel on 2 stages: name -> (config, tied embeddings).
+PIPELINES = {
+    "auto-cut pipeline, tied": ({"auto.auto_parallel": True, "pipeline.num_stages": 2}, True),
+    "pipeline at a split point": ({"pipeline.split_points": ["transformer.h.2"]}, False),
+}
+#: Clipping in the pipeline runs: small enough to clip every step.
+MAX_NORM = 0.5
 
 
 #: The data-parallel runs: name -> (config, tied embeddings).
@@ -143,19 +130,6 @@ REPLICATED = {
 def ranks() -> list[dict[str, dict[str, Any]]]:
     """Both ranks' results of :func:`every_run` (one launch of 2 processes for the multi-process tests)."""
     return run_ranks(every_run, 2, timeout=240)
-
-
-def test_stage_wrapper_is_gpt2() -> None:
-    """GPT2Stages gives GPT2LMHeadModel's logits, and trains exactly like it."""
-    model = gpt2(tied=False)
-    tokens = batches()[0]
-    assert torch.equal(GPT2Stages(model)(tokens), model(tokens).logits)
-    expected, full = train_here(gpt2(tied=False))
-    losses, state = train_here(GPT2Stages(gpt2(tied=False)))
-    assert losses == expected
-    assert state.keys() == {k.removeprefix("transformer.") for k in full}
-    for name, value in state.items():
-        assert torch.equal(value, full[name if name == "lm_head.weight" else f"transformer.{name}"]), name
 
 
 @pytest.mark.multiprocess
@@ -175,48 +149,54 @@ def test_gpt2_data_parallel_and_zero_equal_the_local_run(ranks: list[dict[str, A
 
 
 @pytest.mark.multiprocess
-def test_auto_partitioned_gpt2_pipeline_equals_the_local_run(ranks: list[dict[str, Any]]) -> None:
-    """2 stages cut automatically between the GPT2Blocks, 2 micro-batches, 1 replica."""
-    expected, full = train_here(GPT2Stages(gpt2(tied=False)))
-    states = [result["pipeline"]["state"] for result in ranks]
-    assert sorted(k for state in states for k in state) == sorted(full)  # each parameter on exactly one stage
-    assert {k.split(".")[0] for k in states[0]} == {"wte", "wpe", "h"}
-    assert {k.split(".")[0] for k in states[1]} == {"h", "ln_f", "lm_head"}
+@pytest.mark.parametrize("run", list(PIPELINES))
+def test_gpt2_pipelines_equal_the_local_run(ranks: list[dict[str, Any]], run: str) -> None:
+    """The unmodified GPT2LMHeadModel as 2 stages, 2 micro-batches, clipping on: cut automatically with the
+    embedding and the head tied across the stages (a copy on each, gradients summed between them), or at
+    ``transformer.h.2`` untied. Whatever the model returns (its ModelOutput) reaches the loss."""
+    tied = PIPELINES[run][1]
+    expected, full = train_here(gpt2(tied=tied), clip=MAX_NORM)
+    states = [result[run]["state"] for result in sorted(ranks, key=lambda r: r[run]["stage"])]
+    assert sorted(k for state in states for k in state) == sorted(full)  # each name on exactly one stage
+    assert {k for k in states[0] if not k.startswith("transformer.h.")} == {
+        "transformer.wte.weight",
+        "transformer.wpe.weight",
+    }
+    assert {k.split(".")[0] for k in states[1] if not k.startswith("transformer.h.")} == {"transformer", "lm_head"}
+    assert {k.split(".")[2] for k in states[0] if k.startswith("transformer.h.")} == {"0", "1"}
+    assert {k.split(".")[2] for k in states[1] if k.startswith("transformer.h.")} == {"2", "3"}
+    local_norms = _local_norms(tied)
     for result in ranks:
-        assert_rank_matches(result["pipeline"], expected, full, TOLERANCE)
+        assert_rank_matches(result[run], expected, full, TOLERANCE)
+        torch.testing.assert_close(result[run]["norms"], local_norms, rtol=TOLERANCE, atol=0)
+    if tied:  # the stage that holds the head holds a copy of the embedding's weight
+        assert torch.equal(states[1]["lm_head.weight"], states[0]["transformer.wte.weight"])
 
 
-def test_auto_partition_cuts_gpt2_between_blocks() -> None:
+def _local_norms(tied: bool) -> list[float]:
+    """The gradient norm before clipping of every step of the local run (the tied weight counted once)."""
+    model = gpt2(tied=tied)
+    optimizer = adamw(model.parameters())
+    norms = []
+    for tokens in batches():
+        optimizer.zero_grad()
+        for part in tokens.chunk(MICRO):
+            (next_token_loss(model(part), part) / MICRO).backward()
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        optimizer.step()
+    return norms
+
+
+def test_auto_partition_cuts_gpt2_between_blocks_with_the_tied_weights_on_both_ends() -> None:
+    """The unmodified, tied GPT2LMHeadModel: the cut falls between its blocks; both stages hold the tied weight,
+    and the Plan names the devices whose gradients of it are summed."""
     import epl
 
     epl.init(epl.Config({"auto.auto_parallel": True, "pipeline.num_stages": 2}))
-    plan = epl.plan(GPT2Stages(gpt2(tied=False)), world_size=2)
+    plan = epl.plan(gpt2(), world_size=4)
     assert [list(tg.modules) for tg in plan.taskgraphs] == [
-        ["wte", "wpe", "h.0", "h.1"],
-        ["h.2", "h.3", "ln_f", "lm_head"],
+        ["transformer.wte", "transformer.wpe", "transformer.h.0", "transformer.h.1"],
+        ["transformer.h.2", "transformer.h.3", "transformer.ln_f", "lm_head"],
     ]
-
-
-def test_auto_partition_keeps_blocks_sharing_a_tensor_on_one_stage() -> None:
-    """h.1 and h.2 share a LayerNorm: the balanced cut between them moves to the next best place."""
-    import epl
-
-    model = gpt2(tied=False)
-    model.transformer.h[2].ln_1 = model.transformer.h[1].ln_1
-    epl.init(epl.Config({"auto.auto_parallel": True, "pipeline.num_stages": 2}))
-    plan = epl.plan(GPT2Stages(model), world_size=2)
-    modules = [list(tg.modules) for tg in plan.taskgraphs]
-    assert modules == [["wte", "wpe", "h.0"], ["h.1", "h.2", "h.3", "ln_f", "lm_head"]]
-
-
-def test_tied_embeddings_cannot_be_cut_apart() -> None:
-    """wte opens the model and lm_head closes it: tied, no cut keeps them on one stage."""
-    import epl
-    from epl.errors import PlacementError
-
-    epl.init(epl.Config({"auto.auto_parallel": True, "pipeline.num_stages": 2}))
-    with pytest.raises(PlacementError, match=r"'wte' and 'lm_head' share 'wte.weight'.*tie_word_embeddings=False"):
-        epl.plan(GPT2Stages(gpt2()), world_size=2)
-    # GPT2LMHeadModel itself is not traceable by torch.fx: EPL says so
-    with pytest.raises(PlacementError, match=r"torch.fx could not trace its forward.*Pipeline a plain nn.Module"):
-        epl.plan(gpt2(), world_size=2)
+    assert plan.shared == ((0, 1),)
+    assert plan.process_groups()["tied weights"] == [(0, 1, 2, 3)]

@@ -94,7 +94,7 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
     clip_first = config["optimizer.max_grad_norm"] is not None and not config["communication.clip_after_allreduce"]
     reducers = []
     for copies, params in context.copies_of_tensors(list(context.model.parameters())).items():
-        if copies.divisor == 1:
+        if copies.divisor == 1 and len(copies.devices) == 1:
             continue
         policy = ReducePolicy(
             copies=copies.divisor,

@@ -2,17 +2,24 @@
 
 The candidate cut points are between blocks: the items of every ``nn.Sequential``,
 ``nn.ModuleList`` and ``nn.ModuleDict`` (where repeated blocks such as transformer layers
-live), and the model's other submodules; a block is opened further only when there are
-fewer blocks than stages. Each block's cost is estimated by its number of parameters
+live), and the model's other submodules; a block is opened further when there are fewer
+blocks than stages, or when it costs more than a stage's even share (so a transformers
+model's decoder is opened into its layers). Each block's cost is estimated by its number of parameters
 (proportional to the multiply-adds of linear and convolution layers per sample), the
-blocks are put in the order ``forward`` calls them (from a ``torch.fx`` trace), and the
-contiguous cut with the smallest most expensive stage is chosen. Blocks that share a tensor
-(tied weights) stay on one stage: EPL keeps no copies of one tensor in step across stages.
+blocks are put in the order ``forward`` calls them (from a ``torch.fx`` trace, or from one
+example run when fx cannot trace the forward), and the contiguous cut with the smallest most
+expensive stage is chosen. Blocks that share a tensor (tied weights: the embedding and the
+LM head) may land on different stages: each stage keeps a copy, and their gradients are
+summed between the stages every step (see ``epl.placement.copies``).
+
+``pipeline.split_points`` cuts at modules the user names instead (``partition_at``), as
+``torch.distributed.pipelining`` takes split points.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from typing import Any
 
 from torch import nn
 
@@ -21,28 +28,66 @@ from epl.plugin_api import PlacementError, Strategy, TaskGraph, replicate, split
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
-def partition(model: nn.Module, taskgraphs: list[TaskGraph], num_stages: int) -> list[TaskGraph]:
+def partition(model: nn.Module, taskgraphs: list[TaskGraph], num_stages: int, example: Any = None) -> list[TaskGraph]:
     """``num_stages`` TaskGraphs named ``stage_<k>`` holding ``model``'s blocks.
 
     Each is ``replicate(1)``, or ``split(t)`` when the whole model was built in one
-    ``epl.split(t)`` scope (tensor parallel inside every stage).
+    ``epl.split(t)`` scope (tensor parallel inside every stage). ``example``: inputs to find
+    forward's call order with, when fx cannot trace it (default: guessed from the model).
     """
     stage_strategy = _stage_strategy(model, taskgraphs)
-    blocks = _in_call_order(model, _blocks(model, num_stages))
-    tied = _tied_spans(model, blocks)
-    allowed = set(range(1, len(blocks))) - {cut for begin, end, _ in tied for cut in range(begin + 1, end + 1)}
-    try:
-        cuts = balanced_cuts([_cost(module) for _, module in blocks], num_stages, allowed)
-    except PlacementError:
-        if not tied:
-            raise
-        shared = "; ".join(f"{blocks[begin][0]!r} and {blocks[end][0]!r} share {name!r}" for begin, end, name in tied)
+    blocks = _in_call_order(model, _blocks(model, num_stages), example)
+    cuts = balanced_cuts([_cost(module) for _, module in blocks], num_stages)
+    return _stages(model, blocks, cuts, stage_strategy)
+
+
+def partition_at(model: nn.Module, taskgraphs: list[TaskGraph], points: list[str], example: Any = None) -> list[TaskGraph]:
+    """TaskGraphs named ``stage_<k>``, each beginning at a module of ``points`` (``pipeline.split_points``).
+
+    The model's blocks are opened until every point is one; the stages follow forward's call order.
+    """
+    stage_strategy = _stage_strategy(model, taskgraphs)
+    names = dict(model.named_modules())
+    unknown = [point for point in points if not point or point not in names]
+    if unknown or not all(isinstance(point, str) for point in points):
         raise PlacementError(
-            f"Cannot cut {type(model).__name__} into {num_stages} pipeline stages: blocks that share a tensor "
-            f"(tied weights) must stay on one stage, and {shared}. EPL does not keep copies of one tensor in "
-            "step across pipeline stages; untie the weights (for a transformers model: "
-            "tie_word_embeddings=False) or use fewer stages."
-        ) from None
+            f"pipeline.split_points names modules of the model by qualified name; {unknown[:3]} is not one "
+            f"(some are: {[name for name in names if name][:5]})."
+        )
+    blocks = _in_call_order(model, _blocks_at(model, points), example)
+    starts = {name: index for index, (name, _) in enumerate(blocks)}
+    cuts = [starts[point] for point in points]
+    if cuts != sorted(set(cuts)) or cuts[0] == 0:
+        order = sorted(points, key=starts.__getitem__)
+        raise PlacementError(
+            f"pipeline.split_points must name modules in the order forward calls them, after its first module; "
+            f"forward calls them as {order} and first calls {blocks[0][0]!r}."
+        )
+    return _stages(model, blocks, cuts, stage_strategy)
+
+
+def _blocks_at(model: nn.Module, points: list[str]) -> list[tuple[str, nn.Module]]:
+    """The model's blocks, opened until each of ``points`` is one."""
+    blocks = _open(model, "")
+    for point in points:
+        while point not in {name for name, _ in blocks}:
+            holder = next((i for i, (name, _) in enumerate(blocks) if point.startswith(f"{name}.")), None)
+            if holder is None:
+                raise PlacementError(f"pipeline.split_points: {point!r} holds no parameters or buffers to place.")
+            name, module = blocks[holder]
+            if any(True for _ in [*module.parameters(recurse=False), *module.buffers(recurse=False)]):
+                raise PlacementError(
+                    f"pipeline.split_points: {point!r} is inside {name!r}, which holds tensors of its own; "
+                    f"cut at {name!r} or at a module after it."
+                )
+            blocks[holder : holder + 1] = _open(module, name)
+    return blocks
+
+
+def _stages(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]], cuts: list[int], stage_strategy: Callable[[str], Strategy]
+) -> list[TaskGraph]:
+    """One TaskGraph per run of ``blocks`` between ``cuts``; every tensor of the model must be placed."""
     stages = []
     for index, (begin, end) in enumerate(zip([0, *cuts], [*cuts, len(blocks)], strict=True)):
         members = blocks[begin:end]
@@ -112,33 +157,28 @@ def balanced_cuts(costs: list[int], parts: int, allowed: Collection[int] | None 
     return sorted(cuts)
 
 
-def _tied_spans(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[int, int, str]]:
-    """(first block, last block, tensor name) for each tensor that several blocks hold."""
-    names = {id(t): name for name, t in [*model.named_parameters(), *model.named_buffers()]}
-    holders: dict[int, list[int]] = {}
-    for index, (_, module) in enumerate(blocks):
-        for key in dict.fromkeys(id(t) for t in [*module.parameters(), *module.buffers()]):
-            holders.setdefault(key, []).append(index)
-    return [(min(at), max(at), names.get(key, "?")) for key, at in holders.items() if len(at) > 1]
-
-
 def _cost(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
 def _blocks(model: nn.Module, num_stages: int) -> list[tuple[str, nn.Module]]:
-    """Parameter-holding submodules to cut between: containers opened, then the largest blocks until enough."""
+    """Parameter-holding submodules to cut between: containers opened, then the largest blocks while there are
+    fewer blocks than stages or a block costs more than a stage's even share (a transformers model's decoder)."""
     blocks = _open(model, "")
-    while len(blocks) < num_stages:
+    share = _cost(model) / num_stages
+    while True:
         openable = [(i, b) for i, b in enumerate(blocks) if _openable(b[1])]
-        if not openable:
+        if len(blocks) >= num_stages:
+            openable = [(i, b) for i, b in openable if _cost(b[1]) > share]
+            if not openable:
+                return blocks
+        elif not openable:
             raise PlacementError(
                 f"Cannot cut {type(model).__name__} into {num_stages} pipeline stages: it has only "
                 f"{len(blocks)} blocks with parameters ({[name for name, _ in blocks]})."
             )
         index, (name, module) = max(openable, key=lambda item: _cost(item[1][1]))
         blocks[index : index + 1] = _open(module, name)
-    return blocks
 
 
 def _holds_tensors(module: nn.Module) -> bool:
@@ -146,11 +186,14 @@ def _holds_tensors(module: nn.Module) -> bool:
 
 
 def _openable(module: nn.Module) -> bool:
+    """Whether ``module`` opens into several blocks: no tensors of its own, and several children holding tensors
+    (through containers: BERT's encoder holds one ModuleList of layers)."""
     own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-    return not own and sum(1 for child in module.children() if _holds_tensors(child)) > 1
+    return not own and len(_open(module, "")) > 1
 
 
 def _open(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
+    """``module``'s children holding tensors, as blocks (containers among them opened too)."""
     blocks = []
     for name, child in module.named_children():
         qualified = f"{prefix}.{name}" if prefix else name
@@ -163,12 +206,24 @@ def _open(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
     return blocks
 
 
-def _in_call_order(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """``blocks`` in the order ``forward`` first calls them (blocks never called are errors)."""
-    from epl_pipeline.partition import trace_module
+def _in_call_order(model: nn.Module, blocks: list[tuple[str, nn.Module]], example: Any) -> list[tuple[str, nn.Module]]:
+    """``blocks`` in the order ``forward`` first calls them (blocks never called are errors): from a torch.fx
+    trace, or when fx cannot trace the forward, from a run on ``example`` (or inputs guessed from the model)."""
+    from epl.plugin_api import example_input
+    from epl_pipeline.partition import Untraceable, trace_module
+    from epl_pipeline.program import NEEDS_EXAMPLE
+    from epl_pipeline.replay import call_order
 
-    graph = trace_module(model, {name for name, _ in blocks})
-    called = [str(n.target) for n in graph.nodes if n.op == "call_module"]
+    names = {name for name, _ in blocks}
+    try:
+        graph = trace_module(model, names)
+    except Untraceable as untraceable:
+        example = example if example is not None else example_input(model)
+        if example is None:
+            raise PlacementError(f"{untraceable}\n{NEEDS_EXAMPLE}") from None
+        called = call_order(model, names, example)
+    else:
+        called = [str(n.target) for n in graph.nodes if n.op == "call_module"]
     order = {name: called.index(name) for name, _ in blocks if name in called}
     missing = [name for name, _ in blocks if name not in order]
     if missing:

@@ -1,7 +1,8 @@
 """Point-to-point transfer of Python values between neighbouring stages, describing them only once.
 
 The first time a stage sends, it sends a description (the value's structure, and per
-tensor its shape, dtype and whether it needs a gradient; non-tensor leaves as constants);
+tensor its shape, dtype and whether it needs a gradient; non-tensor leaves, and
+:class:`ShapeOnly` stand-ins for tensors whose values are not needed, as constants);
 from then on only the tensors travel, and the receiver allocates them from the
 description. Gradients travel back with the shapes both sides already know.
 """
@@ -23,6 +24,26 @@ class _TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+
+
+@dataclass(frozen=True)
+class ShapeOnly:
+    """A tensor whose values the receiving stages do not need: only its shape and dtype travel."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @staticmethod
+    def of(leaf: Any) -> Any:
+        """``leaf`` as its shape if it is a tensor, else ``leaf`` itself."""
+        if isinstance(leaf, torch.Tensor):
+            return ShapeOnly(tuple(leaf.shape), str(leaf.dtype).removeprefix("torch."))
+        return leaf
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype as a ``torch.dtype``."""
+        return getattr(torch, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -49,6 +70,8 @@ class Description:
         leaves = [
             {"shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."), "grad": s.requires_grad}
             if isinstance(s, _TensorSpec)
+            else {"shape_only": list(s.shape), "dtype": s.dtype}
+            if isinstance(s, ShapeOnly)
             else {"constant": s}
             for s in self.leaves
         ]
@@ -68,6 +91,8 @@ class Description:
         leaves = tuple(
             _TensorSpec(tuple(leaf["shape"]), getattr(torch, leaf["dtype"]), leaf["grad"])
             if "shape" in leaf
+            else ShapeOnly(tuple(leaf["shape_only"]), leaf["dtype"])
+            if "shape_only" in leaf
             else leaf["constant"]
             for leaf in raw["leaves"]
         )

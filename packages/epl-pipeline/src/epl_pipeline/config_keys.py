@@ -21,6 +21,14 @@ KEYS: tuple[ConfigKey, ...] = (
         doc="Pipeline schedule, by name: PreferBackward (1F1B, like PipeDream), PreferForward (GPipe), "
         "ZeroBubble (ZB-H1: backward split into input and weight gradients), or one a plugin registers.",
     ),
+    ConfigKey(
+        name="pipeline.split_points",
+        types=(list, type(None)),
+        default=None,
+        doc="Cut an unannotated model (or one built in one epl.split scope) into stages that begin at these "
+        "modules, by qualified name (e.g. ['model.layers.2']), as torch.distributed.pipelining's split points: "
+        "len + 1 stages, no wrapper needed.",
+    ),
     # 6.10 Auto parallel
     ConfigKey(
         name="auto.auto_parallel",

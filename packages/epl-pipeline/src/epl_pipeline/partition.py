@@ -11,12 +11,16 @@ values the model passes: tensors, tuples, dicts, lists, numbers.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import fx, nn
 
 from epl.plugin_api import PlacementError, as_arguments
+
+
+class Untraceable(PlacementError):
+    """torch.fx could not trace the model's forward (the pipeline then runs the model's own forward instead)."""
 
 
 class _StageTracer(fx.Tracer):
@@ -42,6 +46,7 @@ class StagedGraph:
     num_stages: int
     stage_of: dict[fx.Node, int]
     boundaries: list[list[fx.Node]]
+    _nodes: dict[int, list[fx.Node]] = field(default_factory=dict, repr=False)
 
     def nodes_of(self, stage: int) -> list[fx.Node]:
         """The operations stage ``stage`` runs, in program order (placeholders and output excluded)."""
@@ -56,6 +61,17 @@ class StagedGraph:
     def output(self) -> fx.Node:
         """The output node (its argument is what ``forward`` returns)."""
         return next(n for n in self.graph.nodes if n.op == "output")
+
+    def run(self, model: nn.Module, stage: int, inputs: Any, received: list[Any] | None) -> Any:
+        """Run ``stage``'s operations (a :class:`~epl_pipeline.program.StageProgram`): the first stage reads the
+        model's inputs, the others what the previous stage sent; returns the values to send on, or the output."""
+        env = bind_inputs(self, inputs) if received is None else dict(zip(self.boundaries[stage - 1], received, strict=True))
+        if stage not in self._nodes:
+            self._nodes[stage] = self.nodes_of(stage)
+        run_nodes(model, self._nodes[stage], env)
+        if stage < self.num_stages - 1:
+            return [env[n] for n in self.boundaries[stage]]
+        return output_value(self, env)
 
 
 def trace_stages(model: nn.Module, roots: Mapping[str, int], num_stages: int, owner: Mapping[int, int]) -> StagedGraph:
@@ -97,28 +113,18 @@ def trace_module(model: nn.Module, leaves: Collection[str]) -> fx.Graph:
     try:
         graph = _StageTracer(leaves).trace(model)
     except Exception as error:  # noqa: BLE001 - every tracing failure gets the same explanation
-        raise PlacementError(
+        raise Untraceable(
             f"Cannot split {type(model).__name__} into pipeline stages: torch.fx could not trace its forward "
-            f"({type(error).__name__}: {error}). {_how_to_trace(model)}"
+            f"({type(error).__name__}: {error}). {_TRACEABLE}"
         ) from error
     return graph
 
 
-def _how_to_trace(model: nn.Module) -> str:
-    """What to do about a forward fx cannot trace; for transformers' models, what to pipeline instead."""
-    if type(model).__module__.startswith("transformers."):
-        return (
-            "EPL cannot pipeline transformers' models as they are yet: their forward builds caches and masks "
-            "that fx cannot trace. Pipeline a plain nn.Module whose forward calls the model's own modules in "
-            "order instead (for GPT-2: wte and wpe, each block of transformer.h, ln_f, lm_head; for Llama: "
-            "embed_tokens, rotary_emb once, each decoder layer with its position embeddings, norm, lm_head), "
-            "with tie_word_embeddings=False so that the embedding and the head can be on different stages. "
-            "Tensor parallelism (epl.split) and data parallelism take the model as it is."
-        )
-    return (
-        "The code between stage modules must not branch on tensor values or call untraceable functions; move "
-        "such code inside one stage's module, or wrap it in a function marked with torch.fx.wrap."
-    )
+#: What the code between stage modules must respect for fx to trace it.
+_TRACEABLE = (
+    "For fx, the code between stage modules must not branch on tensor values or call untraceable functions; "
+    "move such code inside one stage's module, or wrap it in a function marked with torch.fx.wrap."
+)
 
 
 def _attribute(model: nn.Module, qualified_name: str) -> Any:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from epl.plugin_api import TransformPhase, hookimpl
 
@@ -23,14 +23,14 @@ if TYPE_CHECKING:
         StepRunner,
         TaskGraph,
     )
-    from epl_pipeline.partition import StagedGraph
+    from epl_pipeline.program import StageProgram
 
 
 @dataclass
 class PipelineState:
-    """epl-pipeline's state in a ParallelContext: the traced stage programs the runner executes."""
+    """epl-pipeline's state in a ParallelContext: the stage programs the runner executes."""
 
-    staged: StagedGraph | None = None
+    program: StageProgram | None = None
 
 
 @hookimpl
@@ -62,15 +62,16 @@ def _pipelined(context: ParallelContext) -> bool:
 
 
 class KeepLocalStage:
-    """Model transform: trace the model into stages, then keep only this rank's stage modules."""
+    """Model transform: make the stage programs (a torch.fx trace, or a recorded run of ``forward``), then keep
+    only this rank's stage modules."""
 
     name = "keep_local_stage"
     phase = TransformPhase.KEEP_STAGE
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
-        """Trace ``model`` into stages, then swap the other stages' root modules for placeholders."""
+        """Make the stage programs of ``model``, then swap the other stages' root modules for placeholders."""
         from epl.plugin_api import PlacementError
-        from epl_pipeline.partition import trace_stages
+        from epl_pipeline.program import stage_program
         from epl_pipeline.stages import RemoteStage, check_stage_widths, replace_module, stage_roots
 
         plan = context.plan
@@ -85,28 +86,40 @@ class KeepLocalStage:
                 "head.weight = embedding.weight). Keep modules that share a tensor in one stage."
             )
         owner = {id(t): tg.index for tg in context.taskgraphs for t in tg.tensors}
-        staged = trace_stages(model, roots, plan.num_stages, owner)
+        program = stage_program(model, roots, plan.num_stages, owner, context.example_inputs)
         context.pipeline_stage = stage
         context.stage_modules = tuple(name for name, owner_stage in roots.items() if owner_stage == stage)
-        context.state(PipelineState).staged = staged
+        context.state(PipelineState).program = program
+        device = context.cluster.device
         for name, owner_stage in roots.items():
             if owner_stage != stage:
-                replace_module(model, name, RemoteStage(owner_stage, type(model.get_submodule(name)).__name__))
+                kind = type(model.get_submodule(name)).__name__
+                replace_module(model, name, RemoteStage(name, owner_stage, kind, device))
         return model
 
 
 @hookimpl
-def epl_partition_model(model: nn.Module, taskgraphs: list[TaskGraph], config: Config) -> list[TaskGraph] | None:
-    """With ``auto.auto_parallel``, cut the model into ``pipeline.num_stages`` balanced stages."""
+def epl_partition_model(
+    model: nn.Module, taskgraphs: list[TaskGraph], config: Config, example_inputs: Any
+) -> list[TaskGraph] | None:
+    """Cut the model into stages: at ``pipeline.split_points``, or with ``auto.auto_parallel`` into
+    ``pipeline.num_stages`` balanced stages."""
+    from epl.plugin_api import ConfigError
+    from epl_pipeline.auto import partition, partition_at
+
+    stages, points = config["pipeline.num_stages"], config["pipeline.split_points"]
+    if points is not None:
+        if stages is not None and stages != len(points) + 1:
+            raise ConfigError(
+                f"pipeline.split_points names {len(points)} points, which make {len(points) + 1} stages, but "
+                f"pipeline.num_stages is {stages}. Leave pipeline.num_stages unset (the points decide it)."
+            )
+        return partition_at(model, taskgraphs, points, example_inputs)
     if not config["auto.auto_parallel"]:
         return None
-    from epl.plugin_api import ConfigError
-    from epl_pipeline.auto import partition
-
-    stages = config["pipeline.num_stages"]
     if stages is None:
         raise ConfigError("auto.auto_parallel needs pipeline.num_stages: how many stages to cut the model into.")
-    return partition(model, taskgraphs, stages) if stages > 1 else None
+    return partition(model, taskgraphs, stages, example_inputs) if stages > 1 else None
 
 
 @hookimpl
@@ -125,8 +138,8 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     plan, rank = context.plan, context.cluster.rank
     replica = plan.replica_of(rank)
     stage = context.pipeline_stage
-    staged = context.state(PipelineState).staged
-    assert stage is not None and staged is not None, "KeepLocalStage (a model transform) runs before the runner"
+    program = context.state(PipelineState).program
+    assert stage is not None and program is not None, "KeepLocalStage (a model transform) runs before the runner"
     stages = plan.num_stages
     world = context.communicator
     replica_group = world.split([list(plan.devices_of_replica(r)) for r in range(plan.num_replicas)])
@@ -139,7 +152,7 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
         model=context.model,
         optimizer=context.optimizer,
         loss_fn=context.loss_fn,
-        staged=staged,
+        program=program,
         schedule=_schedule(context, stages, plan.num_micro_batch),
         stage=stage,
         num_micro_batch=plan.num_micro_batch,
@@ -154,8 +167,30 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
         forward_contexts=context.forward_contexts,
         max_grad_norm=context.config["optimizer.max_grad_norm"],
         stage_peers=peers,
+        counted_elsewhere=_tied_to_earlier_stages(context, stage),
+        clip_after_reduction=bool(plan.shared),
     )
     return runner
+
+
+def _tied_to_earlier_stages(context: ParallelContext, stage: int) -> frozenset[int]:
+    """ids of this stage's parameters that an earlier stage also holds (tied weights; it counts them in norms).
+
+    Tied weights need clipping after the gradient reduction when there are several replicas: before it,
+    no device holds its replica's gradient of them.
+    """
+    from epl.plugin_api import ConfigError
+
+    config, plan = context.config, context.plan
+    if plan.shared and plan.num_replicas > 1 and config["optimizer.max_grad_norm"] is not None:
+        if not config["communication.clip_after_allreduce"]:
+            raise ConfigError(
+                "Tied weights cut across pipeline stages (each stage holds a copy) need clipping after the gradient "
+                "all-reduce: before it, no device holds its replica's gradient of them. Set "
+                "communication.clip_after_allreduce=True, or keep the tied modules on one stage."
+            )
+    earlier = {id(t) for tg in context.taskgraphs if tg.index < stage for t in tg.tensors}
+    return frozenset(id(p) for p in context.model.parameters() if id(p) in earlier)
 
 
 def _schedule(context: ParallelContext, stages: int, micro_batches: int) -> Schedule:

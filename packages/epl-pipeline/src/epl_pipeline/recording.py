@@ -63,7 +63,7 @@ def save_timeline(engine: Any, prefix: str | Path) -> float:
     """Write ``PREFIX.json`` (Chrome trace) and ``PREFIX.png`` of the last step; return its measured bubble."""
     runner = _runner(engine)
     events = gather_timeline(engine)
-    stages = runner.staged.num_stages
+    stages = runner.program.num_stages
     _, idle = bubble(events, stages)
     if runner.replica.rank == 0:
         prefix = Path(prefix)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch import fx, nn
+from torch import nn
 
 from epl.plugin_api import (
     Action,
@@ -28,7 +28,7 @@ from epl.plugin_api import (
     to_device,
 )
 from epl_pipeline.channel import Channel
-from epl_pipeline.partition import StagedGraph, bind_inputs, output_value, run_nodes
+from epl_pipeline.program import StageProgram
 from epl_pipeline.schedules import Event
 from epl_pipeline.split_backward import PendingWeights, backward_input, backward_weight
 
@@ -50,7 +50,8 @@ class PipelineStepRunner:
     scales each micro-batch's loss before its backward; after the reduction the gradients
     are unscaled and the update is skipped when any rank of the job found a non-finite one.
     With ``max_grad_norm`` the gradients are clipped by their 2-norm over every stage of the
-    replica (``stage_peers``: the devices at this position of every stage) and every shard.
+    replica (``stage_peers``: the devices at this position of every stage) and every shard;
+    a weight tied between stages (each holds a copy) is counted once, by its first stage.
     """
 
     def __init__(
@@ -59,7 +60,7 @@ class PipelineStepRunner:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         loss_fn: LossFn | None,
-        staged: StagedGraph,
+        program: StageProgram,
         schedule: Schedule,
         stage: int,
         num_micro_batch: int,
@@ -74,11 +75,12 @@ class PipelineStepRunner:
         forward_contexts: Sequence[ForwardContext] = (),
         max_grad_norm: float | None = None,
         stage_peers: Communicator | None = None,
+        counted_elsewhere: frozenset[int] = frozenset(),
+        clip_after_reduction: bool = False,
     ) -> None:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        self.staged, self.stage, self.num_micro_batch = staged, stage, num_micro_batch
+        self.program, self.stage, self.num_micro_batch = program, stage, num_micro_batch
         self.actions = schedule[stage]
-        self.nodes: list[fx.Node] = staged.nodes_of(stage)
         self.replica, self.last_stage_member = replica, last_stage_member
         self.device, self.gradient_reducer = device, gradient_reducer
         self.loss_scaler, self.forward_contexts = loss_scaler, list(forward_contexts)
@@ -101,6 +103,11 @@ class PipelineStepRunner:
         self.peak_in_flight = 0
         self._started = 0.0  # when the running action's inputs had arrived
         self.max_grad_norm, self.stage_peers = max_grad_norm, stage_peers
+        #: ids of parameters tied to an earlier stage's (that stage counts them in the norm).
+        self.counted_elsewhere = counted_elsewhere
+        #: Clip after the gradient reduction whatever the config says: a tied weight's gradient is whole only
+        #: once reduced between its stages.
+        self.clip_after_reduction = clip_after_reduction
         self._grad_norm: torch.Tensor | None = None
 
     @property
@@ -113,12 +120,12 @@ class PipelineStepRunner:
         assert self.max_grad_norm is not None
         if self.loss_scaler is not None:
             self.loss_scaler.unscale(self._params)  # clip the true gradients
-        self._grad_norm = clip_grad_norm(self._params, self.max_grad_norm, self.stage_peers).detach()
+        self._grad_norm = clip_grad_norm(self._params, self.max_grad_norm, self.stage_peers, self.counted_elsewhere).detach()
 
     @property
     def last(self) -> bool:
         """Whether this rank runs the last stage (which computes the loss)."""
-        return self.stage == self.staged.num_stages - 1
+        return self.stage == self.program.num_stages - 1
 
     def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """Train on one replica batch; return the replica's mean loss (the same on every stage)."""
@@ -144,7 +151,9 @@ class PipelineStepRunner:
         clip = self.clip_gradients if self.max_grad_norm is not None else None
         self._grad_norm = None
         if self.gradient_reducer is not None:
-            self.gradient_reducer.finish(clip)
+            self.gradient_reducer.finish(None if self.clip_after_reduction else clip)
+            if self.clip_after_reduction and clip is not None:
+                clip()
         elif clip is not None:
             clip()
         if self.loss_scaler is not None:
@@ -182,25 +191,17 @@ class PipelineStepRunner:
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         results = []
         for micro_inputs, micro_targets in micro_batches(inputs, targets, self.num_micro_batch):
-            env, _ = self._stage_inputs(self.eval_inbound, micro_inputs)
+            received = self.eval_inbound.receive()[0] if self.eval_inbound is not None else None
             with inside(self.forward_contexts):
-                run_nodes(self.model, self.nodes, env)
+                result = self.program.run(self.model, self.stage, micro_inputs, received)
             if self.eval_outbound is not None:
-                self.eval_outbound.send([env[n] for n in self.staged.boundaries[self.stage]])
+                self.eval_outbound.send(result)
             elif with_loss:
-                results.append(self._loss(output_value(self.staged, env), micro_targets).detach())
+                results.append(self._loss(result, micro_targets).detach())
             else:
-                results.append(output_value(self.staged, env))
+                results.append(result)
         _flush(self.eval_inbound, self.eval_outbound)
         return results
-
-    def _stage_inputs(self, inbound: Channel | None, inputs: Any) -> tuple[dict[fx.Node, Any], list[torch.Tensor]]:
-        """What this stage's nodes read for one micro-batch (the model's inputs on the first stage, else the values
-        received on ``inbound``), and the received tensors that collect a gradient."""
-        if inbound is None:
-            return bind_inputs(self.staged, inputs), []
-        values, received = inbound.receive()
-        return dict(zip(self.staged.boundaries[self.stage - 1], values, strict=True)), received
 
     def _loss(self, output: Any, targets: Any) -> torch.Tensor:
         """The last stage's scalar loss of one micro-batch (inside the forward contexts)."""
@@ -229,19 +230,18 @@ class PipelineStepRunner:
             raise EplError(f"The pipeline executor runs F, B, I and W actions, not {action.kind.name}.")
 
     def _forward(self, m: int, inputs: Any, targets: Any) -> None:
-        env, received = self._stage_inputs(self.inbound, inputs)
+        values, received = self.inbound.receive() if self.inbound is not None else (None, [])
         if self.inbound is not None:
             self._started = time.time()  # the action starts once its inputs have arrived
         with inside(self.forward_contexts):
-            run_nodes(self.model, self.nodes, env)
+            result = self.program.run(self.model, self.stage, inputs, values)
         if self.outbound is not None:
-            boundary = self.staged.boundaries[self.stage]
-            sent = self.outbound.send([env[n] for n in boundary])
+            sent = self.outbound.send(result)
             assert self.outbound.description is not None
             specs = self.outbound.description.tensor_specs
             outputs = [t for t, spec in zip(sent, specs, strict=True) if spec.requires_grad]
         else:
-            loss = self._loss(output_value(self.staged, env), targets)
+            loss = self._loss(result, targets)
             self._losses[m] = loss.detach()
             outputs = [loss / self.num_micro_batch]
             if self.loss_scaler is not None:

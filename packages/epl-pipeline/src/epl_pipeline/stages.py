@@ -7,6 +7,9 @@ under their original names.
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 
 from epl.plugin_api import PlacementError, Plan, TaskGraph
@@ -32,16 +35,28 @@ def check_stage_widths(plan: Plan) -> None:
 
 
 def stage_roots(model: nn.Module, taskgraphs: list[TaskGraph]) -> dict[str, int]:
-    """The outermost submodules whose tensors all belong to one TaskGraph: qualified name -> stage."""
-    owner = {id(t): tg.index for tg in taskgraphs for t in tg.tensors}
+    """The outermost submodules whose tensors all belong to one TaskGraph: qualified name -> stage.
+
+    A module whose tensors several stages hold (tied weights a partition cut apart: the
+    embedding on the first stage, the head on the last) is the root of the stage that lists it.
+    """
+    holders: dict[int, set[int]] = {}
+    for tg in taskgraphs:
+        for tensor in tg.tensors:
+            holders.setdefault(id(tensor), set()).add(tg.index)
+    listed = {name: tg.index for tg in taskgraphs for name in tg.modules}
     roots: dict[str, int] = {}
 
     def visit(name: str, module: nn.Module) -> None:
-        stages = {owner[id(t)] for t in [*module.parameters(), *module.buffers()] if id(t) in owner}
-        if not stages:
+        held = [holders[id(t)] for t in [*module.parameters(), *module.buffers()] if id(t) in holders]
+        if not held:
             return
+        stages = set.union(*held)
         if len(stages) == 1 and name:
             roots[name] = stages.pop()
+            return
+        if name in listed and listed[name] in set.intersection(*held):
+            roots[name] = listed[name]
             return
         own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if own:
@@ -57,15 +72,25 @@ def stage_roots(model: nn.Module, taskgraphs: list[TaskGraph]) -> dict[str, int]
 
 
 class RemoteStage(nn.Module):
-    """Stands where another rank's stage module was: holds no tensors, and is never called."""
+    """Stands where another rank's stage module was: holds no tensors.
 
-    def __init__(self, stage: int, kind: str) -> None:
+    When a stage runs the model's own ``forward`` (:mod:`epl_pipeline.replay`), calling it
+    returns what the earlier stage sent for this call, or ends this stage's part of ``forward``
+    at a later stage's module. Called otherwise, it is an error.
+    """
+
+    def __init__(self, name: str, stage: int, kind: str, device: torch.device) -> None:
         super().__init__()
-        self.stage, self.kind = stage, kind
+        self.name, self.stage, self.kind, self.device = name, stage, kind, device
 
-    def forward(self, *args: object, **kwargs: object) -> None:
-        """Calling it is a bug: the pipeline runs only this rank's stage."""
-        raise PlacementError(f"{self.kind} belongs to pipeline stage {self.stage}, which runs on another rank.")
+    def forward(self, *args: object, **kwargs: object) -> Any:
+        """The replayed value of this call; outside a replayed stage, an error."""
+        from epl_pipeline.replay import active_replay
+
+        replay = active_replay()
+        if replay is None:
+            raise PlacementError(f"{self.kind} belongs to pipeline stage {self.stage}, which runs on another rank.")
+        return replay.remote_call(self.name, self.device)
 
     def extra_repr(self) -> str:
         """Shown by ``print(model)``."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -81,17 +82,20 @@ def _decide_layout(model: nn.Module, context: ParallelContext) -> Layout:
         if tg.index in mine and tg.strategy.kind == "split"
         for t in find_targets(model, tg, rules)
     ]
-    return layout_of(model, targets, context.loss_fn)
+    return layout_of(model, targets, context.loss_fn, context.example_inputs)
 
 
-def layout_of(model: nn.Module, targets: list[SplitTarget], loss_fn: LossFn | None) -> Layout:
+def layout_of(model: nn.Module, targets: list[SplitTarget], loss_fn: LossFn | None, example: Any = None) -> Layout:
     """The layout of ``targets`` (split together on the same devices): their linear-like modules and embeddings,
-    from one example forward of ``model``; ``loss_fn``: the loss that reads the model's output, if any."""
+    from one example forward of ``model`` (on ``example``, or inputs guessed from the model); ``loss_fn``: the
+    loss that reads the model's output, if any."""
     linears = {t.name for t in targets if t.rule in LINEAR_RULES}
     embeddings = {t.name for t in targets if isinstance(t.module, nn.Embedding)}
     # Exactly nn.CrossEntropyLoss: a subclass may compute something else from the logits.
     cross_entropy = type(loss_fn) is nn.CrossEntropyLoss
-    return decide_layout(model, linears, embeddings, loss_is_cross_entropy=cross_entropy, has_loss=loss_fn is not None)
+    return decide_layout(
+        model, linears, embeddings, loss_is_cross_entropy=cross_entropy, has_loss=loss_fn is not None, example=example
+    )
 
 
 class ShardSplitTaskGraphs:

@@ -2,7 +2,9 @@
 
 Data parallelism reduces a parameter's gradient over its copies: a ``replicate``
 TaskGraph's tensors over every device that runs it (all replicas, and the k devices
-of a ``replicate(k)``); a split shard over the same shard of the other replicas.
+of a ``replicate(k)``); a split shard over the same shard of the other replicas; a
+tensor several TaskGraphs share (tied weights across pipeline stages) over every
+owner's copies.
 """
 
 from __future__ import annotations
@@ -39,6 +41,24 @@ def copies_of(plan: Plan, taskgraph: int, device: int, *, sharded: bool) -> Copi
     return Copies(devices, len(devices))
 
 
+def copies_of_shared(plan: Plan, taskgraphs: tuple[int, ...], device: int) -> Copies:
+    """The copies of a whole tensor that several TaskGraphs hold (tied weights across pipeline stages).
+
+    Every owner's copies count, at ``device``'s position in each owner: their gradients are
+    summed over the owners (each holds part of the replica's gradient, as Megatron sums the
+    tied embedding's between the first and last stage) and averaged over the replicas, in one
+    reduction. The divisor is one owner's.
+    """
+    replica, slot = plan.locate(device)
+    own = next(tg for tg in taskgraphs if slot in plan.slots[tg])
+    position = plan.slots[own].index(slot)
+    devices: set[int] = set()
+    for taskgraph in taskgraphs:
+        peer = plan.device_of(replica, plan.slots[taskgraph][position])
+        devices.update(copies_of(plan, taskgraph, peer, sharded=False).devices)
+    return Copies(tuple(sorted(devices)), copies_of(plan, own, device, sharded=False).divisor)
+
+
 def every_copy_group(plan: Plan) -> list[tuple[int, ...]]:
     """The device groups of every tensor of every device, in the same order on every rank."""
     groups: dict[tuple[int, ...], None] = {}
@@ -46,4 +66,7 @@ def every_copy_group(plan: Plan) -> list[tuple[int, ...]]:
         for device in plan.devices(spec.index):
             for sharded in (False, True):
                 groups[copies_of(plan, spec.index, device, sharded=sharded).devices] = None
+    for owners in plan.shared:
+        for device in sorted({d for tg in owners for d in plan.devices(tg)}):
+            groups[copies_of_shared(plan, owners, device).devices] = None
     return list(groups)

@@ -139,6 +139,9 @@ class Plan:
     #: Estimated memory of each rank (index = rank), filled by ``epl.plan``/``epl plan``
     #: (:mod:`epl.placement.estimate`); empty in the Plan of a run.
     memory: tuple[MemoryEstimate, ...] = ()
+    #: Sets of TaskGraphs (indices) that hold a tensor together: tied weights cut apart by a pipeline partition.
+    #: Each owner keeps a copy; their gradients are summed between the owners every step.
+    shared: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -216,7 +219,9 @@ class Plan:
         ``tensor parallel``: the devices of each split TaskGraph in each replica; ``pipeline``: in
         each replica, the devices at one position of every stage (activations between stages,
         the gradient norm over the stages; stages of one width); ``data parallel``: the devices
-        at one place of every replica (gradients reduced over the copies). Empty kinds are left out.
+        at one place of every replica (gradients reduced over the copies); ``tied weights``: the
+        devices holding copies of a tensor several stages share, at one position of each owner in
+        every replica (their gradients summed between the stages). Empty kinds are left out.
         """
         if self.local:
             return {}
@@ -230,6 +235,11 @@ class Plan:
             ],
             "pipeline": [],
             "data parallel": [],
+            "tied weights": [
+                tuple(sorted(self.device_of(r, self.slots[o][p]) for o in owners for r in replicas))
+                for owners in self.shared
+                for p in range(min(len(self.slots[o]) for o in owners))
+            ],
         }
         widths = {tg.device_count for tg in self.taskgraphs}
         if self.num_stages > 1 and len(widths) == 1:
@@ -260,6 +270,7 @@ class Plan:
         fields["slots"] = tuple(tuple(s) for s in data["slots"])
         fields["notes"] = tuple(data.get("notes", ()))
         fields["memory"] = tuple(MemoryEstimate.from_dict(m) for m in data.get("memory", ()))
+        fields["shared"] = tuple(tuple(owners) for owners in data.get("shared", ()))
         return cls(**fields)
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from epl.interfaces.collectives import Group, communicators_for
-from epl.placement.copies import Copies, copies_of, every_copy_group
+from epl.placement.copies import Copies, copies_of, copies_of_shared, every_copy_group
 
 if TYPE_CHECKING:
     from epl.annotations.taskgraph import TaskGraph
@@ -64,6 +64,10 @@ class ParallelContext:
     taskgraphs: list[TaskGraph]
     model: nn.Module
     loss_fn: LossFn | None
+    #: One micro-batch's inputs as ``Engine.step`` takes them, given to ``epl.parallelize(example_inputs=...)``
+    #: for the transforms that run the model once (the split layout, pipelines of models fx cannot trace);
+    #: None: they guess one from the model (:func:`epl.sharding.dataflow.example_input`).
+    example_inputs: Any = None
     optimizer: torch.optim.Optimizer | None = None
     gradient_reducer: GradientReducer | None = None
     loss_scaler: LossScaler | None = None
@@ -116,16 +120,26 @@ class ParallelContext:
 
         A tensor is found in the TaskGraph that captured it, or among those a split
         rule made (``split_tensors``); anything else (made by a model transform)
-        belongs to the first TaskGraph this rank runs.
+        belongs to the first TaskGraph this rank runs. A tensor several TaskGraphs hold
+        (``Plan.shared``: tied weights cut apart by a pipeline partition) has every owner's copies.
         """
         plan, rank = self.plan, self.cluster.rank
         owner = {id(t): (tg.index, False) for tg in self.taskgraphs for t in tg.tensors}
         owner.update(self.split_tensors)
+        holders: dict[int, set[int]] = {}
+        for tg in self.taskgraphs:
+            for t in tg.tensors:
+                holders.setdefault(id(t), set()).add(tg.index)
         default = (plan.taskgraphs_on(rank)[0], False)
         grouped: dict[Copies, list[torch.Tensor]] = {}
         for tensor in tensors:
-            taskgraph, sharded = owner.get(id(tensor), default)
-            grouped.setdefault(copies_of(plan, taskgraph, rank, sharded=sharded), []).append(tensor)
+            owners = tuple(sorted(holders.get(id(tensor), ())))
+            if owners in plan.shared and id(tensor) not in self.split_tensors:
+                copies = copies_of_shared(plan, owners, rank)
+            else:
+                taskgraph, sharded = owner.get(id(tensor), default)
+                copies = copies_of(plan, taskgraph, rank, sharded=sharded)
+            grouped.setdefault(copies, []).append(tensor)
         return grouped
 
     @property

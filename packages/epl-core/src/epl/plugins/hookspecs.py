@@ -17,7 +17,7 @@ through the ``epl`` entry-point group, named after your distribution::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -116,11 +116,14 @@ def epl_optimizer_wrappers(context: ParallelContext) -> Sequence[OptimizerWrappe
 
 
 @hookspec(firstresult=True)
-def epl_partition_model(model: nn.Module, taskgraphs: list[TaskGraph], config: Config) -> list[TaskGraph] | None:
+def epl_partition_model(
+    model: nn.Module, taskgraphs: list[TaskGraph], config: Config, example_inputs: Any
+) -> list[TaskGraph] | None:
     """Replace the annotated TaskGraphs of ``model`` by an automatic partition (``auto.auto_parallel``).
 
     Called by ``epl.parallelize`` and ``epl.plan`` before the Plan is built, with the
-    TaskGraphs the annotations captured. *firstresult*. Return None to keep them.
+    TaskGraphs the annotations captured and the ``example_inputs`` given to ``epl.parallelize``
+    (None when not given, and in ``epl.plan``). *firstresult*. Return None to keep them.
     """
 
 

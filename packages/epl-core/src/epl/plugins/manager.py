@@ -202,9 +202,13 @@ class EplPluginManager:
         """Every applicable optimizer wrapper, by phase then name (``epl_optimizer_wrappers``)."""
         return _by_phase(self._pm.hook.epl_optimizer_wrappers(context=context), WrapperPhase, "optimizer wrapper")
 
-    def partition_model(self, model: nn.Module, taskgraphs: list[TaskGraph], config: Config) -> list[TaskGraph]:
+    def partition_model(
+        self, model: nn.Module, taskgraphs: list[TaskGraph], config: Config, example_inputs: Any = None
+    ) -> list[TaskGraph]:
         """The TaskGraphs to plan with: a plugin's automatic partition, or the annotated ones."""
-        partitioned = self._pm.hook.epl_partition_model(model=model, taskgraphs=taskgraphs, config=config)
+        partitioned = self._pm.hook.epl_partition_model(
+            model=model, taskgraphs=taskgraphs, config=config, example_inputs=example_inputs
+        )
         return taskgraphs if partitioned is None else partitioned
 
     def make_gradient_reducer(self, context: ParallelContext) -> GradientReducer | None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -15,13 +16,16 @@ from epl.placement.build import build_local_plan, build_plan
 from epl.placement.plan import Plan, TaskGraphSpec
 from epl.placement.request import PlanReady, current_request
 from epl.plugins.context import LossFn, ParallelContext
+from epl.runtime.batch import to_device
 from epl.runtime.engine import Engine
 from epl.runtime.env import Env
 
 OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], None]
 
 
-def parallelize(model: nn.Module, optimizer: OptimizerSpec = None, loss_fn: LossFn | None = None) -> Engine:
+def parallelize(
+    model: nn.Module, optimizer: OptimizerSpec = None, loss_fn: LossFn | None = None, *, example_inputs: Any = None
+) -> Engine:
     """Turn the annotated ``model`` into an :class:`Engine` for this rank.
 
     Builds the Plan from the captured TaskGraphs, stops capturing annotations,
@@ -30,12 +34,16 @@ def parallelize(model: nn.Module, optimizer: OptimizerSpec = None, loss_fn: Loss
     is a factory ``params -> Optimizer``, or an optimizer already built over
     ``model``'s parameters), applies the plugins' optimizer wrappers, asks for
     the gradient reducer and the loss scaler (AMP) and picks the step runner.
+    ``example_inputs`` (optional): one micro-batch's inputs as ``Engine.step`` takes them, for
+    what runs the model once while parallelizing (the split layout, the cut of a model into
+    pipeline stages, pipelines of models ``torch.fx`` cannot trace); without it EPL guesses
+    inputs from the model (transformers' ``dummy_inputs``, or a batch for its first layer).
     In ``epl plan`` runs it raises ``PlanReady`` instead.
     """
     env = Env.get()
     if not isinstance(model, nn.Module):
         raise EplError(f"epl.parallelize takes an nn.Module, got {type(model).__name__}.")
-    taskgraphs = _taskgraphs(model, env)
+    taskgraphs = _taskgraphs(model, env, example_inputs)
     plan = _plan_for(taskgraphs, env)
     env.annotations.remove()
     request = current_request()
@@ -56,6 +64,7 @@ def parallelize(model: nn.Module, optimizer: OptimizerSpec = None, loss_fn: Loss
         taskgraphs=taskgraphs,
         model=model,
         loss_fn=loss_fn,
+        example_inputs=to_device(example_inputs, env.cluster.device),
     )
     for transform in env.plugins.model_transforms(context):
         context.model = transform(context.model, context)
@@ -103,9 +112,9 @@ def _with_memory(plan: Plan, model: nn.Module, taskgraphs: list[TaskGraph], env:
     return with_memory(plan, model, taskgraphs, config=env.config, hooks=env.plugins, optimizer=optimizer)
 
 
-def _taskgraphs(model: nn.Module, env: Env) -> list[TaskGraph]:
+def _taskgraphs(model: nn.Module, env: Env, example_inputs: Any = None) -> list[TaskGraph]:
     """The annotated TaskGraphs of ``model``, or a plugin's automatic partition of it."""
-    return env.plugins.partition_model(model, env.annotations.taskgraphs_for(model), env.config)
+    return env.plugins.partition_model(model, env.annotations.taskgraphs_for(model), env.config, example_inputs)
 
 
 def _plan_for(taskgraphs: list[TaskGraph], env: Env) -> Plan:
@@ -116,7 +125,17 @@ def _build(taskgraphs: list[TaskGraph], config: Config, world_size: int, gpu_per
     specs = [TaskGraphSpec.from_taskgraph(tg) for tg in taskgraphs]
     if world_size == 1:
         return build_local_plan(specs, config=config)
-    return build_plan(specs, world_size=world_size, gpu_per_worker=gpu_per_worker, config=config)
+    plan = build_plan(specs, world_size=world_size, gpu_per_worker=gpu_per_worker, config=config)
+    return dataclasses.replace(plan, shared=_shared(taskgraphs)) if plan.num_stages > 1 else plan
+
+
+def _shared(taskgraphs: list[TaskGraph]) -> tuple[tuple[int, ...], ...]:
+    """The sets of TaskGraphs that hold a tensor together (a pipeline partition that cut tied weights apart)."""
+    owners: dict[int, list[int]] = {}
+    for taskgraph in taskgraphs:
+        for tensor in dict.fromkeys(id(t) for t in taskgraph.tensors):
+            owners.setdefault(tensor, []).append(taskgraph.index)
+    return tuple(dict.fromkeys(tuple(sorted(o)) for o in owners.values() if len(o) > 1))
 
 
 def _build_optimizer(optimizer: OptimizerSpec, model: nn.Module) -> torch.optim.Optimizer | None:

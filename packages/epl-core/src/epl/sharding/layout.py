@@ -21,6 +21,7 @@ import logging
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx
@@ -58,15 +59,23 @@ class Layout:
 
 
 def decide_layout(
-    model: nn.Module, linears: set[str], embeddings: set[str], *, loss_is_cross_entropy: bool, has_loss: bool
+    model: nn.Module,
+    linears: set[str],
+    embeddings: set[str],
+    *,
+    loss_is_cross_entropy: bool,
+    has_loss: bool,
+    example: Any = None,
 ) -> Layout:
     """The decision for each linear-like module in ``linears`` and each embedding in ``embeddings``.
 
     ``has_loss``: a loss function reads the model's output (so an output layer may keep
     its logits sharded: see :mod:`epl.sharding.logits`); ``loss_is_cross_entropy``: it is
-    exactly ``nn.CrossEntropyLoss`` (what the tracing fallback requires for the ``logits`` role).
+    exactly ``nn.CrossEntropyLoss`` (what the tracing fallback requires for the ``logits`` role);
+    ``example``: the inputs of the example run (default: guessed by :func:`~epl.sharding.dataflow.example_input`).
     """
-    example = example_input(model)
+    if example is None:
+        example = example_input(model)
     if example is not None and linears:
         try:
             flow = record_dataflow(model, linears | embeddings, example)

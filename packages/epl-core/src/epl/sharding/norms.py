@@ -10,7 +10,7 @@ reduced (the split transform refuses that combination). Only the 2-norm.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 from torch import nn
@@ -22,13 +22,18 @@ from epl.sharding.parameters import shard_spec
 EPSILON = 1e-6
 
 
-def total_grad_norm(parameters: Iterable[nn.Parameter], stages: Communicator | None = None) -> torch.Tensor:
+def total_grad_norm(
+    parameters: Iterable[nn.Parameter],
+    stages: Communicator | None = None,
+    counted_elsewhere: Collection[int] = frozenset(),
+) -> torch.Tensor:
     """The 2-norm (float64) of the gradient of ``parameters``, shards summed over their groups.
 
     A collective over every shard group of ``parameters``: every device of a group must
     call it with the same parameters (it takes part even where a shard has no gradient).
     ``stages``: the devices holding the other pipeline stages of the same replica (one per
-    stage, at this device's position in its stage), whose squares are added.
+    stage, at this device's position in its stage), whose squares are added;
+    ``counted_elsewhere``: ids of whole parameters another stage also holds and counts (tied weights).
     """
     params = list(parameters)
     whole: list[torch.Tensor] = []
@@ -36,7 +41,7 @@ def total_grad_norm(parameters: Iterable[nn.Parameter], stages: Communicator | N
     for param in params:
         spec = shard_spec(param)
         if spec is None:
-            if param.grad is not None:
+            if param.grad is not None and id(param) not in counted_elsewhere:
                 whole.append(param.grad)
             continue
         # Keyed by communicator: split TaskGraphs on the same devices share one all-reduce.
@@ -58,19 +63,23 @@ def total_grad_norm(parameters: Iterable[nn.Parameter], stages: Communicator | N
 
 
 def clip_grad_norm(
-    parameters: Iterable[nn.Parameter], max_norm: float, stages: Communicator | None = None
+    parameters: Iterable[nn.Parameter],
+    max_norm: float,
+    stages: Communicator | None = None,
+    counted_elsewhere: Collection[int] = frozenset(),
 ) -> torch.Tensor:
     """Scale the gradients so that their global 2-norm is at most ``max_norm``; return the norm before clipping.
 
     As ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + 1e-6)`` clamped
     to 1, non-finite norms not an error), with each shard and each tensor held whole counted
     once (see :func:`total_grad_norm`); with ``stages``, over every pipeline stage of the
-    replica. Without shards or stages it is ``clip_grad_norm_`` itself.
+    replica, tied weights (``counted_elsewhere`` on all stages but one) once. Without shards or
+    stages it is ``clip_grad_norm_`` itself.
     """
     params = list(parameters)
     if stages is None and all(shard_spec(p) is None for p in params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    norm = total_grad_norm(params, stages)
+    norm = total_grad_norm(params, stages, counted_elsewhere)
     coefficient = (max_norm / (norm + EPSILON)).clamp(max=1.0)
     dense: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for param in params:
