@@ -41,7 +41,9 @@ def partition(model: nn.Module, taskgraphs: list[TaskGraph], num_stages: int, ex
     return _stages(model, blocks, cuts, stage_strategy)
 
 
-def partition_at(model: nn.Module, taskgraphs: list[TaskGraph], points: list[str], example: Any = None) -> list[TaskGraph]:
+def partition_at(
+    model: nn.Module, taskgraphs: list[TaskGraph], points: list[str], example: Any = None
+) -> list[TaskGraph]:
     """TaskGraphs named ``stage_<k>``, each beginning at a module of ``points`` (``pipeline.split_points``).
 
     The model's blocks are opened until every point is one; the stages follow forward's call order.

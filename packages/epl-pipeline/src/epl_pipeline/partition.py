@@ -65,7 +65,11 @@ class StagedGraph:
     def run(self, model: nn.Module, stage: int, inputs: Any, received: list[Any] | None) -> Any:
         """Run ``stage``'s operations (a :class:`~epl_pipeline.program.StageProgram`): the first stage reads the
         model's inputs, the others what the previous stage sent; returns the values to send on, or the output."""
-        env = bind_inputs(self, inputs) if received is None else dict(zip(self.boundaries[stage - 1], received, strict=True))
+        env = (
+            bind_inputs(self, inputs)
+            if received is None
+            else dict(zip(self.boundaries[stage - 1], received, strict=True))
+        )
         if stage not in self._nodes:
             self._nodes[stage] = self.nodes_of(stage)
         run_nodes(model, self._nodes[stage], env)

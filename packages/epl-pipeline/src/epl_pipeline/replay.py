@@ -201,7 +201,9 @@ def record_calls(model: nn.Module, roots: Mapping[str, int], num_stages: int, ex
     finally:
         for handle in handles:
             handle.remove()
-    calls = [RootCall(name, stage, reader) for (name, stage), reader in zip(tracker.calls, tracker.last_reader, strict=True)]
+    calls = [
+        RootCall(name, stage, reader) for (name, stage), reader in zip(tracker.calls, tracker.last_reader, strict=True)
+    ]
     _check_order(model, calls, num_stages)
     return ReplayedStages(calls, num_stages)
 

@@ -120,7 +120,9 @@ class PipelineStepRunner:
         assert self.max_grad_norm is not None
         if self.loss_scaler is not None:
             self.loss_scaler.unscale(self._params)  # clip the true gradients
-        self._grad_norm = clip_grad_norm(self._params, self.max_grad_norm, self.stage_peers, self.counted_elsewhere).detach()
+        self._grad_norm = clip_grad_norm(
+            self._params, self.max_grad_norm, self.stage_peers, self.counted_elsewhere
+        ).detach()
 
     @property
     def last(self) -> bool:
