@@ -53,7 +53,7 @@ def stage_program(
 
 #: What to do when neither fx nor an example run can show how the model's forward calls its stages.
 NEEDS_EXAMPLE = (
-    "Without a trace, EPL runs the model's own forward on every stage, which needs one example run of the model to learn "
-    "what each stage sends on, and it could not guess inputs for this model: pass one micro-batch's inputs as "
+    "Without a trace, EPL runs the model's own forward on every stage, which needs one example run of the model to "
+    "learn what each stage sends on, and it could not guess inputs for this model: pass one micro-batch's inputs as "
     "epl.parallelize(..., example_inputs=...)."
 )
