@@ -229,6 +229,39 @@ class Comparison:
         return replace(template, time=(Ratio(self.ratio),))
 
 
+def race_steps(
+    name: str, baseline_step: Callable[[], object], epl_step: Callable[[], object], *, rounds: int, steps: int
+) -> dict[str, Any]:
+    """On every rank of a job: ``steps`` training steps of each side per round, in alternating rounds with a barrier
+    before each run (:func:`compare`, nothing saved); the ratio and each side's time per step."""
+    import torch.distributed as dist
+
+    def runs(step: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(steps):
+                step()
+
+        return run
+
+    result = compare(
+        name,
+        runs(baseline_step),
+        runs(epl_step),
+        rounds=rounds,
+        calls_per_round=1,
+        warmup=1,
+        sync=dist.barrier,
+        save=False,
+    )
+    return {
+        "ratio": result.ratio,
+        "torch_ms": result.baseline_s * 1e3 / steps,
+        "epl_ms": result.epl_s * 1e3 / steps,
+        "rounds": rounds,
+        "steps": steps,
+    }
+
+
 def compare(
     name: str,
     baseline: Callable[[], object],

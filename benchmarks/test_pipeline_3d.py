@@ -136,9 +136,8 @@ class TorchThreeD:
 def race(rounds: int, steps: int) -> dict[str, Any]:
     """On this rank: check that EPL and PyTorch take the same step, then time them against each other."""
     import torch
-    import torch.distributed as dist
 
-    from benchmarks.harness import compare
+    from benchmarks.harness import race_steps
 
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(BATCH, WIDTH, generator=generator)
@@ -154,24 +153,7 @@ def race(rounds: int, steps: int) -> dict[str, Any]:
     for a, b in zip(ours, theirs.local_parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg="EPL and PyTorch took different steps")
 
-    def epl_steps() -> None:
-        for _ in range(steps):
-            engine.step(x, y)
-
-    def torch_steps() -> None:
-        for _ in range(steps):
-            theirs.step()
-
-    result = compare(
-        "pipeline_3d", torch_steps, epl_steps, rounds=rounds, calls_per_round=1, warmup=1, sync=dist.barrier, save=False
-    )
-    return {
-        "ratio": result.ratio,
-        "torch_ms": result.baseline_s * 1e3 / steps,
-        "epl_ms": result.epl_s * 1e3 / steps,
-        "rounds": rounds,
-        "steps": steps,
-    }
+    return race_steps("pipeline_3d", theirs.step, lambda: engine.step(x, y), rounds=rounds, steps=steps)
 
 
 def test_split_stages_against_dtensor_in_torch_pipelining() -> None:

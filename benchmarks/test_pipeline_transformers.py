@@ -165,9 +165,8 @@ class TorchStages:
 def race(rounds: int, steps: int) -> dict[str, Any]:
     """On this rank: check that EPL and PyTorch take the same step, then time them against each other."""
     import torch
-    import torch.distributed as dist
 
-    from benchmarks.harness import compare
+    from benchmarks.harness import race_steps
 
     tokens = torch.randint(0, VOCABULARY, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1))
     engine = epl_engine()
@@ -181,31 +180,13 @@ def race(rounds: int, steps: int) -> dict[str, Any]:
     for name, value in theirs.parameters().items():
         torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=f"different steps ({name})")
 
-    def epl_steps() -> None:
-        for _ in range(steps):
-            engine.step({"input_ids": tokens}, tokens)
-
-    def torch_steps() -> None:
-        for _ in range(steps):
-            theirs.step()
-
-    result = compare(
+    return race_steps(
         "pipeline_transformers",
-        torch_steps,
-        epl_steps,
+        theirs.step,
+        lambda: engine.step({"input_ids": tokens}, tokens),
         rounds=rounds,
-        calls_per_round=1,
-        warmup=1,
-        sync=dist.barrier,
-        save=False,
+        steps=steps,
     )
-    return {
-        "ratio": result.ratio,
-        "torch_ms": result.baseline_s * 1e3 / steps,
-        "epl_ms": result.epl_s * 1e3 / steps,
-        "rounds": rounds,
-        "steps": steps,
-    }
 
 
 def test_unmodified_llama_pipeline_against_hand_written_torch_stages() -> None:

@@ -34,7 +34,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from epl.plugin_api import PlacementError, call_model
+from epl.plugin_api import PlacementError, call_model, tensors_in
 from epl_pipeline.channel import ShapeOnly
 
 
@@ -240,7 +240,7 @@ class _Readers(TorchFunctionMode):
         if not self._inside:
             found = self._sources_of((args, kwargs))
             if found:
-                for tensor in _tensors(result):
+                for tensor in tensors_in(result):
                     self.sources[id(tensor)] = self.sources.get(id(tensor), frozenset()) | found
                     self._alive.append(tensor)
         return result
@@ -258,7 +258,7 @@ class _Readers(TorchFunctionMode):
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         self._inside -= 1
         if not self._inside:
-            for tensor in _tensors(output):
+            for tensor in tensors_in(output):
                 self.sources[id(tensor)] = frozenset({len(self.calls) - 1})
                 self._alive.append(tensor)
 
@@ -268,19 +268,7 @@ class _Readers(TorchFunctionMode):
             self.last_reader[index] = max(self.last_reader[index], stage)
 
     def _sources_of(self, value: Any) -> frozenset[int]:
-        return frozenset().union(*(self.sources.get(id(t), frozenset()) for t in _tensors(value)))
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside ``value``: nested tuples, lists and mappings (transformers' ``ModelOutput`` is one)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
+        return frozenset().union(*(self.sources.get(id(t), frozenset()) for t in tensors_in(value)))
 
 
 def _check_order(model: nn.Module, calls: list[RootCall], num_stages: int) -> None:
