@@ -230,7 +230,13 @@ class Comparison:
 
 
 def race_steps(
-    name: str, baseline_step: Callable[[], object], epl_step: Callable[[], object], *, rounds: int, steps: int
+    name: str,
+    baseline_step: Callable[[], object],
+    epl_step: Callable[[], object],
+    *,
+    rounds: int,
+    steps: int,
+    warmup: int = 1,
 ) -> dict[str, Any]:
     """On every rank of a job: ``steps`` training steps of each side per round, in alternating rounds with a barrier
     before each run (:func:`compare`, nothing saved); the ratio and each side's time per step."""
@@ -249,7 +255,7 @@ def race_steps(
         runs(epl_step),
         rounds=rounds,
         calls_per_round=1,
-        warmup=1,
+        warmup=warmup,
         sync=dist.barrier,
         save=False,
     )

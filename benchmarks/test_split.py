@@ -85,17 +85,6 @@ def mlp() -> torch.nn.Sequential:
     return nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.ReLU(), nn.Linear(4 * WIDTH, WIDTH))
 
 
-def repeat(fn: Callable[[], object], times: int) -> Callable[[], None]:
-    """A callable that calls ``fn`` ``times`` times (one timed call of :func:`compare`)."""
-
-    def repeated() -> None:
-        """Call ``fn`` ``times`` times."""
-        for _ in range(times):
-            fn()
-
-    return repeated
-
-
 def race_against_dtensor(rounds: int, steps: int) -> dict[str, Any]:
     """On this rank: check that EPL and DTensor take the same steps, then time them against each other."""
     import torch
@@ -105,7 +94,7 @@ def race_against_dtensor(rounds: int, steps: int) -> dict[str, Any]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     import epl
-    from benchmarks.harness import compare
+    from benchmarks.harness import race_steps
 
     epl.init(epl.Config({}))
     with epl.split(2):
@@ -154,22 +143,8 @@ def race_against_dtensor(rounds: int, steps: int) -> dict[str, Any]:
         # forward, one of the input gradient backward, nothing else.
         assert counts == {f"allreduce {[BATCH, WIDTH]}": 2}, (side, counts)
 
-    result = compare(
-        "split_mlp_vs_dtensor",
-        repeat(torch_step, steps),
-        repeat(epl_step, steps),
-        rounds=rounds,
-        calls_per_round=1,
-        warmup=2,
-        sync=dist.barrier,
-        save=False,
-    )
     return {
-        "ratio": result.ratio,
-        "torch_ms": result.baseline_s * 1e3 / steps,
-        "epl_ms": result.epl_s * 1e3 / steps,
-        "rounds": rounds,
-        "steps_per_round": steps,
+        **race_steps("split_mlp_vs_dtensor", torch_step, epl_step, rounds=rounds, steps=steps, warmup=2),
         "epl_collectives_per_step": collectives["epl"],
         "torch_collectives_per_step": collectives["torch"],
     }
@@ -287,7 +262,7 @@ def test_split_mlp_against_dtensor() -> None:
     print(
         f"\nsplit MLP {WIDTH}-{4 * WIDTH}-{WIDTH}, batch {BATCH}, 2 processes: "
         f"DTensor {first['torch_ms']:.2f} ms/step, EPL {first['epl_ms']:.2f} ms/step, ratio {first['ratio']:.3f} "
-        f"({first['rounds']} rounds x {first['steps_per_round']} steps); collectives per step: "
+        f"({first['rounds']} rounds x {first['steps']} steps); collectives per step: "
         f"DTensor {first['torch_collectives_per_step']}, EPL {first['epl_collectives_per_step']}"
     )
     assert first["ratio"] < MAX_RATIO, first

@@ -134,7 +134,7 @@ def race_against_dtensor(rounds: int, steps: int) -> dict[str, Any]:
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
     import epl
-    from benchmarks.harness import compare
+    from benchmarks.harness import race_steps
 
     epl.init(epl.Config({}))
     with epl.split(2):
@@ -162,22 +162,8 @@ def race_against_dtensor(rounds: int, steps: int) -> dict[str, Any]:
     megatron = 4 * LAYERS + 2  # per block 2 forward, 2 backward; the embedding; the head's input gradient
     assert counted["epl"].counts.get(activations) == megatron, counted["epl"].counts
 
-    result = compare(
-        "split_llama_vs_dtensor",
-        lambda: [torch_step() for _ in range(steps)],
-        lambda: [epl_step() for _ in range(steps)],
-        rounds=rounds,
-        calls_per_round=1,
-        warmup=1,
-        sync=dist.barrier,
-        save=False,
-    )
     return {
-        "ratio": result.ratio,
-        "torch_ms": result.baseline_s * 1e3 / steps,
-        "epl_ms": result.epl_s * 1e3 / steps,
-        "rounds": rounds,
-        "steps_per_round": steps,
+        **race_steps("split_llama_vs_dtensor", torch_step, epl_step, rounds=rounds, steps=steps),
         "collectives": {side: count.counts for side, count in counted.items()},
         "bytes": {side: count.bytes for side, count in counted.items()},
     }
@@ -221,6 +207,6 @@ def test_split_llama_against_dtensor() -> None:
         f"DTensor {first['collectives']['torch']} ({mib(first['bytes']['torch'])})"
     )
     record("split_llama_vs_dtensor", [row], section=SECTION, details=[detail])
-    print(f"\n{detail} ({first['rounds']} rounds x {first['steps_per_round']} steps)")
+    print(f"\n{detail} ({first['rounds']} rounds x {first['steps']} steps)")
     assert first["bytes"]["epl"] < first["bytes"]["torch"], first
     assert first["ratio"] < MAX_RATIO, first
