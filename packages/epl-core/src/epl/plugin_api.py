@@ -19,7 +19,8 @@ What is here, by what a plugin does with it:
   :class:`Cluster`, :func:`free_port`;
 * data parallelism over copies: :class:`Copies`, :func:`copies_of`, :func:`every_copy_group`;
 * pipelines: :class:`Action`, :class:`ActionKind`, :data:`Schedule`, :class:`ScheduleGenerator`,
-  :class:`TaskGraph`, :func:`replicate` and :func:`split` (to build TaskGraphs of a partition), :class:`Plan`;
+  :class:`TaskGraph`, :func:`replicate` and :func:`split` (to build TaskGraphs of a partition),
+  :func:`holders_of`, :class:`Plan`;
 * split rules: :class:`ShardContext`, :class:`ShardGroup`, :data:`ShardRole`, :class:`SplitRule`;
 * memory estimates: :class:`MemoryEstimate`, :class:`MemoryEstimateContext`, :class:`EstimatedTensor`,
   :class:`ShardShapes`, :func:`group_options`;
@@ -38,7 +39,7 @@ from epl.lazy import lazy_exports
 
 if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keeps them equal to _EXPORTS
     from epl.annotations.strategies import Strategy, replicate, split
-    from epl.annotations.taskgraph import TaskGraph
+    from epl.annotations.taskgraph import TaskGraph, holders_of
     from epl.builtin.local_runner import ForwardContext, LocalStepRunner, inside, step_or_skip
     from epl.config import Config
     from epl.errors import (
@@ -128,6 +129,7 @@ _EXPORTS: dict[str, str] = {
     "Schedule": "epl.interfaces.schedule",
     "ScheduleGenerator": "epl.interfaces.schedule",
     "TaskGraph": "epl.annotations.taskgraph",
+    "holders_of": "epl.annotations.taskgraph",
     "Strategy": "epl.annotations.strategies",
     "replicate": "epl.annotations.strategies",
     "split": "epl.annotations.strategies",

@@ -140,6 +140,7 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     stage = context.pipeline_stage
     program = context.state(PipelineState).program
     assert stage is not None and program is not None, "KeepLocalStage (a model transform) runs before the runner"
+    _check_tied_clipping(context)
     stages = plan.num_stages
     world = context.communicator
     replica_group = world.split([list(plan.devices_of_replica(r)) for r in range(plan.num_replicas)])
@@ -173,24 +174,27 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     return runner
 
 
-def _tied_to_earlier_stages(context: ParallelContext, stage: int) -> frozenset[int]:
-    """ids of this stage's parameters that an earlier stage also holds (tied weights; it counts them in norms).
-
-    Tied weights need clipping after the gradient reduction when there are several replicas: before it,
-    no device holds its replica's gradient of them.
-    """
+def _check_tied_clipping(context: ParallelContext) -> None:
+    """Tied weights need clipping after the gradient reduction when there are several replicas: before it,
+    no device holds its replica's gradient of them."""
     from epl.plugin_api import ConfigError
 
     config, plan = context.config, context.plan
-    if plan.shared and plan.num_replicas > 1 and config["optimizer.max_grad_norm"] is not None:
-        if not config["communication.clip_after_allreduce"]:
-            raise ConfigError(
-                "Tied weights cut across pipeline stages (each stage holds a copy) need clipping after the gradient "
-                "all-reduce: before it, no device holds its replica's gradient of them. Set "
-                "communication.clip_after_allreduce=True, or keep the tied modules on one stage."
-            )
-    earlier = {id(t) for tg in context.taskgraphs if tg.index < stage for t in tg.tensors}
-    return frozenset(id(p) for p in context.model.parameters() if id(p) in earlier)
+    clipped = config["optimizer.max_grad_norm"] is not None
+    if plan.shared and plan.num_replicas > 1 and clipped and not config["communication.clip_after_allreduce"]:
+        raise ConfigError(
+            "Tied weights cut across pipeline stages (each stage holds a copy) need clipping after the gradient "
+            "all-reduce: before it, no device holds its replica's gradient of them. Set "
+            "communication.clip_after_allreduce=True, or keep the tied modules on one stage."
+        )
+
+
+def _tied_to_earlier_stages(context: ParallelContext, stage: int) -> frozenset[int]:
+    """ids of this stage's parameters that an earlier stage also holds (tied weights; it counts them in norms)."""
+    from epl.plugin_api import holders_of
+
+    holders = holders_of(context.taskgraphs)
+    return frozenset(id(p) for p in context.model.parameters() if min(holders.get(id(p), {stage})) < stage)
 
 
 def _schedule(context: ParallelContext, stages: int, micro_batches: int) -> Schedule:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from epl.plugin_api import PlacementError, Plan, TaskGraph
+from epl.plugin_api import PlacementError, Plan, TaskGraph, holders_of
 
 
 def check_stage_widths(plan: Plan) -> None:
@@ -40,10 +40,7 @@ def stage_roots(model: nn.Module, taskgraphs: list[TaskGraph]) -> dict[str, int]
     A module whose tensors several stages hold (tied weights a partition cut apart: the
     embedding on the first stage, the head on the last) is the root of the stage that lists it.
     """
-    holders: dict[int, set[int]] = {}
-    for tg in taskgraphs:
-        for tensor in tg.tensors:
-            holders.setdefault(id(tensor), set()).add(tg.index)
+    holders = holders_of(taskgraphs)
     listed = {name: tg.index for tg in taskgraphs for name in tg.modules}
     roots: dict[str, int] = {}
 

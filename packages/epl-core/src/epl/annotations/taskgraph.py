@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,3 +42,13 @@ class TaskGraph:
             f"TaskGraph({self.index}, {self.name!r}, {self.strategy}, "
             f"{len(self.parameters)} parameters, modules={self.modules})"
         )
+
+
+def holders_of(taskgraphs: Iterable[TaskGraph]) -> dict[int, set[int]]:
+    """``id`` of each tensor -> the indices of the TaskGraphs holding it (several only for tied weights a
+    pipeline partition cut apart)."""
+    holders: dict[int, set[int]] = {}
+    for taskgraph in taskgraphs:
+        for tensor in taskgraph.tensors:
+            holders.setdefault(id(tensor), set()).add(taskgraph.index)
+    return holders

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 from torch import nn
 
+from epl.annotations.taskgraph import holders_of
 from epl.interfaces.collectives import Group, communicators_for
 from epl.placement.copies import Copies, copies_of, copies_of_shared, every_copy_group
 
@@ -126,10 +127,7 @@ class ParallelContext:
         plan, rank = self.plan, self.cluster.rank
         owner = {id(t): (tg.index, False) for tg in self.taskgraphs for t in tg.tensors}
         owner.update(self.split_tensors)
-        holders: dict[int, set[int]] = {}
-        for tg in self.taskgraphs:
-            for t in tg.tensors:
-                holders.setdefault(id(t), set()).add(tg.index)
+        holders = holders_of(self.taskgraphs)
         default = (plan.taskgraphs_on(rank)[0], False)
         grouped: dict[Copies, list[torch.Tensor]] = {}
         for tensor in tensors:

@@ -9,7 +9,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from epl.annotations.taskgraph import TaskGraph
+from epl.annotations.taskgraph import TaskGraph, holders_of
 from epl.config import Config
 from epl.errors import EplError, PlacementError
 from epl.placement.build import build_local_plan, build_plan
@@ -131,11 +131,7 @@ def _build(taskgraphs: list[TaskGraph], config: Config, world_size: int, gpu_per
 
 def _shared(taskgraphs: list[TaskGraph]) -> tuple[tuple[int, ...], ...]:
     """The sets of TaskGraphs that hold a tensor together (a pipeline partition that cut tied weights apart)."""
-    owners: dict[int, list[int]] = {}
-    for taskgraph in taskgraphs:
-        for tensor in dict.fromkeys(id(t) for t in taskgraph.tensors):
-            owners.setdefault(tensor, []).append(taskgraph.index)
-    return tuple(dict.fromkeys(tuple(sorted(o)) for o in owners.values() if len(o) > 1))
+    return tuple(dict.fromkeys(tuple(sorted(o)) for o in holders_of(taskgraphs).values() if len(o) > 1))
 
 
 def _build_optimizer(optimizer: OptimizerSpec, model: nn.Module) -> torch.optim.Optimizer | None:
