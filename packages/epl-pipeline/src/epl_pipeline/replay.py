@@ -22,9 +22,8 @@ code between the blocks runs on tensors of the right shape, dtype and device.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +33,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from epl.plugin_api import PlacementError, call_model, tensors_in
+from epl.plugin_api import PlacementError, call_model, forked_rng, tensors_in
 from epl_pipeline.channel import ShapeOnly
 
 
@@ -61,7 +60,7 @@ class ReplayedStages:
 
     calls: list[RootCall]
     num_stages: int
-    _hooked: set[str] = field(default_factory=set, repr=False)
+    _hooked: set[int] = field(default_factory=set, repr=False)
     _zeros: dict[tuple[ShapeOnly, torch.device], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def run(self, model: nn.Module, stage: int, inputs: Any, received: list[Any] | None) -> Any:
@@ -98,20 +97,21 @@ class ReplayedStages:
 
     def _hook_local_roots(self, model: nn.Module, stage: int) -> None:
         """Hook this stage's root modules once, as they are after every transform (sharded, wrapped)."""
+        if stage in self._hooked:
+            return
         for name in dict.fromkeys(call.module for call in self.calls if call.stage == stage):
-            if name not in self._hooked:
-                module = model.get_submodule(name)
-                module.register_forward_pre_hook(_local_call_starts(name))
-                module.register_forward_hook(_local_call_ends, always_call=True)
-                self._hooked.add(name)
+            module = model.get_submodule(name)
+            module.register_forward_pre_hook(_local_call_starts(name))
+            module.register_forward_hook(_local_call_ends, always_call=True)
+        self._hooked.add(stage)
 
 
 class _Replay:
     """One stage's run of ``forward`` on one micro-batch: which root call comes next, and the outputs so far."""
 
     def __init__(self, program: ReplayedStages, stage: int, received: list[Any]) -> None:
-        self.program, self.stage, self.received = program, stage, received
-        self.outputs: list[Any] = list(received)
+        self.program, self.stage = program, stage
+        self.outputs: list[Any] = list(received)  # the received outputs of earlier stages' calls come first
         self.next = 0
 
     def expect(self, module: str) -> RootCall:
@@ -131,7 +131,7 @@ class _Replay:
         call = self.expect(module)
         if call.stage > self.stage:
             raise _StageEnd
-        value = self.program.stand_in(self.received[self.next], device)
+        value = self.program.stand_in(self.outputs[self.next], device)
         self.next += 1
         return value
 
@@ -188,14 +188,14 @@ def record_calls(model: nn.Module, roots: Mapping[str, int], num_stages: int, ex
     ``roots`` maps each stage root's qualified name to its stage. Nothing is learned and
     the random state is left as it was. Raises when the stages are not called in order.
     """
-    tracker = _Readers(roots, num_stages)
+    tracker = _Readers(roots)
     handles: list[RemovableHandle] = []
     for name in roots:
         module = model.get_submodule(name)
         handles.append(module.register_forward_pre_hook(tracker.before(name), with_kwargs=True))
         handles.append(module.register_forward_hook(tracker.after, always_call=True))
     try:
-        with torch.no_grad(), _forked_rng(), tracker:
+        with torch.no_grad(), forked_rng(model), tracker:
             output = call_model(model, example)
         tracker.read_by(output, num_stages - 1)
     finally:
@@ -215,7 +215,7 @@ def call_order(model: nn.Module, names: set[str], example: Any) -> list[str]:
         model.get_submodule(name).register_forward_pre_hook(lambda *_, name=name: order.append(name)) for name in names
     ]
     try:
-        with torch.no_grad(), _forked_rng():
+        with torch.no_grad(), forked_rng(model):
             call_model(model, example)
     finally:
         for handle in handles:
@@ -226,9 +226,9 @@ def call_order(model: nn.Module, names: set[str], example: Any) -> list[str]:
 class _Readers(TorchFunctionMode):
     """Follows which root calls' outputs each tensor is computed from, outside the root modules."""
 
-    def __init__(self, roots: Mapping[str, int], num_stages: int) -> None:
+    def __init__(self, roots: Mapping[str, int]) -> None:
         super().__init__()
-        self.roots, self.num_stages = roots, num_stages
+        self.roots = roots
         self.calls: list[tuple[str, int]] = []
         self.last_reader: list[int] = []
         self.sources: dict[int, frozenset[int]] = {}
@@ -287,11 +287,3 @@ def _check_order(model: nn.Module, calls: list[RootCall], num_stages: int) -> No
             f"Cannot pipeline {type(model).__name__}: forward never calls the modules of stage {missing[0]} in the "
             "example run. Every stage must hold modules that forward calls."
         )
-
-
-@contextlib.contextmanager
-def _forked_rng() -> Iterator[None]:
-    """The example run leaves the random state as it was (CPU, and the current CUDA device if any)."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        yield

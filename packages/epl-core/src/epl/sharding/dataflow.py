@@ -139,7 +139,7 @@ def record_dataflow(model: nn.Module, candidates: set[str], example: Any) -> Dat
     training = {module: module.training for module in names}
     try:
         model.eval()
-        with torch.no_grad(), _forked_rng(model), recorder:
+        with torch.no_grad(), forked_rng(model), recorder:
             if isinstance(example, dict):
                 flow.inputs = list(tensors_in(example))
                 output = model(**example)
@@ -164,7 +164,9 @@ def _as_plain(output: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _forked_rng(model: nn.Module) -> Iterator[None]:
+def forked_rng(model: nn.Module) -> Iterator[None]:
+    """Leaves the random state as it was on exit (CPU, and the CUDA devices ``model`` is on): example runs
+    draw no numbers the training would have drawn."""
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
         yield
