@@ -272,3 +272,40 @@ def test_plan_counts_the_process_groups_beyond_a_few() -> None:
     assert "  tensor parallel: [0, 1], [2, 3], [4, 5], [6, 7], ... (8 groups)\n" in text
     assert "  data parallel: [0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]\n" in text
     assert epl.plan(model, world_size=1).process_groups() == {}
+
+
+def test_several_stages_per_rank_share_their_devices_round_robin() -> None:
+    """pipeline.stages_per_rank=2: 4 split(2) stages on 2 device groups (stage s on group s % 2), 2 replicas."""
+    specs = [spec(i, "split", 2) for i in range(4)]
+    plan = place(specs, 8, **{"pipeline.stages_per_rank": 2})
+    assert (plan.num_stages, plan.pipeline_size, plan.devices_per_replica, plan.num_replicas) == (4, 2, 4, 2)
+    assert plan.devices(0, 0) == plan.devices(2, 0) == (0, 1) and plan.devices(3, 1) == (6, 7)
+    assert plan.taskgraphs_on(2) == (1, 3)
+    assert plan.assignment(0).num_parameters == 100  # half of stage 0 and half of stage 2
+    assert plan.process_groups() == {
+        "tensor parallel": [(0, 1), (2, 3), (4, 5), (6, 7)],
+        "pipeline": [(0, 2), (1, 3), (4, 6), (5, 7)],
+        "data parallel": [(0, 4), (1, 5), (2, 6), (3, 7)],
+    }
+    assert "4 pipeline stages (2 per device, on 2 device groups)" in str(plan)
+    assert Plan.from_dict(plan.to_dict()) == plan
+
+
+@pytest.mark.parametrize(
+    ("specs", "config", "message"),
+    [
+        ([spec(i, "replicate", 1) for i in range(3)], {}, "must be a multiple of 2 with at least 2 groups"),
+        ([spec(i, "replicate", 1) for i in range(2)], {}, "the model has 2 stage(s)"),
+        ([spec(0, "split", 2), spec(1, "split", 2), spec(2, "replicate", 1), spec(3, "split", 2)], {}, "same device"),
+        (
+            [spec(i, "replicate", 1) for i in range(4)],
+            {"cluster.colocate_split_and_replicate": True},
+            "Set one of them back",
+        ),
+    ],
+)
+def test_stages_per_rank_that_cannot_place_say_why(
+    specs: list[TaskGraphSpec], config: dict[str, object], message: str
+) -> None:
+    with pytest.raises(epl.PlacementError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        place(specs, 4, **{"pipeline.stages_per_rank": 2, **config})

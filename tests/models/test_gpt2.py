@@ -91,7 +91,7 @@ def train_with_epl(config: dict[str, Any], model: nn.Module, rows_per_rank: bool
     state = engine.state_dict()["model"]  # every rank calls it (ZeRO v2 gathers the parameters)
     return {
         "replica": engine.replica_index,
-        "stage": engine.context.pipeline_stage,
+        "stage": min(engine.context.pipeline_stages, default=None),
         "held": sum(p.numel() for p in engine.parameters()),
         "norms": norms,
         "losses": losses,

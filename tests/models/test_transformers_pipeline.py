@@ -14,7 +14,8 @@ of every step and every parameter within 1e-10 (float64). Each rank holds only i
 - auto-cut into 2 stages on 2 processes: Llama, BERT, Mixtral;
 - Llama as ``epl.split(2)`` x 2 stages on 4 processes; the checkpoint it saves loads into the
   unmodified model in one process, under its original names;
-- Llama as split(2) x 2 stages x 2 replicas on 8 processes, with ZeRO v1 over the replicas.
+- Llama as split(2) x 2 stages x 2 replicas on 8 processes, with ZeRO v1 over the replicas;
+- Llama cut into 4 stages run 2 per rank by Interleaved1F1B, whole (2 processes) and split(2) (4 processes).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def train(name: str, config: dict[str, Any], split: int = 1, save_to: str | None
     if save_to is not None:
         engine.save(save_to)
     return {
-        "stage": engine.context.pipeline_stage,
+        "stage": engine.context.pipeline_stages[0],
         "replica": engine.replica_index,
         "held": sum(p.numel() for p in engine.parameters()),
         "losses": losses,
@@ -257,3 +258,23 @@ def test_llama_split_2_by_2_stages_by_2_replicas_with_zero_v1_equals_the_local_r
         torch.testing.assert_close(result["norms"], norms[result["replica"]], rtol=TOLERANCE, atol=0)
         for name, value in result["state"].items():
             torch.testing.assert_close(value, full[name], rtol=TOLERANCE, atol=TOLERANCE, msg=name)
+
+
+INTERLEAVED = {
+    "auto.auto_parallel": True,
+    "pipeline.num_stages": 4,
+    "pipeline.stages_per_rank": 2,
+    "pipeline.strategy": "Interleaved1F1B",
+}
+
+
+@pytest.mark.parametrize("split", [1, 2], ids=["2 processes", "split(2) on 4 processes"])
+def test_llama_cut_into_4_stages_2_per_rank_interleaved_equals_the_local_run(split: int) -> None:
+    """The unmodified Llama cut into 4 stages run by Interleaved1F1B on 2 device groups (stages 0 and 2 on the
+    first), each stage whole or tensor parallel: a rank keeps two stages' modules and runs the model's own
+    forward once per stage, the other local stage's modules standing in for what it sent."""
+    results = run_ranks(train, 2 * split, "llama", INTERLEAVED, split, timeout=300)
+    _assert_equal_to_local(results, "llama")
+    whole = sum(p.numel() for p in build("llama").parameters())
+    if split == 1:
+        assert sum(result["held"] for result in results) == whole

@@ -98,7 +98,7 @@ def train(config: dict[str, Any], evaluate: bool = False, model: str = "stages")
     return {
         "checkpointed": checkpointed.describe() if checkpointed is not None else None,
         "evaluated": evaluated,
-        "stage": engine.context.pipeline_stage,
+        "stage": engine.context.pipeline_stages[0],
         "replica": engine.replica_index,
         "held": sum(p.numel() for p in engine.parameters()),
         "losses": losses,

@@ -8,9 +8,10 @@ result is the same as the one-process run's, to the bit.
 
 A schedule is data: per stage, its ordered actions (``Action(stage, kind, micro_batch)``, or
 None for an idle slot). epl-pipeline checks it before use (each micro-batch's F before its B,
-once each, and no deadlock) and runs it with its one executor. Stages exchange activations
-and gradients in the order they run them, so neighbouring stages must run the forwards in
-the same order and the backwards in the same order, as they do here.
+once each, no deadlock, and neighbouring stages exchanging micro-batches in the same order)
+and runs it with its one executor. Stages exchange activations and gradients in the order
+they run them, so neighbouring stages must run the forwards in the same order and the
+backwards in the same order, as they do here.
 """
 
 from __future__ import annotations

@@ -12,14 +12,16 @@ KEYS: tuple[ConfigKey, ...] = (
         types=(int, type(None)),
         default=None,
         minimum=1,
-        doc="Number of pipeline stages to partition an unannotated model into when auto.auto_parallel is True.",
+        doc="Number of pipeline stages to partition an unannotated model into when auto.auto_parallel is True "
+        "(with pipeline.stages_per_rank=v they run on num_stages / v devices per replica position).",
     ),
     ConfigKey(
         name="pipeline.strategy",
         types=(str,),
         default="PreferBackward",
         doc="Pipeline schedule, by name: PreferBackward (1F1B, like PipeDream), PreferForward (GPipe), "
-        "ZeroBubble (ZB-H1: backward split into input and weight gradients), or one a plugin registers.",
+        "ZeroBubble (ZB-H1: backward split into input and weight gradients), Interleaved1F1B (Megatron's "
+        "virtual pipeline, with pipeline.stages_per_rank > 1), or one a plugin registers.",
     ),
     ConfigKey(
         name="pipeline.split_points",

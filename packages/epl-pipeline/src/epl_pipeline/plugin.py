@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from epl.plugin_api import (
+        Communicator,
         Config,
         ConfigKey,
         ModelTransform,
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
         TaskGraph,
     )
     from epl_pipeline.program import StageProgram
+    from epl_pipeline.runner import Link
 
 
 @dataclass
@@ -76,7 +78,7 @@ class KeepLocalStage:
 
         plan = context.plan
         check_stage_widths(plan)
-        stage = plan.taskgraphs_on(context.cluster.rank)[0]
+        local = plan.taskgraphs_on(context.cluster.rank)
         roots = stage_roots(model, context.taskgraphs)
         empty = [tg.name for tg in plan.taskgraphs if tg.index not in set(roots.values())]
         if empty:
@@ -87,12 +89,12 @@ class KeepLocalStage:
             )
         owner = {id(t): tg.index for tg in context.taskgraphs for t in tg.tensors}
         program = stage_program(model, roots, plan.num_stages, owner, context.example_inputs)
-        context.pipeline_stage = stage
-        context.stage_modules = tuple(name for name, owner_stage in roots.items() if owner_stage == stage)
+        context.pipeline_stages = local
+        context.stage_modules = tuple(name for name, owner_stage in roots.items() if owner_stage in local)
         context.state(PipelineState).program = program
         device = context.cluster.device
         for name, owner_stage in roots.items():
-            if owner_stage != stage:
+            if owner_stage not in local:
                 kind = type(model.get_submodule(name)).__name__
                 replace_module(model, name, RemoteStage(name, owner_stage, kind, device))
         return model
@@ -137,16 +139,14 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
 
     plan, rank = context.plan, context.cluster.rank
     replica = plan.replica_of(rank)
-    stage = context.pipeline_stage
+    local = context.pipeline_stages
     program = context.state(PipelineState).program
-    assert stage is not None and program is not None, "KeepLocalStage (a model transform) runs before the runner"
+    assert local and program is not None, "KeepLocalStage (a model transform) runs before the runner"
     _check_tied_clipping(context)
     stages = plan.num_stages
     world = context.communicator
     replica_group = world.split([list(plan.devices_of_replica(r)) for r in range(plan.num_replicas)])
     last_device = plan.devices(stages - 1, replica)[0]
-    # Each device of a split stage exchanges activations with the device at its position in the neighbours.
-    position = plan.devices(stage, replica).index(rank)
     # The devices at one position of every stage of a replica: the global gradient norm adds their squares.
     peers = world.split([list(group) for group in plan.process_groups()["pipeline"]])
     runner = PipelineStepRunner(
@@ -155,11 +155,8 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
         loss_fn=context.loss_fn,
         program=program,
         schedule=_schedule(context, stages, plan.num_micro_batch),
-        stage=stage,
+        links=_links(context, local),
         num_micro_batch=plan.num_micro_batch,
-        world=world,
-        previous_rank=plan.devices(stage - 1, replica)[position] if stage > 0 else None,
-        next_rank=plan.devices(stage + 1, replica)[position] if stage < stages - 1 else None,
         replica=replica_group,
         last_stage_member=replica_group.ranks.index(last_device),
         device=context.cluster.device,
@@ -168,10 +165,48 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
         forward_contexts=context.forward_contexts,
         max_grad_norm=context.config["optimizer.max_grad_norm"],
         stage_peers=peers,
-        counted_elsewhere=_tied_to_earlier_stages(context, stage),
+        counted_elsewhere=_counted_elsewhere(context, local),
         clip_after_reduction=bool(plan.shared),
     )
     return runner
+
+
+def _links(context: ParallelContext, local: tuple[int, ...]) -> dict[int, tuple[Link | None, Link | None]]:
+    """Each of this rank's stages' way to its previous and next stage: the device at this rank's position in
+    the neighbouring stage (split stages exchange activations shard by shard).
+
+    With one stage per rank the job's communicator carries every link: between two ranks each direction then
+    carries one stream of messages, which arrive in the order they were sent. With several stages per rank one
+    pair of ranks carries several links in one direction (stage 0 -> 1 and 2 -> 3), so each link gets a
+    communicator of its own; every rank makes them, in the same order.
+    """
+    from epl_pipeline.runner import Link
+
+    plan, rank, world = context.plan, context.cluster.rank, context.communicator
+    replica = plan.replica_of(rank)
+    position = plan.devices(local[0], replica).index(rank)
+    between = [world] * (plan.num_stages - 1)
+    if plan.stages_per_rank > 1:
+        between = [_link_communicator(context, stage) for stage in range(plan.num_stages - 1)]
+
+    def link(stage: int, to: int) -> Link:
+        communicator = between[min(stage, to)]
+        return Link(communicator, communicator.ranks.index(plan.devices(to, replica)[position]))
+
+    last = plan.num_stages - 1
+    return {s: (link(s, s - 1) if s > 0 else None, link(s, s + 1) if s < last else None) for s in local}
+
+
+def _link_communicator(context: ParallelContext, stage: int) -> Communicator:
+    """This rank's communicator for the link from ``stage`` to ``stage + 1`` (its pair, or itself alone)."""
+    plan, world = context.plan, context.communicator
+    pairs = [
+        (plan.devices(stage, r)[p], plan.devices(stage + 1, r)[p])
+        for r in range(plan.num_replicas)
+        for p in range(len(plan.slots[stage]))
+    ]
+    paired = {device for pair in pairs for device in pair}
+    return world.split([*pairs, *((rank,) for rank in world.ranks if rank not in paired)])
 
 
 def _check_tied_clipping(context: ParallelContext) -> None:
@@ -189,12 +224,13 @@ def _check_tied_clipping(context: ParallelContext) -> None:
         )
 
 
-def _tied_to_earlier_stages(context: ParallelContext, stage: int) -> frozenset[int]:
-    """ids of this stage's parameters that an earlier stage also holds (tied weights; it counts them in norms)."""
+def _counted_elsewhere(context: ParallelContext, local: tuple[int, ...]) -> frozenset[int]:
+    """ids of this rank's parameters whose first holding stage runs on another rank (tied weights: that rank
+    counts them in the gradient norm)."""
     from epl.plugin_api import holders_of
 
     holders = holders_of(context.taskgraphs)
-    return frozenset(id(p) for p in context.model.parameters() if min(holders.get(id(p), {stage})) < stage)
+    return frozenset(id(p) for p in context.model.parameters() if min(holders.get(id(p), {local[0]})) not in local)
 
 
 def _schedule(context: ParallelContext, stages: int, micro_batches: int) -> Schedule:
@@ -203,6 +239,12 @@ def _schedule(context: ParallelContext, stages: int, micro_batches: int) -> Sche
     from epl_pipeline.schedules import build
 
     try:
-        return build(context.config["pipeline.strategy"], context.plugins.pipeline_schedules(), stages, micro_batches)
+        return build(
+            context.config["pipeline.strategy"],
+            context.plugins.pipeline_schedules(),
+            stages,
+            micro_batches,
+            stages_per_rank=context.config["pipeline.stages_per_rank"],
+        )
     except ValueError as error:
         raise EplError(f"pipeline.strategy: {error}") from None

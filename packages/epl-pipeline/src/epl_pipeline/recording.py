@@ -63,11 +63,11 @@ def save_timeline(engine: Any, prefix: str | Path) -> float:
     """Write ``PREFIX.json`` (Chrome trace) and ``PREFIX.png`` of the last step; return its measured bubble."""
     runner = _runner(engine)
     events = gather_timeline(engine)
-    stages = runner.program.num_stages
-    _, idle = bubble(events, stages)
+    lanes = len(runner.schedule)  # the ranks along the pipeline (each runs one or more stages)
+    _, idle = bubble(events, lanes)
     if runner.replica.rank == 0:
         prefix = Path(prefix)
         prefix.parent.mkdir(parents=True, exist_ok=True)
-        prefix.with_suffix(".json").write_text(chrome_trace(events, unit_seconds=1.0))
-        png(events, stages, prefix.with_suffix(".png"))
+        prefix.with_suffix(".json").write_text(chrome_trace(events, lanes, unit_seconds=1.0))
+        png(events, lanes, prefix.with_suffix(".png"))
     return idle

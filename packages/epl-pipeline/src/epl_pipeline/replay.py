@@ -8,6 +8,8 @@ fx cannot follow. Their stages are run *eagerly* instead: each stage calls the m
   sent for this call (its output, received along the pipeline).
 - A root module of a later stage ends this stage's forward: what the later stages need is
   then sent on.
+- A rank that runs several stages (interleaved pipelines) keeps their modules; while one of
+  its stages runs, the others' root modules act as the placeholders above.
 - The code between root modules (masks, position ids, reshapes) runs on every stage that
   reaches it; it holds no parameters and is cheap beside the blocks.
 
@@ -22,8 +24,11 @@ code between the blocks runs on tensors of the right shape, dtype and device.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-from collections.abc import Mapping
+import functools
+import itertools
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from epl.plugin_api import PlacementError, call_model, forked_rng, tensors_in
 from epl_pipeline.channel import ShapeOnly
+from epl_pipeline.stages import RemoteStage
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,8 @@ class ReplayedStages:
         replay = _Replay(self, stage, received or [])
         token = _ACTIVE.set(replay)
         try:
-            output = call_model(model, inputs)
+            with self._other_stages_stand_in(model, stage):
+                output = call_model(model, inputs)
         except _StageEnd:
             return replay.to_send()
         finally:
@@ -99,11 +106,34 @@ class ReplayedStages:
         """Hook this stage's root modules once, as they are after every transform (sharded, wrapped)."""
         if stage in self._hooked:
             return
-        for name in dict.fromkeys(call.module for call in self.calls if call.stage == stage):
+        for name in self._roots_of(stage):
             module = model.get_submodule(name)
-            module.register_forward_pre_hook(_local_call_starts(name))
-            module.register_forward_hook(_local_call_ends, always_call=True)
+            module.register_forward_pre_hook(_local_call_starts(name, stage))
+            module.register_forward_hook(_local_call_ends(stage), always_call=True)
         self._hooked.add(stage)
+
+    @contextlib.contextmanager
+    def _other_stages_stand_in(self, model: nn.Module, stage: int) -> Iterator[None]:
+        """While ``stage`` runs, the roots of the other stages this rank also runs (interleaved pipelines) act
+        as placeholders, as other ranks' stages do; their own ``forward`` (perhaps a wrapper's) comes back after."""
+        replaced: list[tuple[nn.Module, Any]] = []
+        try:
+            for other in {call.stage for call in self.calls} - {stage}:
+                for name in self._roots_of(other):
+                    module = model.get_submodule(name)
+                    if not isinstance(module, RemoteStage):
+                        replaced.append((module, module.__dict__.get("forward")))
+                        module.forward = functools.partial(_stand_in, name, _device_of(module))
+            yield
+        finally:
+            for module, own in replaced:
+                if own is None:
+                    del module.forward
+                else:
+                    module.forward = own
+
+    def _roots_of(self, stage: int) -> list[str]:
+        return list(dict.fromkeys(call.module for call in self.calls if call.stage == stage))
 
 
 class _Replay:
@@ -159,19 +189,34 @@ class _Replay:
 _ACTIVE: contextvars.ContextVar[_Replay | None] = contextvars.ContextVar("epl_pipeline_replay", default=None)
 
 
-def _local_call_starts(name: str) -> Any:
+def _local_call_starts(name: str, stage: int) -> Any:
     def hook(module: nn.Module, args: Any) -> None:
         replay = _ACTIVE.get()
-        if replay is not None:
+        if replay is not None and replay.stage == stage:
             replay.expect(name)
 
     return hook
 
 
-def _local_call_ends(module: nn.Module, args: Any, output: Any) -> None:
+def _local_call_ends(stage: int) -> Any:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        replay = _ACTIVE.get()
+        if replay is not None and replay.stage == stage:
+            replay.local_call_ends(output)
+
+    return hook
+
+
+def _stand_in(name: str, device: torch.device, *args: Any, **kwargs: Any) -> Any:
+    """The ``forward`` of a root of another stage on this rank: what a :class:`RemoteStage` returns."""
     replay = _ACTIVE.get()
-    if replay is not None:
-        replay.local_call_ends(output)
+    assert replay is not None, "stand-ins are in place only while a stage runs"
+    return replay.remote_call(name, device)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
 
 
 def active_replay() -> _Replay | None:

@@ -33,6 +33,36 @@ from epl_pipeline.schedules import Event
 from epl_pipeline.split_backward import PendingWeights, backward_input, backward_weight
 
 
+@dataclass(frozen=True)
+class Link:
+    """The way to a neighbouring stage's device: a communicator, and that device's member index in it."""
+
+    communicator: Communicator
+    peer: int
+
+
+class _StageChannels:
+    """One stage's channels to its neighbours: for training, and for forward-only passes (evaluate, predict),
+    whose values need no gradient and so are described apart."""
+
+    def __init__(self, stage: int, previous: Link | None, following: Link | None, device: torch.device) -> None:
+        def channel(link: Link | None, what: str) -> Channel | None:
+            return None if link is None else Channel(link.communicator, link.peer, device, what)
+
+        self.inbound = channel(previous, f"The values stage {stage - 1} sends")
+        self.outbound = channel(following, f"The values stage {stage} sends")
+        self.eval_inbound = channel(previous, f"What stage {stage - 1} sends while evaluating")
+        self.eval_outbound = channel(following, f"What stage {stage} sends while evaluating")
+
+    def flush(self) -> None:
+        """Wait for every send started on the training channels."""
+        _flush(self.inbound, self.outbound)
+
+    def flush_eval(self) -> None:
+        """Wait for every send started on the forward-only channels."""
+        _flush(self.eval_inbound, self.eval_outbound)
+
+
 @dataclass
 class _InFlight:
     """One micro-batch between its forward and its backward on this stage."""
@@ -43,7 +73,10 @@ class _InFlight:
 
 
 class PipelineStepRunner:
-    """Runs this rank's stage of one replica batch by the schedule's actions.
+    """Runs this rank's stages of one replica batch by the schedule's actions.
+
+    A rank runs one stage, or several (``pipeline.stages_per_rank``: interleaved pipelines);
+    ``links`` gives each of its stages the way to its previous and next stage's device.
 
     Each stage forward and the last stage's loss run inside ``forward_contexts`` (e.g.
     AMP's autocast), the backward outside them. With a ``loss_scaler`` the last stage
@@ -62,11 +95,8 @@ class PipelineStepRunner:
         loss_fn: LossFn | None,
         program: StageProgram,
         schedule: Schedule,
-        stage: int,
+        links: dict[int, tuple[Link | None, Link | None]],
         num_micro_batch: int,
-        world: Communicator,
-        previous_rank: int | None,
-        next_rank: int | None,
         replica: Communicator,
         last_stage_member: int,
         device: torch.device,
@@ -79,22 +109,16 @@ class PipelineStepRunner:
         clip_after_reduction: bool = False,
     ) -> None:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        self.program, self.stage, self.num_micro_batch = program, stage, num_micro_batch
-        self.actions = schedule[stage]
+        self.program, self.num_micro_batch = program, num_micro_batch
+        #: This rank's stages, in order (the first is its place along the pipeline, its lane in ``schedule``).
+        self.stages = sorted(links)
+        self.schedule = schedule
+        self.actions = schedule[self.stages[0]]
         self.replica, self.last_stage_member = replica, last_stage_member
         self.device, self.gradient_reducer = device, gradient_reducer
         self.loss_scaler, self.forward_contexts = loss_scaler, list(forward_contexts)
-        self.inbound = Channel(world, previous_rank, device, f"The values stage {stage - 1} sends") if stage else None
-        self.outbound = (
-            Channel(world, next_rank, device, f"The values stage {stage} sends") if next_rank is not None else None
-        )
-        # Forward-only passes (evaluate, predict) send values that need no gradient: a link of their own.
-        what = "sends while evaluating"
-        self.eval_inbound = Channel(world, previous_rank, device, f"What stage {stage - 1} {what}") if stage else None
-        self.eval_outbound = (
-            Channel(world, next_rank, device, f"What stage {stage} {what}") if next_rank is not None else None
-        )
-        self._in_flight: dict[int, _InFlight] = {}
+        self.channels = {stage: _StageChannels(stage, *links[stage], device) for stage in self.stages}
+        self._in_flight: dict[tuple[int, int], _InFlight] = {}  # by (stage, micro-batch)
         self._losses: dict[int, torch.Tensor] = {}
         self._params = [p for p in model.parameters() if p.requires_grad]
         #: The actions of the last step with their start (after their inputs arrived) and end (``time.time``).
@@ -125,9 +149,14 @@ class PipelineStepRunner:
         ).detach()
 
     @property
+    def stage(self) -> int:
+        """This rank's first stage (its place along the pipeline)."""
+        return self.stages[0]
+
+    @property
     def last(self) -> bool:
         """Whether this rank runs the last stage (which computes the loss)."""
-        return self.stage == self.program.num_stages - 1
+        return self.stages[-1] == self.program.num_stages - 1
 
     def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """Train on one replica batch; return the replica's mean loss (the same on every stage)."""
@@ -148,7 +177,8 @@ class PipelineStepRunner:
             self._run(action, pieces)
             timeline.append(Event(action, self._started, time.time()))
             self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
-        _flush(self.inbound, self.outbound)
+        for channels in self.channels.values():
+            channels.flush()
         self.last_timeline = timeline
         clip = self.clip_gradients if self.max_grad_norm is not None else None
         self._grad_norm = None
@@ -189,20 +219,24 @@ class PipelineStepRunner:
         )
 
     def _forward_only(self, inputs: Any, targets: Any, *, with_loss: bool) -> list[Any]:
-        """Each micro-batch through this stage in order: received, run, sent on (the last stage: output or loss)."""
+        """Each micro-batch through this rank's stages in order: received, run, sent on (the last stage: output or
+        loss). Every rank goes through (micro-batch, stage) in the same order, so none waits on a later one."""
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         results = []
         for micro_inputs, micro_targets in micro_batches(inputs, targets, self.num_micro_batch):
-            received = self.eval_inbound.receive()[0] if self.eval_inbound is not None else None
-            with inside(self.forward_contexts):
-                result = self.program.run(self.model, self.stage, micro_inputs, received)
-            if self.eval_outbound is not None:
-                self.eval_outbound.send(result)
-            elif with_loss:
-                results.append(self._loss(result, micro_targets).detach())
-            else:
-                results.append(result)
-        _flush(self.eval_inbound, self.eval_outbound)
+            for stage in self.stages:
+                channels = self.channels[stage]
+                received = channels.eval_inbound.receive()[0] if channels.eval_inbound is not None else None
+                with inside(self.forward_contexts):
+                    result = self.program.run(self.model, stage, micro_inputs, received)
+                if channels.eval_outbound is not None:
+                    channels.eval_outbound.send(result)
+                elif with_loss:
+                    results.append(self._loss(result, micro_targets).detach())
+                else:
+                    results.append(result)
+        for channels in self.channels.values():
+            channels.flush_eval()
         return results
 
     def _loss(self, output: Any, targets: Any) -> torch.Tensor:
@@ -217,30 +251,31 @@ class PipelineStepRunner:
         return loss
 
     def _run(self, action: Action, pieces: list[tuple[Any, Any]]) -> None:
-        m = action.micro_batch
+        key = (action.stage, action.micro_batch)
         if action.kind is ActionKind.FORWARD:
-            self._forward(m, *pieces[m])
+            self._forward(*key, *pieces[action.micro_batch])
         elif action.kind is ActionKind.BACKWARD:
-            self._backward(m, split=False)
+            self._backward(*key, split=False)
         elif action.kind is ActionKind.BACKWARD_INPUT:
-            self._backward(m, split=True)
+            self._backward(*key, split=True)
         elif action.kind is ActionKind.BACKWARD_WEIGHT:
-            flight = self._in_flight.pop(m)
+            flight = self._in_flight.pop(key)
             assert flight.pending is not None
             backward_weight(flight.pending)
         else:
             raise EplError(f"The pipeline executor runs F, B, I and W actions, not {action.kind.name}.")
 
-    def _forward(self, m: int, inputs: Any, targets: Any) -> None:
-        values, received = self.inbound.receive() if self.inbound is not None else (None, [])
-        if self.inbound is not None:
+    def _forward(self, stage: int, m: int, inputs: Any, targets: Any) -> None:
+        inbound, outbound = self.channels[stage].inbound, self.channels[stage].outbound
+        values, received = inbound.receive() if inbound is not None else (None, [])
+        if inbound is not None:
             self._started = time.time()  # the action starts once its inputs have arrived
         with inside(self.forward_contexts):
-            result = self.program.run(self.model, self.stage, inputs, values)
-        if self.outbound is not None:
-            sent = self.outbound.send(result)
-            assert self.outbound.description is not None
-            specs = self.outbound.description.tensor_specs
+            result = self.program.run(self.model, stage, inputs, values)
+        if outbound is not None:
+            sent = outbound.send(result)
+            assert outbound.description is not None
+            specs = outbound.description.tensor_specs
             outputs = [t for t, spec in zip(sent, specs, strict=True) if spec.requires_grad]
         else:
             loss = self._loss(result, targets)
@@ -248,15 +283,16 @@ class PipelineStepRunner:
             outputs = [loss / self.num_micro_batch]
             if self.loss_scaler is not None:
                 outputs = [self.loss_scaler.scale_loss(outputs[0])]
-        self._in_flight[m] = _InFlight(outputs, received)
+        self._in_flight[stage, m] = _InFlight(outputs, received)
 
-    def _backward(self, m: int, *, split: bool) -> None:
-        flight = self._in_flight[m] if split else self._in_flight.pop(m)
+    def _backward(self, stage: int, m: int, *, split: bool) -> None:
+        inbound, outbound = self.channels[stage].inbound, self.channels[stage].outbound
+        flight = self._in_flight[stage, m] if split else self._in_flight.pop((stage, m))
         grads: list[torch.Tensor | None]
-        if self.outbound is None:
+        if outbound is None:
             grads = [None]
         else:
-            grads = list(self.outbound.receive_gradients())
+            grads = list(outbound.receive_gradients())
             self._started = time.time()
         if split:
             input_grads, flight.pending = backward_input(flight.outputs, grads, flight.inputs, self._params)
@@ -266,8 +302,8 @@ class PipelineStepRunner:
                 torch.autograd.backward(flight.outputs, grads)
             input_grads = [t.grad for t in flight.inputs]
         flight.outputs = []
-        if self.inbound is not None:
-            self.inbound.send_gradients(
+        if inbound is not None:
+            inbound.send_gradients(
                 [g if g is not None else torch.zeros_like(t) for g, t in zip(input_grads, flight.inputs, strict=True)]
             )
         flight.inputs = []

@@ -1,15 +1,18 @@
 """Pipeline schedules as data, their invariants, and a simulator of their bubble.
 
-A schedule lists, per stage, the ordered actions on micro-batches: forward (F) and
-backward (B), or backward split in two (zero bubble): the input gradient (I), which
-the previous stage waits for, and the weight gradient (W), which nobody waits for and
-so can fill the idle slots. The executor adds the sends and receives between stages.
+A schedule lists, per lane (pipeline rank), the ordered actions on micro-batches: forward
+(F) and backward (B), or backward split in two (zero bubble): the input gradient (I), which
+the previous stage waits for, and the weight gradient (W), which nobody waits for and so can
+fill the idle slots. With ``v`` stages per rank there are ``P = S // v`` lanes and stage ``s``
+runs on lane ``s % P``; with one stage per rank lane and stage are the same. The executor
+adds the sends and receives between stages.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+import inspect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from epl.plugin_api import Action, ActionKind, Schedule, ScheduleGenerator
@@ -95,11 +98,95 @@ def zero_bubble(num_stages: int, num_micro_batches: int) -> Schedule:
     return schedule
 
 
-SCHEDULES = {"PreferForward": gpipe, "PreferBackward": one_f_one_b, "ZeroBubble": zero_bubble}
+def interleaved_one_f_one_b(num_stages: int, num_micro_batches: int, *, stages_per_rank: int = 1) -> Schedule:
+    """``Interleaved1F1B`` (Megatron-LM's virtual pipeline): 1F1B where each rank runs ``v`` stages.
+
+    The ``S`` stages are dealt round-robin to ``P = S // v`` ranks (stage ``s`` on rank
+    ``s % P``), so a micro-batch visits every rank ``v`` times, and each visit (a "chunk")
+    is ``1/v`` of the rank's work. A rank walks its ``m * v`` forwards in rounds: ``P``
+    micro-batches through its first chunk, the same ``P`` through its second chunk, ... then
+    the next ``P`` micro-batches; the backwards go the same way with the chunks from last to
+    first. Rank ``r`` first runs ``(P - r - 1) * 2 + (v - 1) * P`` forwards (at most ``m * v``;
+    all of them when ``m == P``, as Megatron does), then alternates one forward and one
+    backward, then drains the backwards. So it holds at most ``warm-up + 1`` chunk activations
+    (``m * v`` when all are warm-up), each ``1/v`` of the rank's share: with ``m > P`` rank 0
+    holds ``(P * (v + 1) - 1) / v`` shares where 1F1B holds ``P``, about ``1 + 1/v`` times more.
+
+    The pipeline fills and drains in steps of a chunk, ``1/v`` of a rank's work, instead of
+    a whole rank's share, so the bubble is ``v`` times shorter: ``(P - 1) / (v * m + P - 1)``
+    of the time against 1F1B's ``(P - 1) / (m + P - 1)`` (the simulator gives exactly that),
+    at the price of ``v`` times more messages. ``m`` must be a multiple of ``P``. With
+    ``stages_per_rank = 1`` it is 1F1B (``PreferBackward``).
+    """
+    if stages_per_rank == 1:
+        return one_f_one_b(num_stages, num_micro_batches)
+    lanes = pipeline_ranks(num_stages, stages_per_rank)
+    if num_micro_batches % lanes:
+        below = num_micro_batches // lanes * lanes
+        suggestions = " or ".join(str(n) for n in (below, below + lanes) if n > 0)
+        raise ValueError(
+            f"Interleaved1F1B needs the micro-batches (m = {num_micro_batches}) to be a multiple of the pipeline "
+            f"ranks (P = {num_stages} stages / {stages_per_rank} per rank = {lanes}); try m = {suggestions}."
+        )
+    return [_interleaved_lane(r, lanes, stages_per_rank, num_micro_batches) for r in range(lanes)]
 
 
-def build(name: str, registered: Mapping[str, ScheduleGenerator], num_stages: int, num_micro_batches: int) -> Schedule:
-    """The schedule ``name`` among ``registered`` for this size, checked; ``ValueError`` says what is wrong."""
+def _interleaved_lane(lane: int, lanes: int, chunks: int, micro: int) -> list[Action]:
+    """Rank ``lane``'s actions in Megatron's interleaved 1F1B order (see ``interleaved_one_f_one_b``)."""
+    total = micro * chunks
+    warmup = total if micro == lanes else min((lanes - lane - 1) * 2 + (chunks - 1) * lanes, total)
+
+    def nth(kind: ActionKind, k: int) -> Action:
+        chunk = (k // lanes) % chunks
+        if kind is B:
+            chunk = chunks - 1 - chunk
+        return Action(chunk * lanes + lane, kind, (k // (lanes * chunks)) * lanes + k % lanes)
+
+    actions = [nth(F, k) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions += [nth(F, warmup + k), nth(B, k)]
+    return actions + [nth(B, k) for k in range(total - warmup, total)]
+
+
+SCHEDULES = {
+    "PreferForward": gpipe,
+    "PreferBackward": one_f_one_b,
+    "ZeroBubble": zero_bubble,
+    "Interleaved1F1B": interleaved_one_f_one_b,
+}
+
+
+def pipeline_ranks(num_stages: int, stages_per_rank: int) -> int:
+    """``P = S // v``, the ranks (lanes) along a pipeline of ``num_stages`` stages with ``stages_per_rank`` each.
+
+    ``ValueError`` unless ``v`` divides ``S`` and, with several stages per rank, ``P >= 2``.
+    """
+    if stages_per_rank < 1 or num_stages % stages_per_rank:
+        raise ValueError(
+            f"pipeline.stages_per_rank = {stages_per_rank} must divide the {num_stages} pipeline stages "
+            "(stage s runs on rank s % (stages // stages_per_rank))"
+        )
+    lanes = num_stages // stages_per_rank
+    if stages_per_rank > 1 and lanes < 2:
+        raise ValueError(
+            f"{num_stages} stages with pipeline.stages_per_rank = {stages_per_rank} make {lanes} pipeline rank; "
+            "several stages per rank need at least 2 ranks"
+        )
+    return lanes
+
+
+def build(
+    name: str,
+    registered: Mapping[str, ScheduleGenerator],
+    num_stages: int,
+    num_micro_batches: int,
+    stages_per_rank: int = 1,
+) -> Schedule:
+    """The schedule ``name`` among ``registered`` for this size, checked; ``ValueError`` says what is wrong.
+
+    With ``stages_per_rank == 1`` the generator is called as ``gen(S, M)``; with more, as
+    ``gen(S, M, stages_per_rank=v)``, which only generators taking that keyword accept.
+    """
     if name not in registered:
         close = difflib.get_close_matches(name, registered, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -107,40 +194,117 @@ def build(name: str, registered: Mapping[str, ScheduleGenerator], num_stages: in
             f"{name!r} is not a registered schedule; registered: {', '.join(sorted(registered))}.{hint} "
             "A plugin adds one through the epl_pipeline_schedules hook."
         )
-    schedule = registered[name](num_stages, num_micro_batches)
+    lanes = pipeline_ranks(num_stages, stages_per_rank)
+    schedule = _generate(name, registered[name], num_stages, num_micro_batches, stages_per_rank)
     try:
+        if len(schedule) != lanes:
+            raise ValueError(f"it has {len(schedule)} lanes, expected {lanes} (one per pipeline rank)")
         check(schedule, num_stages, num_micro_batches)
     except ValueError as error:
+        per_rank = f" ({stages_per_rank} per rank)" if stages_per_rank > 1 else ""
         raise ValueError(
-            f"Schedule {name!r} is invalid for {num_stages} stages x {num_micro_batches} micro-batches: {error}"
+            f"Schedule {name!r} is invalid for {num_stages} stages{per_rank} x {num_micro_batches} micro-batches: "
+            f"{error}"
         ) from None
     return schedule
 
 
+def _generate(name: str, generator: ScheduleGenerator, stages: int, micro: int, per_rank: int) -> Schedule:
+    """Call ``generator``, passing ``stages_per_rank`` only when it is above 1 (and so only to those that take it)."""
+    if per_rank == 1:
+        return generator(stages, micro)
+    if not _takes_stages_per_rank(generator):
+        raise ValueError(
+            f"Schedule {name!r} runs one stage per rank: pipeline.stages_per_rank = {per_rank} (> 1) needs a "
+            "schedule that runs several stages per rank, e.g. 'Interleaved1F1B'."
+        )
+    return generator(stages, micro, stages_per_rank=per_rank)  # type: ignore[call-arg]
+
+
+def _takes_stages_per_rank(generator: ScheduleGenerator) -> bool:
+    """Whether ``generator`` accepts the keyword ``stages_per_rank`` (or any keyword); unknown signatures: yes."""
+    try:
+        parameters = inspect.signature(generator).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD or (p.name == "stages_per_rank" and p.kind in keyword)
+        for p in parameters
+    )
+
+
 def check(schedule: Schedule, num_stages: int, num_micro_batches: int) -> None:
-    """Raise ``ValueError`` unless every stage runs, for each micro-batch, F then either B or
-    I then W, once each, and the dependencies between stages can be met (no deadlock,
-    checked by simulation)."""
-    if len(schedule) != num_stages:
-        raise ValueError(f"schedule has {len(schedule)} stages, expected {num_stages}")
-    for s, actions in enumerate(schedule):
-        seen = [(a.kind, a.micro_batch) for a in actions if a is not None]
-        if any(a is not None and a.stage != s for a in actions):
-            raise ValueError(f"stage {s}'s list holds actions of another stage")
-        if len(set(seen)) != len(seen):
-            raise ValueError(f"stage {s} runs an action twice")
-        for m in range(num_micro_batches):
-            split = (I, m) in seen or (W, m) in seen
-            needed = [(F, m), (I, m), (W, m)] if split else [(F, m), (B, m)]
-            missing = [f"{kind.value}{m}" for kind, _ in needed if (kind, m) not in seen]
-            if missing or (split and (B, m) in seen):
-                raise ValueError(f"stage {s} must run F{m} then B{m} (or I{m} then W{m}); missing {missing}")
-            for first, then in zip(needed, needed[1:], strict=False):
-                if seen.index(then) < seen.index(first):
-                    raise ValueError(f"stage {s} runs {then[0].value}{m} before {first[0].value}{m}")
-        if len(seen) != sum(3 if (I, m) in seen else 2 for m in range(num_micro_batches)):
-            raise ValueError(f"stage {s} runs actions on micro-batches outside 0..{num_micro_batches - 1}")
+    """Raise ``ValueError`` unless the schedule can run.
+
+    ``len(schedule)`` is the lane count ``P``, which divides ``num_stages``; lane ``r`` holds only
+    actions of the stages ``s`` with ``s % P == r``, and every stage runs, for each micro-batch,
+    F then either B or I then W, once each. Across every link ``s -> s+1`` the executor matches
+    messages in the order they come, so stage ``s+1`` runs its forwards in stage ``s``'s
+    micro-batch order, and stage ``s`` its input gradients (B or I) in stage ``s+1``'s order.
+    Last, the dependencies between stages can be met (no deadlock, checked by simulation).
+    """
+    per_stage = _actions_by_stage(schedule, num_stages)
+    for s, actions in enumerate(per_stage):
+        _check_stage(s, actions, num_micro_batches)
+    _check_link_orders(per_stage)
     simulate(schedule)
+
+
+def _actions_by_stage(schedule: Schedule, num_stages: int) -> list[list[Action]]:
+    """Each stage's actions in the order its lane runs them; ``ValueError`` if a lane holds another's stage."""
+    lanes = len(schedule)
+    if lanes == 0 or num_stages % lanes:
+        raise ValueError(f"schedule has {lanes} lanes (pipeline ranks), which does not divide {num_stages} stages")
+    per_stage: list[list[Action]] = [[] for _ in range(num_stages)]
+    for lane, actions in enumerate(schedule):
+        for action in actions:
+            if action is None:
+                continue
+            if not 0 <= action.stage < num_stages or action.stage % lanes != lane:
+                mine = list(range(lane, num_stages, lanes))
+                raise ValueError(f"lane {lane}'s list holds {action}, an action of another stage than {mine}")
+            per_stage[action.stage].append(action)
+    return per_stage
+
+
+def _check_stage(s: int, actions: Sequence[Action], num_micro_batches: int) -> None:
+    """``ValueError`` unless stage ``s`` runs, for each micro-batch, F then B or I then W, once each."""
+    seen = [(a.kind, a.micro_batch) for a in actions]
+    if len(set(seen)) != len(seen):
+        raise ValueError(f"stage {s} runs an action twice")
+    for m in range(num_micro_batches):
+        split = (I, m) in seen or (W, m) in seen
+        needed = [(F, m), (I, m), (W, m)] if split else [(F, m), (B, m)]
+        missing = [f"{kind.value}{m}" for kind, _ in needed if (kind, m) not in seen]
+        if missing or (split and (B, m) in seen):
+            raise ValueError(f"stage {s} must run F{m} then B{m} (or I{m} then W{m}); missing {missing}")
+        for first, then in zip(needed, needed[1:], strict=False):
+            if seen.index(then) < seen.index(first):
+                raise ValueError(f"stage {s} runs {then[0].value}{m} before {first[0].value}{m}")
+    if len(seen) != sum(3 if (I, m) in seen else 2 for m in range(num_micro_batches)):
+        raise ValueError(f"stage {s} runs actions on micro-batches outside 0..{num_micro_batches - 1}")
+
+
+def _check_link_orders(per_stage: Sequence[Sequence[Action]]) -> None:
+    """``ValueError`` unless both ends of every link ``s -> s+1`` exchange their messages in the same order."""
+
+    def order(stage: int, kinds: tuple[ActionKind, ...]) -> list[int]:
+        return [a.micro_batch for a in per_stage[stage] if a.kind in kinds]
+
+    for s in range(len(per_stage) - 1):
+        sent, received = order(s, (F,)), order(s + 1, (F,))
+        if sent != received:
+            raise ValueError(
+                f"stage {s} sends its activations in micro-batch order {sent} but stage {s + 1} runs its forwards "
+                f"in order {received}; the executor matches messages in order, so they must agree"
+            )
+        sent, received = order(s + 1, GRADIENT_KINDS), order(s, GRADIENT_KINDS)
+        if sent != received:
+            raise ValueError(
+                f"stage {s + 1} sends its input gradients (B or I) in micro-batch order {sent} but stage {s} runs "
+                f"its B or I in order {received}; the executor matches messages in order, so they must agree"
+            )
 
 
 @dataclass(frozen=True)
@@ -155,33 +319,42 @@ class Event:
 def timeline(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 2.0) -> list[Event]:
     """When every action of ``schedule`` runs, given its cost and what it waits for; a deadlock raises.
 
-    I and W each cost half a backward.
+    Each lane keeps its own clock. ``forward_cost`` and ``backward_cost`` are those of a whole
+    rank's share of the model: with ``v = S / lanes`` stages per rank (``S`` = 1 + the highest
+    stage in the schedule) each action costs ``1/v`` of them, so a schedule with several stages
+    per rank compares with one with a stage per rank at the same total work. I and W each cost
+    half a backward.
     """
-    stages = len(schedule)
-    cost = {F: forward_cost, B: backward_cost, I: backward_cost / 2, W: backward_cost / 2}
-    done: dict[tuple[int, str, int], float] = {}
-    position = [0] * stages
-    clock = [0.0] * stages
     queues = [[a for a in actions if a is not None] for actions in schedule]
+    if not any(queues):
+        return []
+    lanes = len(queues)
+    stages = 1 + max(a.stage for queue in queues for a in queue)
+    share = lanes / stages
+    cost = {F: forward_cost * share, B: backward_cost * share, I: backward_cost * share / 2}
+    cost[W] = cost[I]
+    done: dict[tuple[int, str, int], float] = {}
+    position = [0] * lanes
+    clock = [0.0] * lanes
     events = []
-    while any(position[s] < len(queues[s]) for s in range(stages)):
+    while any(position[r] < len(queues[r]) for r in range(lanes)):
         progressed = False
-        for s in range(stages):
-            if position[s] == len(queues[s]):
+        for r in range(lanes):
+            if position[r] == len(queues[r]):
                 continue
-            action = queues[s][position[s]]
+            action = queues[r][position[r]]
             needed = _dependency(action, stages)
             if needed is not None and needed not in done:
                 continue
-            start = max(clock[s], done[needed] if needed is not None else 0.0)
-            clock[s] = start + cost[action.kind]
-            done[_key(action)] = clock[s]
-            events.append(Event(action, start, clock[s]))
-            position[s] += 1
+            start = max(clock[r], done[needed] if needed is not None else 0.0)
+            clock[r] = start + cost[action.kind]
+            done[_key(action)] = clock[r]
+            events.append(Event(action, start, clock[r]))
+            position[r] += 1
             progressed = True
         if not progressed:
-            stuck = {s: str(queues[s][position[s]]) for s in range(stages) if position[s] < len(queues[s])}
-            raise ValueError(f"schedule deadlocks: stages wait on each other at {stuck}")
+            stuck = {r: str(queues[r][position[r]]) for r in range(lanes) if position[r] < len(queues[r])}
+            raise ValueError(f"schedule deadlocks: lanes (pipeline ranks) wait on each other at {stuck}")
     return events
 
 
@@ -202,21 +375,29 @@ def _dependency(action: Action, stages: int) -> tuple[int, str, int] | None:
 
 
 def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 2.0) -> tuple[float, float]:
-    """(makespan, bubble fraction) of ``schedule`` with the given costs per action; a deadlock raises."""
+    """(makespan, bubble fraction) of ``schedule`` with the given costs per rank's share (see ``timeline``);
+    a deadlock raises."""
     events = timeline(schedule, forward_cost, backward_cost)
     return bubble(events, len(schedule))
 
 
-def bubble(events: list[Event], stages: int) -> tuple[float, float]:
-    """(makespan, idle fraction) of a timeline, simulated or measured."""
+def bubble(events: list[Event], lanes: int) -> tuple[float, float]:
+    """(makespan, idle fraction) of a timeline, simulated or measured, over ``lanes`` pipeline ranks.
+
+    ``lanes`` is the number of ranks along the pipeline (``S // stages_per_rank``; the number
+    of stages with one stage per rank): the idle fraction is of ``lanes x makespan``.
+    """
     begin = min(event.start for event in events)
     makespan = max(event.end for event in events) - begin
     busy = sum(event.end - event.start for event in events)
-    return makespan, 1.0 - busy / (stages * makespan)
+    return makespan, 1.0 - busy / (lanes * makespan)
 
 
-def peak_in_flight(actions: list[Action | None]) -> int:
-    """Most micro-batches whose activations one stage holds at once (from F until B or W)."""
+def peak_in_flight(actions: Sequence[Action | None]) -> int:
+    """Most micro-batch activations one lane holds at once (from F until B or W), counted over all its stages.
+
+    With several stages per rank each counted activation is one stage's, ``1/v`` of the rank's share.
+    """
     in_flight = peak = 0
     for action in actions:
         if action is None:

@@ -23,6 +23,7 @@ KEY_OWNERS: dict[str, str] = {
     "optimizer.num_apply_group": "epl-memory",
     "pipeline.num_stages": "epl-pipeline",
     "pipeline.strategy": "epl-pipeline",
+    "pipeline.split_points": "epl-pipeline",
     "auto.": "epl-pipeline",
 }
 
@@ -43,6 +44,15 @@ CORE_KEYS: tuple[ConfigKey, ...] = (
         minimum=1,
         doc="Number of micro-batches per replica batch: pipeline micro-batches, or "
         "gradient accumulation steps when the model has one stage.",
+    ),
+    ConfigKey(
+        name="pipeline.stages_per_rank",
+        types=(int,),
+        default=1,
+        minimum=1,
+        doc="Pipeline stages each device runs (Megatron's virtual pipeline size v): S stages run on S / v "
+        "devices per replica position, stage s on the (s mod S/v)-th, so that pipeline.strategy="
+        "'Interleaved1F1B' shrinks the bubble.",
     ),
     ConfigKey(
         name="optimizer.max_grad_norm",

@@ -26,7 +26,8 @@ def build_plan(
         raise PlacementError(f"World size {world_size} is not a multiple of {gpu_per_worker} devices per worker.")
     colocated = bool(config["cluster.colocate_split_and_replicate"])
     row_major = bool(config["cluster.device_place_prefer_intra_node"])
-    specs, width, slots = _replica_layout(taskgraphs, colocated)
+    per_rank = int(config["pipeline.stages_per_rank"])
+    specs, width, slots = _replica_layout(taskgraphs, colocated, per_rank)
     if world_size % width:
         parts = " + ".join(f"{tg.name}: {tg.device_count}" for tg in specs)
         how = "the common device_count (colocated)" if colocated else parts
@@ -47,6 +48,7 @@ def build_plan(
         taskgraphs=tuple(specs),
         slots=tuple(slots),
         notes=tuple(_notes(specs, width, replicas, gpu_per_worker, colocated, row_major)),
+        stages_per_rank=per_rank,
     )
 
 
@@ -57,7 +59,8 @@ def build_local_plan(taskgraphs: Sequence[TaskGraphSpec], *, config: Config) -> 
     on one replica's worth of devices.
     """
     colocated = bool(config["cluster.colocate_split_and_replicate"])
-    specs, width, _ = _replica_layout(taskgraphs, colocated)
+    per_rank = int(config["pipeline.stages_per_rank"])
+    specs, width, _ = _replica_layout(taskgraphs, colocated, per_rank)
     note = (
         f"One process runs every TaskGraph locally; launched on a multiple of {width} devices "
         f"this model would run as {width} device{'s' if width != 1 else ''} per replica."
@@ -74,14 +77,17 @@ def build_local_plan(taskgraphs: Sequence[TaskGraphSpec], *, config: Config) -> 
         slots=((0,),) * len(specs),
         notes=(note, *_notes(specs, 1, 1, 1, colocated, True)),
         local=True,
+        stages_per_rank=per_rank,
     )
 
 
 def _replica_layout(
-    taskgraphs: Sequence[TaskGraphSpec], colocated: bool
+    taskgraphs: Sequence[TaskGraphSpec], colocated: bool, stages_per_rank: int = 1
 ) -> tuple[list[TaskGraphSpec], int, list[tuple[int, ...]]]:
     """(TaskGraphs, devices per replica, each TaskGraph's slots in a replica)."""
     specs = list(taskgraphs)
+    if stages_per_rank > 1:
+        return _interleaved_layout(specs, colocated, stages_per_rank)
     if colocated:
         width = max((tg.device_count for tg in specs if not tg.implicit), default=1)
         if any(not tg.implicit and tg.device_count != width for tg in specs):
@@ -96,6 +102,38 @@ def _replica_layout(
     offsets = [sum(tg.device_count for tg in specs[:i]) for i in range(len(specs))]
     slots = [tuple(range(o, o + tg.device_count)) for o, tg in zip(offsets, specs, strict=True)]
     return specs, sum(tg.device_count for tg in specs), slots
+
+
+def _interleaved_layout(
+    specs: list[TaskGraphSpec], colocated: bool, per_rank: int
+) -> tuple[list[TaskGraphSpec], int, list[tuple[int, ...]]]:
+    """Stage s on the devices of stage ``s % P`` (P = stages / ``per_rank``), each device group running
+    ``per_rank`` stages (Megatron's virtual pipeline)."""
+    stages = len(specs)
+    if colocated:
+        raise PlacementError(
+            "pipeline.stages_per_rank > 1 places several pipeline stages on each device group, but "
+            "cluster.colocate_split_and_replicate=True runs every TaskGraph on the same devices as one stage. "
+            "Set one of them back to its default."
+        )
+    if stages % per_rank or stages // per_rank < 2:
+        raise PlacementError(
+            f"pipeline.stages_per_rank={per_rank} runs {per_rank} pipeline stages on each device group, so the "
+            f"number of stages must be a multiple of {per_rank} with at least 2 groups; the model has "
+            f"{stages} stage(s) ({', '.join(tg.name for tg in specs)}). Cut the model into "
+            f"{2 * per_rank}, {3 * per_rank}, ... stages or change pipeline.stages_per_rank."
+        )
+    groups = stages // per_rank
+    for tg in specs[groups:]:
+        first = specs[tg.index % groups]
+        if tg.device_count != first.device_count:
+            raise PlacementError(
+                f"{tg.name} ({tg.label}) runs on the devices of {first.name} ({first.label}) with "
+                f"pipeline.stages_per_rank={per_rank}, so both need the same device_count."
+            )
+    offsets = [sum(tg.device_count for tg in specs[:i]) for i in range(groups)]
+    slots = [tuple(range(offsets[i % groups], offsets[i % groups] + tg.device_count)) for i, tg in enumerate(specs)]
+    return specs, sum(tg.device_count for tg in specs[:groups]), slots
 
 
 def _notes(

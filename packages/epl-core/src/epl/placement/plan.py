@@ -4,7 +4,8 @@ Placement rules (DESIGN.md):
 
 * A replica spans D devices: the sum of its TaskGraphs' ``device_count``, or,
   with ``cluster.colocate_split_and_replicate``, the common ``device_count`` of
-  all TaskGraphs (an implicit TaskGraph then widens to D).
+  all TaskGraphs (an implicit TaskGraph then widens to D); with ``pipeline.stages_per_rank=v``,
+  stage s shares the devices of stage ``s % (stages / v)``, so D counts the first stages / v.
 * ``replicas = world_size / D``; anything else is an error naming the numbers.
 * Row-major (``cluster.device_place_prefer_intra_node``, the default): replica r
   holds devices ``r*D .. r*D+D-1``, TaskGraph after TaskGraph. Column-major:
@@ -142,11 +143,19 @@ class Plan:
     #: Sets of TaskGraphs (indices) that hold a tensor together: tied weights cut apart by a pipeline partition.
     #: Each owner keeps a copy; their gradients are summed between the owners every step.
     shared: tuple[tuple[int, ...], ...] = ()
+    #: Pipeline stages each device runs (``pipeline.stages_per_rank``, Megatron's virtual pipeline size): stage
+    #: s runs on the devices of stage ``s % pipeline_size``.
+    stages_per_rank: int = 1
 
     @property
     def num_stages(self) -> int:
         """Pipeline stages: TaskGraphs on different devices run one after another."""
         return 1 if self.colocated or self.local else len(self.taskgraphs)
+
+    @property
+    def pipeline_size(self) -> int:
+        """How many device groups the stages run on, one after another (stages / stages per rank)."""
+        return self.num_stages // self.stages_per_rank if self.num_stages > 1 else 1
 
     @property
     def num_workers(self) -> int:
@@ -236,7 +245,7 @@ class Plan:
             "pipeline": [],
             "data parallel": [],
             "tied weights": [
-                tuple(sorted(self.device_of(r, self.slots[o][p]) for o in owners for r in replicas))
+                tuple(sorted({self.device_of(r, self.slots[o][p]) for o in owners for r in replicas}))
                 for owners in self.shared
                 for p in range(min(len(self.slots[o]) for o in owners))
             ],
@@ -245,13 +254,13 @@ class Plan:
         if self.num_stages > 1 and len(widths) == 1:
             (width,) = widths
             groups["pipeline"] = [
-                tuple(self.devices(s, r)[p] for s in range(self.num_stages)) for r in replicas for p in range(width)
+                tuple(self.devices(s, r)[p] for s in range(self.pipeline_size)) for r in replicas for p in range(width)
             ]
         if self.num_replicas > 1:
             groups["data parallel"] = [
                 tuple(self.device_of(r, slot) for r in replicas) for slot in range(self.devices_per_replica)
             ]
-        return {kind: sorted(found) for kind, found in groups.items() if found}
+        return {kind: sorted(set(found)) for kind, found in groups.items() if found}
 
     def taskgraphs_on(self, rank: int) -> tuple[int, ...]:
         """Indices of the TaskGraphs that ``rank`` runs."""
@@ -299,7 +308,8 @@ def render_plan(plan: Plan) -> str:
         f"EPL plan for {count(plan.world_size, 'device')} "
         f"({count(plan.num_workers, 'worker')} x {count(plan.gpu_per_worker, 'device')})",
         f"  {count(plan.num_replicas, 'replica')} x {count(plan.devices_per_replica, 'device')} per replica, "
-        f"{count(plan.num_stages, 'pipeline stage')}, {'row' if plan.row_major else 'column'}-major placement",
+        f"{count(plan.num_stages, 'pipeline stage')}{_interleaving(plan)}, "
+        f"{'row' if plan.row_major else 'column'}-major placement",
         f"  batch: {count(plan.num_micro_batch, 'micro-batch', 'micro-batches')} per replica batch; "
         f"global batch = {plan.num_replicas} x replica batch",
         "",
@@ -338,6 +348,13 @@ def render_plan(plan: Plan) -> str:
     if plan.notes:
         lines += ["", "notes:"] + [f"  - {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def _interleaving(plan: Plan) -> str:
+    """`` (2 per device, on 2 device groups)`` when devices run several stages, else nothing."""
+    if plan.stages_per_rank == 1 or plan.num_stages == 1:
+        return ""
+    return f" ({plan.stages_per_rank} per device, on {count(plan.pipeline_size, 'device group')})"
 
 
 #: How many groups of each kind the Plan's text lists before it counts the rest.

@@ -79,10 +79,11 @@ class ParallelContext:
     forward_contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
     #: The step runner ``Engine.step`` calls (set last, from ``epl_make_step_runner``).
     step_runner: StepRunner | None = None
-    #: This rank's pipeline stage, set by the transform that keeps it (epl-pipeline); None: one stage.
-    pipeline_stage: int | None = None
-    #: The qualified names of the modules this rank's pipeline stage runs whole (its roots), set with
-    #: ``pipeline_stage``; the rest of the model is not called as such. Empty: the whole model runs.
+    #: This rank's pipeline stages (several with ``pipeline.stages_per_rank``), set by the transform that keeps
+    #: them (epl-pipeline); empty: one stage.
+    pipeline_stages: tuple[int, ...] = ()
+    #: The qualified names of the modules this rank's pipeline stages run whole (their roots), set with
+    #: ``pipeline_stages``; the rest of the model is not called as such. Empty: the whole model runs.
     stage_modules: tuple[str, ...] = ()
     #: The shard group of each split TaskGraph this rank runs, by TaskGraph index (set by the split transform).
     shard_groups: dict[int, ShardGroup] = field(default_factory=dict)
