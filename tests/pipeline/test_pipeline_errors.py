@@ -95,7 +95,8 @@ def test_an_unknown_schedule_names_the_registered_ones(monkeypatch: pytest.Monke
     env = epl.init(epl.Config({"pipeline.strategy": "ZeroBuble"}))
     context = SimpleNamespace(config=env.config, plugins=env.plugins)
     with pytest.raises(
-        EplError, match=r"registered: Interleaved1F1B, PreferBackward, PreferForward, ZeroBubble\. Did you mean 'ZeroBubble'"
+        EplError,
+        match=r"registered: Interleaved1F1B, PreferBackward, PreferForward, ZeroBubble\. Did you mean 'ZeroBubble'",
     ):
         _schedule(context, 2, 4)  # type: ignore[arg-type]
 

@@ -159,3 +159,22 @@ def test_check_rules_for_lanes_and_message_orders() -> None:
     forwards_swapped = [Action(1, F, 1), Action(1, F, 0), Action(1, B, 0), Action(1, B, 1)]
     with pytest.raises(ValueError, match=r"stage 0 sends its activations in micro-batch order \[0, 1\] but stage 1"):
         check([first, forwards_swapped], 2, 2)
+
+
+def test_one_stream_per_pair_of_ranks_for_every_built_in_schedule() -> None:
+    """Every built-in schedule sends each pair of ranks' messages (all links, both kinds) in the order the
+    receiver takes them, so one communicator carries them; a schedule that mixes the links' order does not."""
+    from epl_pipeline.schedules import one_stream_per_pair
+
+    for stages, micro in [(2, 4), (3, 5), (4, 8)]:
+        for generator in (gpipe, one_f_one_b, zero_bubble):
+            assert one_stream_per_pair(generator(stages, micro)), (generator.__name__, stages, micro)
+    for lanes, per_rank, micro in INTERLEAVED:
+        assert one_stream_per_pair(interleaved_one_f_one_b(lanes * per_rank, micro, stages_per_rank=per_rank))
+    # P=2, v=2: rank 0 runs stage 2's forward of micro-batch 0 before stage 0's: rank 1 then receives stage
+    # 2's activation first, but runs stage 1's forward (which takes stage 0's) first.
+    mixed = [
+        [Action(2, F, 0), Action(0, F, 0), Action(2, B, 0), Action(0, B, 0)],
+        [Action(1, F, 0), Action(3, F, 0), Action(3, B, 0), Action(1, B, 0)],
+    ]
+    assert not one_stream_per_pair(mixed)

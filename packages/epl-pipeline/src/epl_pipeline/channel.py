@@ -4,11 +4,14 @@ The first time a stage sends, it sends a description (the value's structure, and
 tensor its shape, dtype and whether it needs a gradient; non-tensor leaves, and
 :class:`ShapeOnly` stand-ins for tensors whose values are not needed, as constants);
 from then on only the tensors travel, and the receiver allocates them from the
-description. Gradients travel back with the shapes both sides already know.
+description. Gradients travel back with the shapes both sides already know. A receiver may
+post its next receive early (``prefetch``), so that the values travel while it computes;
+receives are still posted in the order the sender sends.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +107,19 @@ class Description:
         return [s for s in self.leaves if isinstance(s, _TensorSpec)]
 
 
+@dataclass(frozen=True)
+class _Posted:
+    """Receives started into ``tensors``; ``wait`` returns them once they have arrived."""
+
+    tensors: list[torch.Tensor]
+    works: list[Work]
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        return self.tensors
+
+
 class Channel:
     """One direction of values between this stage and a neighbour, with the matching gradients."""
 
@@ -111,6 +127,9 @@ class Channel:
         self.world, self.peer, self.device, self.what = world, peer, device, what
         self.description: Description | None = None
         self._pending: list[tuple[Work, torch.Tensor]] = []
+        # Receives posted ahead of need (``prefetch``): their buffers and handles, oldest first.
+        self._values_ahead: collections.deque[_Posted] = collections.deque()
+        self._gradients_ahead: collections.deque[_Posted] = collections.deque()
 
     # -- forward: values ---------------------------------------------------------------
     def send(self, values: list[Any]) -> list[torch.Tensor]:
@@ -119,8 +138,8 @@ class Channel:
         if self.description is None:
             encoded = description.encode()
             length = torch.tensor([encoded.numel()], dtype=torch.int64)
-            self._post(self.world.send(length, self.peer), length)
-            self._post(self.world.send(encoded, self.peer), encoded)
+            self._track(self.world.send(length, self.peer), length)
+            self._track(self.world.send(encoded, self.peer), encoded)
             self.description = description
         elif description != self.description:
             raise EplError(
@@ -130,7 +149,7 @@ class Channel:
             )
         for tensor in tensors:
             data = tensor.detach().contiguous()
-            self._post(self.world.send(data, self.peer), data)
+            self._track(self.world.send(data, self.peer), data)
         return tensors
 
     def receive(self) -> tuple[list[Any], list[torch.Tensor]]:
@@ -141,17 +160,10 @@ class Channel:
             encoded = torch.empty(int(length), dtype=torch.uint8)
             self.world.recv(encoded, self.peer).wait()
             self.description = Description.decode(encoded)
-        leaves, tensors, works = [], [], []
-        for spec in self.description.leaves:
-            if isinstance(spec, _TensorSpec):
-                tensor = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
-                works.append(self.world.recv(tensor, self.peer))
-                tensors.append(tensor)
-                leaves.append(tensor)
-            else:
-                leaves.append(spec)
-        for work in works:
-            work.wait()
+        posted = self._values_ahead.popleft() if self._values_ahead else self._post(self.description.tensor_specs)
+        tensors = posted.wait()
+        arrived = iter(tensors)
+        leaves = [next(arrived) if isinstance(spec, _TensorSpec) else spec for spec in self.description.leaves]
         needs_grad = []
         for tensor, spec in zip(tensors, self.description.tensor_specs, strict=True):
             if spec.requires_grad:
@@ -164,20 +176,35 @@ class Channel:
         """Send the gradients of the received tensors that need one, in order."""
         for grad in grads:
             data = grad.detach().contiguous()
-            self._post(self.world.send(data, self.peer), data)
+            self._track(self.world.send(data, self.peer), data)
 
     def receive_gradients(self) -> list[torch.Tensor]:
         """Receive the gradients of the sent tensors that need one, in order."""
+        if self._gradients_ahead:
+            return self._gradients_ahead.popleft().wait()
         assert self.description is not None
-        grads = [
-            torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
-            for spec in self.description.tensor_specs
-            if spec.requires_grad
-        ]
-        works = [self.world.recv(grad, self.peer) for grad in grads]
-        for work in works:
-            work.wait()
-        return grads
+        return self._post(self._gradient_specs()).wait()
+
+    # -- receiving ahead -----------------------------------------------------------------
+    def prefetch(self) -> None:
+        """Post the receives of the next values now (once their description is known), so that they travel
+        while this stage computes; the next :meth:`receive` takes them."""
+        if self.description is not None:
+            self._values_ahead.append(self._post(self.description.tensor_specs))
+
+    def prefetch_gradients(self) -> None:
+        """Post the receives of the next gradients now; the next :meth:`receive_gradients` takes them."""
+        if self.description is not None:
+            self._gradients_ahead.append(self._post(self._gradient_specs()))
+
+    def _gradient_specs(self) -> list[_TensorSpec]:
+        assert self.description is not None
+        return [spec for spec in self.description.tensor_specs if spec.requires_grad]
+
+    def _post(self, specs: list[_TensorSpec]) -> _Posted:
+        """Start receiving one tensor of each of ``specs``, in order."""
+        tensors = [torch.empty(spec.shape, dtype=spec.dtype, device=self.device) for spec in specs]
+        return _Posted(tensors, [self.world.recv(tensor, self.peer) for tensor in tensors])
 
     def flush(self) -> None:
         """Wait for every send started so far."""
@@ -185,7 +212,7 @@ class Channel:
             work.wait()
         self._pending.clear()
 
-    def _post(self, work: Work, keep: torch.Tensor) -> None:
+    def _track(self, work: Work, keep: torch.Tensor) -> None:
         """Track a started send; ``keep`` holds its buffer alive until it completes."""
         self._pending.append((work, keep))
 

@@ -149,13 +149,14 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     last_device = plan.devices(stages - 1, replica)[0]
     # The devices at one position of every stage of a replica: the global gradient norm adds their squares.
     peers = world.split([list(group) for group in plan.process_groups()["pipeline"]])
+    schedule = _schedule(context, stages, plan.num_micro_batch)
     runner = PipelineStepRunner(
         model=context.model,
         optimizer=context.optimizer,
         loss_fn=context.loss_fn,
         program=program,
-        schedule=_schedule(context, stages, plan.num_micro_batch),
-        links=_links(context, local),
+        schedule=schedule,
+        links=_links(context, local, schedule),
         num_micro_batch=plan.num_micro_batch,
         replica=replica_group,
         last_stage_member=replica_group.ranks.index(last_device),
@@ -171,22 +172,26 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     return runner
 
 
-def _links(context: ParallelContext, local: tuple[int, ...]) -> dict[int, tuple[Link | None, Link | None]]:
+def _links(
+    context: ParallelContext, local: tuple[int, ...], schedule: Schedule
+) -> dict[int, tuple[Link | None, Link | None]]:
     """Each of this rank's stages' way to its previous and next stage: the device at this rank's position in
     the neighbouring stage (split stages exchange activations shard by shard).
 
-    With one stage per rank the job's communicator carries every link: between two ranks each direction then
-    carries one stream of messages, which arrive in the order they were sent. With several stages per rank one
-    pair of ranks carries several links in one direction (stage 0 -> 1 and 2 -> 3), so each link gets a
-    communicator of its own; every rank makes them, in the same order.
+    Messages between two ranks are matched in the order they come. With several stages per rank, one pair of
+    ranks carries several links in one direction (stage 0 -> 1 and 2 -> 3, and 2 -> 1's gradients): the job's
+    communicator carries them all when the schedule receives them in the order it sends them (every built-in
+    schedule does); otherwise each link gets a communicator of its own, made by every rank in the same order
+    (each is a process group more: its threads and sockets, on every rank).
     """
     from epl_pipeline.runner import Link
+    from epl_pipeline.schedules import one_stream_per_pair
 
     plan, rank, world = context.plan, context.cluster.rank, context.communicator
     replica = plan.replica_of(rank)
     position = plan.devices(local[0], replica).index(rank)
     between = [world] * (plan.num_stages - 1)
-    if plan.stages_per_rank > 1:
+    if plan.stages_per_rank > 1 and not one_stream_per_pair(schedule):
         between = [_link_communicator(context, stage) for stage in range(plan.num_stages - 1)]
 
     def link(stage: int, to: int) -> Link:

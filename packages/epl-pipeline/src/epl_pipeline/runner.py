@@ -126,6 +126,7 @@ class PipelineStepRunner:
         #: Most micro-batches whose activations this stage held at once, in the last step.
         self.peak_in_flight = 0
         self._started = 0.0  # when the running action's inputs had arrived
+        self._following: Action | None = None  # the action after the running one, whose inputs are received ahead
         self.max_grad_norm, self.stage_peers = max_grad_norm, stage_peers
         #: ids of parameters tied to an earlier stage's (that stage counts them in the norm).
         self.counted_elsewhere = counted_elsewhere
@@ -170,9 +171,9 @@ class PipelineStepRunner:
         if self.loss_scaler is not None:
             self.loss_scaler.start()
         timeline, self.peak_in_flight = [], 0
-        for action in self.actions:
-            if action is None:
-                continue
+        actions = [action for action in self.actions if action is not None]
+        for index, action in enumerate(actions):
+            self._following = actions[index + 1] if index + 1 < len(actions) else None
             self._started = time.time()
             self._run(action, pieces)
             timeline.append(Event(action, self._started, time.time()))
@@ -259,17 +260,31 @@ class PipelineStepRunner:
         elif action.kind is ActionKind.BACKWARD_INPUT:
             self._backward(*key, split=True)
         elif action.kind is ActionKind.BACKWARD_WEIGHT:
+            self._receive_ahead()
             flight = self._in_flight.pop(key)
             assert flight.pending is not None
             backward_weight(flight.pending)
         else:
             raise EplError(f"The pipeline executor runs F, B, I and W actions, not {action.kind.name}.")
 
+    def _receive_ahead(self) -> None:
+        """Once the running action has its inputs, post the receives of the next action's: they then travel while
+        this one computes (the order of posted receives stays the schedule's, which the senders follow)."""
+        following = self._following
+        if following is None:
+            return
+        channels = self.channels[following.stage]
+        if following.kind is ActionKind.FORWARD and channels.inbound is not None:
+            channels.inbound.prefetch()
+        elif following.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and channels.outbound is not None:
+            channels.outbound.prefetch_gradients()
+
     def _forward(self, stage: int, m: int, inputs: Any, targets: Any) -> None:
         inbound, outbound = self.channels[stage].inbound, self.channels[stage].outbound
         values, received = inbound.receive() if inbound is not None else (None, [])
         if inbound is not None:
             self._started = time.time()  # the action starts once its inputs have arrived
+        self._receive_ahead()
         with inside(self.forward_contexts):
             result = self.program.run(self.model, stage, inputs, values)
         if outbound is not None:
@@ -294,6 +309,7 @@ class PipelineStepRunner:
         else:
             grads = list(outbound.receive_gradients())
             self._started = time.time()
+        self._receive_ahead()
         if split:
             input_grads, flight.pending = backward_input(flight.outputs, grads, flight.inputs, self._params)
             input_grads = input_grads or [None] * len(flight.inputs)

@@ -307,6 +307,37 @@ def _check_link_orders(per_stage: Sequence[Sequence[Action]]) -> None:
             )
 
 
+def one_stream_per_pair(schedule: Schedule) -> bool:
+    """Whether, between every two ranks and in each direction, the messages of all the links (activations
+    and input gradients of every stage pair the two ranks hold) are received in the order they are sent.
+
+    Then one communicator can carry every link, as with one stage per rank; else each link needs its own.
+    Every built-in schedule, Interleaved1F1B included, has one stream per pair.
+    """
+    lanes = len(schedule)
+    actions = [[a for a in lane if a is not None] for lane in schedule]
+    stages = 1 + max((a.stage for lane in actions for a in lane), default=0)
+
+    def messages(lane: int, sender: bool) -> dict[int, list[tuple[str, int, int]]]:
+        """Per other lane, what ``lane`` sends to it (``sender``) or receives from it, in ``lane``'s order."""
+        found: dict[int, list[tuple[str, int, int]]] = {}
+        for a in actions[lane]:
+            ahead = a.stage + 1 < stages
+            if a.kind is F and (a.stage > 0 if not sender else ahead):
+                peer_stage = a.stage + 1 if sender else a.stage - 1
+                link = a.stage if sender else a.stage - 1
+                found.setdefault(peer_stage % lanes, []).append(("activation", link, a.micro_batch))
+            elif a.kind in GRADIENT_KINDS and (a.stage > 0 if sender else ahead):
+                peer_stage = a.stage - 1 if sender else a.stage + 1
+                link = a.stage - 1 if sender else a.stage
+                found.setdefault(peer_stage % lanes, []).append(("gradient", link, a.micro_batch))
+        return found
+
+    sent = [messages(lane, sender=True) for lane in range(lanes)]
+    received = [messages(lane, sender=False) for lane in range(lanes)]
+    return all(sent[a].get(b, []) == received[b].get(a, []) for a in range(lanes) for b in range(lanes) if a != b)
+
+
 @dataclass(frozen=True)
 class Event:
     """One action placed in time (by the simulator, or measured in a real run)."""
