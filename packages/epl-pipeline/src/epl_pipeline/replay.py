@@ -25,7 +25,6 @@ code between the blocks runs on tensors of the right shape, dtype and device.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import itertools
 from collections.abc import Iterator, Mapping
@@ -40,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from epl.plugin_api import PlacementError, call_model, forked_rng, tensors_in
 from epl_pipeline.channel import ShapeOnly
-from epl_pipeline.stages import RemoteStage
+from epl_pipeline.stages import ACTIVE_REPLAY, RemoteStage
 
 
 @dataclass(frozen=True)
@@ -186,7 +185,7 @@ class _Replay:
             )
 
 
-_ACTIVE: contextvars.ContextVar[_Replay | None] = contextvars.ContextVar("epl_pipeline_replay", default=None)
+_ACTIVE = ACTIVE_REPLAY
 
 
 def _local_call_starts(name: str, stage: int) -> Any:
@@ -217,11 +216,6 @@ def _stand_in(name: str, device: torch.device, *args: Any, **kwargs: Any) -> Any
 def _device_of(module: nn.Module) -> torch.device:
     tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
     return tensor.device if tensor is not None else torch.device("cpu")
-
-
-def active_replay() -> _Replay | None:
-    """The stage run of ``forward`` in progress in this thread, if any (placeholders ask it what to return)."""
-    return _ACTIVE.get()
 
 
 # -- the example run ---------------------------------------------------------------------

@@ -7,6 +7,7 @@ under their original names.
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 import torch
@@ -68,6 +69,11 @@ def stage_roots(model: nn.Module, taskgraphs: list[TaskGraph]) -> dict[str, int]
     return roots
 
 
+#: The stage run of the model's own ``forward`` in progress in this thread (set by
+#: :mod:`epl_pipeline.replay`, a ``_Replay``); placeholders ask it what to return. None: no such run.
+ACTIVE_REPLAY: contextvars.ContextVar[Any] = contextvars.ContextVar("epl_pipeline_replay", default=None)
+
+
 class RemoteStage(nn.Module):
     """Stands where another rank's stage module was: holds no tensors.
 
@@ -82,9 +88,7 @@ class RemoteStage(nn.Module):
 
     def forward(self, *args: object, **kwargs: object) -> Any:
         """The replayed value of this call; outside a replayed stage, an error."""
-        from epl_pipeline.replay import active_replay
-
-        replay = active_replay()
+        replay = ACTIVE_REPLAY.get()
         if replay is None:
             raise PlacementError(f"{self.kind} belongs to pipeline stage {self.stage}, which runs on another rank.")
         return replay.remote_call(self.name, self.device)
