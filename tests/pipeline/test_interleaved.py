@@ -16,23 +16,12 @@ from torch import nn
 
 from tests.helpers.distributed import run_ranks
 from tests.helpers.reference import assert_rank_matches, train_locally
+from tests.pipeline.test_pipeline import MICRO, REPLICA_BATCH, STEPS, batches  # the same batches as 1F1B's tests
 
 pytestmark = pytest.mark.multiprocess
 
-MICRO, REPLICA_BATCH, STEPS, MAX_NORM = 4, 8, 3, 0.5
+MAX_NORM = 0.5
 TOLERANCE = 1e-12
-
-
-def batches(replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(3)
-    size = replicas * REPLICA_BATCH
-    return [
-        (
-            torch.randn(size, 12, generator=generator, dtype=torch.float64),
-            torch.randn(size, 12, generator=generator, dtype=torch.float64),
-        )
-        for _ in range(STEPS)
-    ]
 
 
 def build() -> nn.Module:
