@@ -49,7 +49,7 @@ def schedule_command(
     events = timeline(schedule, 1.0, backward_cost)
     makespan, idle = bubble(events, lanes)
     click.echo(drawing.text(events, lanes))
-    click.echo(_summary(strategy, stages, stages_per_rank, micro_batches, makespan, idle))
+    click.echo(_summary(strategy, stages, lanes, micro_batches, makespan, idle))
     if trace is not None:
         trace.write_text(drawing.chrome_trace(events, lanes))
         click.echo(f"trace: {trace}")
@@ -58,14 +58,14 @@ def schedule_command(
         click.echo(f"png: {png_path}")
 
 
-def _summary(strategy: str, stages: int, per_rank: int, micro: int, makespan: float, idle: float) -> str:
+def _summary(strategy: str, stages: int, lanes: int, micro: int, makespan: float, idle: float) -> str:
     """The simulated makespan and bubble, beside the theory of GPipe/1F1B (or, with several stages per rank,
     of interleaved 1F1B, which the simulator matches exactly)."""
+    per_rank = stages // lanes
     if per_rank == 1:
         size = f"{stages} stages x {micro} micro-batches"
         theory = f"GPipe/1F1B theory (S-1)/(M+S-1) = {(stages - 1) / (micro + stages - 1):.3f}"
     else:
-        lanes = stages // per_rank
         size = f"{stages} stages on {lanes} pipeline ranks ({per_rank} per rank) x {micro} micro-batches"
         theory = f"interleaved 1F1B theory (P-1)/(v*M+P-1) = {(lanes - 1) / (per_rank * micro + lanes - 1):.3f}"
     return f"{strategy}: {size}, makespan {makespan:g}, bubble {idle:.3f} ({theory})"

@@ -63,7 +63,7 @@ def save_timeline(engine: Any, prefix: str | Path) -> float:
     """Write ``PREFIX.json`` (Chrome trace) and ``PREFIX.png`` of the last step; return its measured bubble."""
     runner = _runner(engine)
     events = gather_timeline(engine)
-    lanes = len(runner.schedule)  # the ranks along the pipeline (each runs one or more stages)
+    lanes = runner.lanes
     _, idle = bubble(events, lanes)
     if runner.replica.rank == 0:
         prefix = Path(prefix)

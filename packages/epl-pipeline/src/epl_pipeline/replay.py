@@ -72,14 +72,14 @@ class ReplayedStages:
         """Run ``forward`` as far as ``stage`` goes; the values to send on, or (last stage) the output."""
         self._hook_local_roots(model, stage)
         replay = _Replay(self, stage, received or [])
-        token = _ACTIVE.set(replay)
+        token = ACTIVE_REPLAY.set(replay)
         try:
             with self._other_stages_stand_in(model, stage):
                 output = call_model(model, inputs)
         except _StageEnd:
             return replay.to_send()
         finally:
-            _ACTIVE.reset(token)
+            ACTIVE_REPLAY.reset(token)
         if stage < self.num_stages - 1:
             raise PlacementError(
                 f"The model's forward returned before calling stage {stage + 1}'s modules, which it called in the "
@@ -185,12 +185,9 @@ class _Replay:
             )
 
 
-_ACTIVE = ACTIVE_REPLAY
-
-
 def _local_call_starts(name: str, stage: int) -> Any:
     def hook(module: nn.Module, args: Any) -> None:
-        replay = _ACTIVE.get()
+        replay = ACTIVE_REPLAY.get()
         if replay is not None and replay.stage == stage:
             replay.expect(name)
 
@@ -199,7 +196,7 @@ def _local_call_starts(name: str, stage: int) -> Any:
 
 def _local_call_ends(stage: int) -> Any:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        replay = _ACTIVE.get()
+        replay = ACTIVE_REPLAY.get()
         if replay is not None and replay.stage == stage:
             replay.local_call_ends(output)
 
@@ -208,7 +205,7 @@ def _local_call_ends(stage: int) -> Any:
 
 def _stand_in(name: str, device: torch.device, *args: Any, **kwargs: Any) -> Any:
     """The ``forward`` of a root of another stage on this rank: what a :class:`RemoteStage` returns."""
-    replay = _ACTIVE.get()
+    replay = ACTIVE_REPLAY.get()
     assert replay is not None, "stand-ins are in place only while a stage runs"
     return replay.remote_call(name, device)
 

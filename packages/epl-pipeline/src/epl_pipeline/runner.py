@@ -112,7 +112,8 @@ class PipelineStepRunner:
         self.program, self.num_micro_batch = program, num_micro_batch
         #: This rank's stages, in order (the first is its place along the pipeline, its lane in ``schedule``).
         self.stages = sorted(links)
-        self.schedule = schedule
+        #: The ranks along the pipeline (the schedule's lanes; each runs one or more stages).
+        self.lanes = len(schedule)
         self.actions = schedule[self.stages[0]]
         self.replica, self.last_stage_member = replica, last_stage_member
         self.device, self.gradient_reducer = device, gradient_reducer
