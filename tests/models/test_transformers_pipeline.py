@@ -99,13 +99,14 @@ def mixtral() -> nn.Module:
 MODELS = {"llama": llama, "bert": bert, "mixtral": mixtral}
 
 
-def build(name: str, split: int = 1) -> nn.Module:
-    """Model ``name`` in float64 from seed 0, built in an ``epl.split(split)`` scope when ``split > 1``."""
+def build(name: str, split: int = 1, replicate: int = 1) -> nn.Module:
+    """Model ``name`` in float64 from seed 0, built in an ``epl.split(split)`` scope when ``split > 1``, in an
+    ``epl.replicate(replicate)`` scope when ``replicate > 1``."""
     import epl
 
     torch.manual_seed(0)
-    if split > 1:
-        with epl.split(split):
+    if split > 1 or replicate > 1:
+        with epl.split(split) if split > 1 else epl.replicate(replicate):
             model = MODELS[name]()
     else:
         model = MODELS[name]()
@@ -127,13 +128,15 @@ def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
-def train(name: str, config: dict[str, Any], split: int = 1, save_to: str | None = None) -> dict[str, Any]:
+def train(
+    name: str, config: dict[str, Any], split: int = 1, save_to: str | None = None, replicate: int = 1
+) -> dict[str, Any]:
     """One rank: train model ``name`` with EPL; its stage, replica, losses, norms, held and whole parameters."""
     import epl
 
     settings = {"pipeline.num_micro_batch": MICRO, "optimizer.max_grad_norm": MAX_NORM, **config}
     epl.init(epl.Config(settings))
-    engine = epl.parallelize(build(name, split), optimizer=adamw, loss_fn=token_loss)
+    engine = epl.parallelize(build(name, split, replicate), optimizer=adamw, loss_fn=token_loss)
     losses, norms = [], []
     for tokens in batches(engine.num_replicas):
         rows = tokens[engine.replica_index * REPLICA_ROWS : (engine.replica_index + 1) * REPLICA_ROWS]
@@ -278,3 +281,15 @@ def test_llama_cut_into_4_stages_2_per_rank_interleaved_equals_the_local_run(spl
     whole = sum(p.numel() for p in build("llama").parameters())
     if split == 1:
         assert sum(result["held"] for result in results) == whole
+
+
+def test_llama_built_in_a_replicate_2_scope_cut_into_2_stages_equals_the_local_run() -> None:
+    """``with epl.replicate(2)`` around the unmodified Llama, auto-cut into 2 stages on 4 processes: each stage data
+    parallel over its 2 devices (each runs half of every micro-batch through the model's own forward), clipping
+    after the all-reduce."""
+    config = {"auto.auto_parallel": True, "pipeline.num_stages": 2, "communication.clip_after_allreduce": True}
+    results = run_ranks(train, 4, "llama", config, 1, None, 2, timeout=300)
+    assert [result["stage"] for result in results] == [0, 0, 1, 1]
+    _assert_equal_to_local(results, "llama")
+    whole = sum(p.numel() for p in build("llama").parameters())
+    assert sum(result["held"] for result in results) == 2 * whole  # each stage's 2 devices hold it whole

@@ -75,7 +75,8 @@ def test_errors_name_the_problem() -> None:
         epl.plan(Tower(), world_size=2)
     epl.init(config(2))
     with epl.replicate(1, name="mine"):
-        annotated = Tower()
+        tower = Tower()
+    annotated = nn.Sequential(tower, nn.Linear(3, 3))  # part of the model annotated, part not
     with pytest.raises(PlacementError, match=r"but this one has annotations \(\[.mine.\]\)"):
         epl.plan(annotated, world_size=2)
 

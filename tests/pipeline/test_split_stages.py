@@ -191,27 +191,6 @@ def test_split_stages_times_two_replicas_on_eight_processes_equal_the_local_run(
     assert_equal_to_local(results, 2)
 
 
-def mixed_widths() -> str:
-    import epl
-
-    epl.init(epl.Config({"pipeline.num_micro_batch": 2}))
-    with epl.split(2, name="wide"):
-        first = nn.Linear(4, 4)
-    with epl.replicate(1, name="narrow"):
-        second = nn.Linear(4, 4)
-    try:
-        epl.parallelize(nn.Sequential(first, second), optimizer=adam, loss_fn=nn.MSELoss())
-    except epl.PlacementError as error:
-        return str(error)
-    return "no error"
-
-
-@pytest.mark.timeout(60)
-def test_stages_of_different_widths_are_one_clear_error() -> None:
-    for message in run_ranks(mixed_widths, 3, timeout=50):
-        assert "stages of one device count each" in message and "wide: split(2), narrow: replicate(1)" in message
-
-
 @pytest.mark.timeout(120)
 def test_evaluation_between_steps_runs_forward_only_and_trains_nothing() -> None:
     """``engine.evaluate`` and ``engine.predict`` on 2 split stages after the first step: the local model's loss and

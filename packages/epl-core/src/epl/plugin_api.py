@@ -12,9 +12,9 @@ What is here, by what a plugin does with it:
   (:class:`ModelTransform` with its :class:`TransformPhase`, :class:`OptimizerWrapper` with its
   :class:`WrapperPhase`, :class:`GradientReducer`, :class:`LossScaler`, :class:`StepRunner`),
   the core's :class:`LocalStepRunner` to build on, and the helpers runners share
-  (:func:`micro_batches`, :func:`split_batch`, :func:`to_device`, :func:`as_arguments`, :func:`call_model`,
-  :func:`example_input`, :func:`tensors_in`, :func:`forked_rng`, :func:`inside`, :func:`step_or_skip`,
-  :func:`clip_grad_norm`);
+  (:func:`micro_batches`, :func:`split_batch`, :func:`batch_size`, :func:`to_device`, :func:`as_arguments`,
+  :func:`call_model`, :func:`example_input`, :func:`tensors_in`, :func:`forked_rng`, :func:`inside`,
+  :func:`step_or_skip`, :func:`clip_grad_norm`);
 * communicate: :class:`Communicator` (the protocol a communicator implements), :class:`Work`,
   :class:`CompletedWork`, :class:`ReduceOp`, :func:`broadcast_tensors`, :func:`communicators_for`,
   :class:`Cluster`, :func:`free_port`;
@@ -78,7 +78,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
         StepRunner,
     )
     from epl.ports import free_port
-    from epl.runtime.batch import as_arguments, call_model, micro_batches, split_batch, to_device
+    from epl.runtime.batch import as_arguments, batch_size, call_model, micro_batches, split_batch, to_device
     from epl.sharding.dataflow import example_input, forked_rng, tensors_in
     from epl.sharding.norms import clip_grad_norm
 
@@ -106,6 +106,7 @@ _EXPORTS: dict[str, str] = {
     "micro_batches": "epl.runtime.batch",
     "clip_grad_norm": "epl.sharding.norms",
     "split_batch": "epl.runtime.batch",
+    "batch_size": "epl.runtime.batch",
     "to_device": "epl.runtime.batch",
     "as_arguments": "epl.runtime.batch",
     "call_model": "epl.runtime.batch",

@@ -31,8 +31,8 @@ _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 def partition(model: nn.Module, taskgraphs: list[TaskGraph], num_stages: int, example: Any = None) -> list[TaskGraph]:
     """``num_stages`` TaskGraphs named ``stage_<k>`` holding ``model``'s blocks.
 
-    Each is ``replicate(1)``, or ``split(t)`` when the whole model was built in one
-    ``epl.split(t)`` scope (tensor parallel inside every stage). ``example``: inputs to find
+    Each is ``replicate(1)``, or ``split(t)`` / ``replicate(k)`` when the whole model was built in
+    one such scope (tensor or data parallel inside every stage). ``example``: inputs to find
     forward's call order with, when fx cannot trace it (default: guessed from the model).
     """
     stage_strategy = _stage_strategy(model, taskgraphs)
@@ -109,21 +109,22 @@ def _stages(
 
 
 def _stage_strategy(model: nn.Module, taskgraphs: list[TaskGraph]) -> Callable[[str], Strategy]:
-    """How each stage is annotated: ``replicate(1)`` for an unannotated model, ``split(t)`` for one built in a single
-    ``epl.split(t)`` scope; any other annotation is an error."""
+    """How each stage is annotated: ``replicate(1)`` for an unannotated model, ``split(t)`` or ``replicate(k)`` for
+    one built in a single ``epl.split(t)`` or ``epl.replicate(k)`` scope; any other annotation is an error."""
     annotated = [tg for tg in taskgraphs if not tg.implicit]
     if not annotated:
         return lambda name: replicate(1, name=name)
     (only, *more) = annotated
     held = {id(t) for t in only.tensors}
     whole = all(id(t) in held for t in [*model.parameters(), *model.buffers()])
-    if not more and only.strategy.kind == "split" and whole:
-        return lambda name: split(only.strategy.device_count, name=name)
+    if not more and whole:
+        annotate = split if only.strategy.kind == "split" else replicate
+        return lambda name: annotate(only.strategy.device_count, name=name)
     raise PlacementError(
-        f"auto.auto_parallel partitions unannotated models, or models built entirely in one epl.split scope "
-        f"(each stage then tensor parallel), but this one has annotations ({[tg.name for tg in annotated]}). "
-        "Remove the annotations (or build the whole model in one epl.split scope), or set auto.auto_parallel "
-        "to False to use them."
+        f"auto.auto_parallel partitions unannotated models, or models built entirely in one epl.split or "
+        f"epl.replicate scope (each stage then tensor or data parallel over its devices), but this one has "
+        f"annotations ({[tg.name for tg in annotated]}). Remove the annotations (or build the whole model in one "
+        "scope), or set auto.auto_parallel to False to use them."
     )
 
 

@@ -132,8 +132,11 @@ class Channel:
         self._gradients_ahead: collections.deque[_Posted] = collections.deque()
 
     # -- forward: values ---------------------------------------------------------------
-    def send(self, values: list[Any]) -> list[torch.Tensor]:
-        """Send ``values`` (their description the first time); return the tensors sent."""
+    def send(self, values: list[Any], rows: int | None = None) -> list[torch.Tensor]:
+        """Send ``values`` (their description the first time); return the tensors sent.
+
+        ``rows`` (this device's rows of the micro-batch) is unused: the peer takes every row.
+        """
         description, tensors = Description.of(values)
         if self.description is None:
             encoded = description.encode()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
         TaskGraph,
     )
     from epl_pipeline.program import StageProgram
-    from epl_pipeline.runner import Link
+    from epl_pipeline.runner import StageLink
 
 
 @dataclass
@@ -74,10 +75,10 @@ class KeepLocalStage:
         """Make the stage programs of ``model``, then swap the other stages' root modules for placeholders."""
         from epl.plugin_api import PlacementError
         from epl_pipeline.program import stage_program
-        from epl_pipeline.stages import RemoteStage, check_stage_widths, replace_module, stage_roots
+        from epl_pipeline.stages import RemoteStage, check_stages, replace_module, stage_roots
 
         plan = context.plan
-        check_stage_widths(plan)
+        check_stages(plan)
         local = plan.taskgraphs_on(context.cluster.rank)
         roots = stage_roots(model, context.taskgraphs)
         empty = [tg.name for tg in plan.taskgraphs if tg.index not in set(roots.values())]
@@ -136,19 +137,24 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     if not _pipelined(context):
         return None
     from epl_pipeline.runner import PipelineStepRunner
+    from epl_pipeline.stages import stage_shapes
 
     plan, rank = context.plan, context.cluster.rank
     replica = plan.replica_of(rank)
     local = context.pipeline_stages
     program = context.state(PipelineState).program
     assert local and program is not None, "KeepLocalStage (a model transform) runs before the runner"
-    _check_tied_clipping(context)
-    stages = plan.num_stages
+    _check_clipping(context)
+    stages, shapes = plan.num_stages, stage_shapes(plan)
     world = context.communicator
+    # Every device of a replica: the replica's loss, and the global gradient norm adds their squares.
     replica_group = world.split([list(plan.devices_of_replica(r)) for r in range(plan.num_replicas)])
-    last_device = plan.devices(stages - 1, replica)[0]
-    # The devices at one position of every stage of a replica: the global gradient norm adds their squares.
-    peers = world.split([list(group) for group in plan.process_groups()["pipeline"]])
+    shares = {s: shapes[s].part(plan.devices(s, replica).index(rank)) for s in local}
+    last, loss_share, last_stage = stages - 1, 0.0, None
+    if last in local:
+        loss_share = shapes[last].loss_share(plan.devices(last, replica).index(rank))
+    if shapes[last].parts > 1:  # predict gathers the last stage's parts of each micro-batch
+        last_stage = _group(world, [plan.devices(last, r) for r in range(plan.num_replicas)])
     schedule = _schedule(context, stages, plan.num_micro_batch)
     runner = PipelineStepRunner(
         model=context.model,
@@ -159,24 +165,29 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
         links=_links(context, local, schedule),
         num_micro_batch=plan.num_micro_batch,
         replica=replica_group,
-        last_stage_member=replica_group.ranks.index(last_device),
+        loss_share=loss_share,
         device=context.cluster.device,
         gradient_reducer=context.gradient_reducer,
         loss_scaler=context.loss_scaler,
         forward_contexts=context.forward_contexts,
         max_grad_norm=context.config["optimizer.max_grad_norm"],
-        stage_peers=peers,
+        stage_peers=replica_group,
+        stage_copies=shapes[local[0]].width,
         counted_elsewhere=_counted_elsewhere(context, local),
         clip_after_reduction=bool(plan.shared),
+        shares=shares,
+        last_stage=last_stage,
+        rows_multiple=math.lcm(*(shape.parts for shape in shapes)),
     )
     return runner
 
 
 def _links(
     context: ParallelContext, local: tuple[int, ...], schedule: Schedule
-) -> dict[int, tuple[Link | None, Link | None]]:
+) -> dict[int, tuple[StageLink | None, StageLink | None]]:
     """Each of this rank's stages' way to its previous and next stage: the device at this rank's position in
-    the neighbouring stage (split stages exchange activations shard by shard).
+    the neighbouring stage when both run micro-batches alike (split stages exchange activations shard by
+    shard), else a :class:`~epl_pipeline.resharding.Boundary` to the devices holding this device's rows.
 
     Messages between two ranks are matched in the order they come. With several stages per rank, one pair of
     ranks carries several links in one direction (stage 0 -> 1 and 2 -> 3, and 2 -> 1's gradients): the job's
@@ -184,19 +195,25 @@ def _links(
     schedule does); otherwise each link gets a communicator of its own, made by every rank in the same order
     (each is a process group more: its threads and sockets, on every rank).
     """
+    from epl_pipeline.resharding import boundary
     from epl_pipeline.runner import Link
     from epl_pipeline.schedules import one_stream_per_pair
+    from epl_pipeline.stages import stage_shapes
 
     plan, rank, world = context.plan, context.cluster.rank, context.communicator
-    replica = plan.replica_of(rank)
-    position = plan.devices(local[0], replica).index(rank)
+    replica, shapes = plan.replica_of(rank), stage_shapes(plan)
     between = [world] * (plan.num_stages - 1)
     if plan.stages_per_rank > 1 and not one_stream_per_pair(schedule):
         between = [_link_communicator(context, stage) for stage in range(plan.num_stages - 1)]
 
-    def link(stage: int, to: int) -> Link:
+    def link(stage: int, to: int) -> StageLink:
         communicator = between[min(stage, to)]
-        return Link(communicator, communicator.ranks.index(plan.devices(to, replica)[position]))
+        position = plan.devices(stage, replica).index(rank)
+        if shapes[stage] == shapes[to]:
+            return Link(communicator, communicator.ranks.index(plan.devices(to, replica)[position]))
+        first, second = sorted((stage, to))
+        members = tuple([communicator.ranks.index(d) for d in plan.devices(s, replica)] for s in (first, second))
+        return boundary(communicator, members, (shapes[first], shapes[second]), stage == first, position)
 
     last = plan.num_stages - 1
     return {s: (link(s, s - 1) if s > 0 else None, link(s, s + 1) if s < last else None) for s in local}
@@ -210,22 +227,41 @@ def _link_communicator(context: ParallelContext, stage: int) -> Communicator:
         for r in range(plan.num_replicas)
         for p in range(len(plan.slots[stage]))
     ]
-    paired = {device for pair in pairs for device in pair}
-    return world.split([*pairs, *((rank,) for rank in world.ranks if rank not in paired)])
+    return _group(world, pairs)
 
 
-def _check_tied_clipping(context: ParallelContext) -> None:
-    """Tied weights need clipping after the gradient reduction when there are several replicas: before it,
-    no device holds its replica's gradient of them."""
+def _group(world: Communicator, groups: Sequence[Sequence[int]]) -> Communicator:
+    """This rank's communicator among ``groups`` (disjoint), every other rank alone (made by every rank)."""
+    grouped = {rank for group in groups for rank in group}
+    return world.split([*map(list, groups), *([rank] for rank in world.ranks if rank not in grouped)])
+
+
+def _check_clipping(context: ParallelContext) -> None:
+    """Clipping before the gradient reduction needs each device to hold its replica's gradient: tied weights
+    with several replicas, and stages that share micro-batches out (``replicate(k)``), need it after."""
     from epl.plugin_api import ConfigError
 
     config, plan = context.config, context.plan
-    clipped = config["optimizer.max_grad_norm"] is not None
-    if plan.shared and plan.num_replicas > 1 and clipped and not config["communication.clip_after_allreduce"]:
+    if config["optimizer.max_grad_norm"] is None or config["communication.clip_after_allreduce"]:
+        return
+    if plan.shared and plan.num_replicas > 1:
         raise ConfigError(
             "Tied weights cut across pipeline stages (each stage holds a copy) need clipping after the gradient "
             "all-reduce: before it, no device holds its replica's gradient of them. Set "
             "communication.clip_after_allreduce=True, or keep the tied modules on one stage."
+        )
+    sharing = [tg for tg in plan.taskgraphs if plan.batch_parts(tg.index) > 1]
+    if sharing:
+        zero = config.get("zero.level")  # epl-memory's key: absent without it
+        fix = (
+            f"zero.level {zero!r} cannot clip after it: use zero.level 'v0' (or none), or make the stage replicate(1)"
+            if zero in ("v1", "v2")
+            else "Set communication.clip_after_allreduce=True, or make the stage replicate(1)"
+        )
+        raise ConfigError(
+            f"Pipeline stage {sharing[0].name!r} is {sharing[0].label}: it shares each micro-batch out over its "
+            f"devices, so before the gradient all-reduce none of them holds the replica's gradient to clip. {fix} "
+            "(EPL adds data parallelism over the remaining devices)."
         )
 
 

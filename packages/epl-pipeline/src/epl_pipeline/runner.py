@@ -14,6 +14,7 @@ from torch import nn
 from epl.plugin_api import (
     Action,
     ActionKind,
+    BatchError,
     Communicator,
     EplError,
     ForwardContext,
@@ -21,14 +22,17 @@ from epl.plugin_api import (
     LossFn,
     LossScaler,
     Schedule,
+    batch_size,
     clip_grad_norm,
     inside,
     micro_batches,
+    split_batch,
     step_or_skip,
     to_device,
 )
 from epl_pipeline.channel import Channel
 from epl_pipeline.program import StageProgram
+from epl_pipeline.resharding import Boundary, ReshardingChannel
 from epl_pipeline.schedules import Event
 from epl_pipeline.split_backward import PendingWeights, backward_input, backward_weight
 
@@ -41,12 +45,21 @@ class Link:
     peer: int
 
 
+#: The way to a neighbouring stage: one device (stages that run the micro-batch alike), or the devices that
+#: hold this device's rows (stages that share it out differently).
+StageLink = Link | Boundary
+
+
 class _StageChannels:
     """One stage's channels to its neighbours: for training, and for forward-only passes (evaluate, predict),
     whose values need no gradient and so are described apart."""
 
-    def __init__(self, stage: int, previous: Link | None, following: Link | None, device: torch.device) -> None:
-        def channel(link: Link | None, what: str) -> Channel | None:
+    def __init__(
+        self, stage: int, previous: StageLink | None, following: StageLink | None, device: torch.device
+    ) -> None:
+        def channel(link: StageLink | None, what: str) -> Channel | ReshardingChannel | None:
+            if isinstance(link, Boundary):
+                return ReshardingChannel(link, device, what)
             return None if link is None else Channel(link.communicator, link.peer, device, what)
 
         self.inbound = channel(previous, f"The values stage {stage - 1} sends")
@@ -76,7 +89,11 @@ class PipelineStepRunner:
     """Runs this rank's stages of one replica batch by the schedule's actions.
 
     A rank runs one stage, or several (``pipeline.stages_per_rank``: interleaved pipelines);
-    ``links`` gives each of its stages the way to its previous and next stage's device.
+    ``links`` gives each of its stages the way to its previous and next stage's devices.
+    ``shares`` gives each stage that shares every micro-batch out over its devices
+    (``replicate(k)``) this device's part: (index, count); its loss is then weighted by
+    ``loss_share`` in the replica's mean, and ``predict`` joins the parts over ``last_stage``;
+    every micro-batch's rows must be a multiple of ``rows_multiple`` (every stage's parts divide it).
 
     Each stage forward and the last stage's loss run inside ``forward_contexts`` (e.g.
     AMP's autocast), the backward outside them. With a ``loss_scaler`` the last stage
@@ -95,10 +112,10 @@ class PipelineStepRunner:
         loss_fn: LossFn | None,
         program: StageProgram,
         schedule: Schedule,
-        links: dict[int, tuple[Link | None, Link | None]],
+        links: dict[int, tuple[StageLink | None, StageLink | None]],
         num_micro_batch: int,
         replica: Communicator,
-        last_stage_member: int,
+        loss_share: float,
         device: torch.device,
         gradient_reducer: GradientReducer | None,
         loss_scaler: LossScaler | None = None,
@@ -107,6 +124,10 @@ class PipelineStepRunner:
         stage_peers: Communicator | None = None,
         counted_elsewhere: frozenset[int] = frozenset(),
         clip_after_reduction: bool = False,
+        shares: dict[int, tuple[int, int]] | None = None,
+        last_stage: Communicator | None = None,
+        stage_copies: int = 1,
+        rows_multiple: int = 1,
     ) -> None:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.program, self.num_micro_batch = program, num_micro_batch
@@ -115,7 +136,12 @@ class PipelineStepRunner:
         #: The ranks along the pipeline (the schedule's lanes; each runs one or more stages).
         self.lanes = len(schedule)
         self.actions = schedule[self.stages[0]]
-        self.replica, self.last_stage_member = replica, last_stage_member
+        #: This device's share of the replica's loss: 1/parts on one device of each part of the last stage.
+        self.replica, self.loss_share = replica, loss_share
+        self.shares = {stage: (shares or {}).get(stage, (0, 1)) for stage in self.stages}
+        self.last_stage = last_stage
+        #: Every micro-batch's rows must share out over each stage of the pipeline: a multiple of this.
+        self.rows_multiple = rows_multiple
         self.device, self.gradient_reducer = device, gradient_reducer
         self.loss_scaler, self.forward_contexts = loss_scaler, list(forward_contexts)
         self.channels = {stage: _StageChannels(stage, *links[stage], device) for stage in self.stages}
@@ -128,7 +154,7 @@ class PipelineStepRunner:
         self.peak_in_flight = 0
         self._started = 0.0  # when the running action's inputs had arrived
         self._following: Action | None = None  # the action after the running one, whose inputs are received ahead
-        self.max_grad_norm, self.stage_peers = max_grad_norm, stage_peers
+        self.max_grad_norm, self.stage_peers, self.stage_copies = max_grad_norm, stage_peers, stage_copies
         #: ids of parameters tied to an earlier stage's (that stage counts them in the norm).
         self.counted_elsewhere = counted_elsewhere
         #: Clip after the gradient reduction whatever the config says: a tied weight's gradient is whole only
@@ -147,7 +173,7 @@ class PipelineStepRunner:
         if self.loss_scaler is not None:
             self.loss_scaler.unscale(self._params)  # clip the true gradients
         self._grad_norm = clip_grad_norm(
-            self._params, self.max_grad_norm, self.stage_peers, self.counted_elsewhere
+            self._params, self.max_grad_norm, self.stage_peers, self.counted_elsewhere, self.stage_copies
         ).detach()
 
     @property
@@ -164,8 +190,7 @@ class PipelineStepRunner:
         """Train on one replica batch; return the replica's mean loss (the same on every stage)."""
         if self.optimizer is None:
             raise EplError("Engine.step needs an optimizer: pass optimizer=... to epl.parallelize().")
-        inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
-        pieces = micro_batches(inputs, targets, self.num_micro_batch)
+        pieces = self._micro_batches(inputs, targets)
         self.optimizer.zero_grad(set_to_none=True)
         if self.gradient_reducer is not None:
             self.gradient_reducer.start()
@@ -203,10 +228,31 @@ class PipelineStepRunner:
         return self._replica_loss(self._forward_only(inputs, targets, with_loss=True))
 
     def _replica_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The mean of the last stage's micro-batch ``losses``, broadcast to every stage of the replica."""
-        loss = (torch.stack(losses).mean() if self.last else torch.zeros(())).to(torch.float64)
-        self.replica.broadcast(loss, self.last_stage_member).wait()
+        """The mean of the last stage's micro-batch ``losses`` over its parts, on every stage of the replica."""
+        loss = torch.zeros((), dtype=torch.float64)
+        if self.last and self.loss_share:
+            loss = torch.stack(losses).mean().to(torch.float64) * self.loss_share
+        self.replica.all_reduce(loss).wait()
         return loss
+
+    def _micro_batches(self, inputs: Any, targets: Any) -> list[tuple[Any, Any]]:
+        """``inputs`` and ``targets`` on this device, cut into micro-batches whose rows share out over every stage."""
+        inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
+        size, multiple = batch_size(inputs), self.num_micro_batch * self.rows_multiple
+        if self.rows_multiple > 1 and size is not None and size % multiple:
+            raise BatchError(
+                f"A replica batch of {size} samples cannot be cut into {self.num_micro_batch} micro-batches that "
+                f"each share out over the pipeline's replicate stages ({self.rows_multiple} equal parts). Use a "
+                f"batch size that is a multiple of {multiple}."
+            )
+        return micro_batches(inputs, targets, self.num_micro_batch)
+
+    def _own_part(self, stage: int, values: Any) -> Any:
+        """This device's part of one micro-batch's ``values`` on ``stage`` (all of them unless it shares them out)."""
+        index, count = self.shares[stage]
+        if count == 1 or values is None:
+            return values
+        return split_batch(values, count, what=f"pipeline stage {stage}")[index]
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
@@ -214,27 +260,45 @@ class PipelineStepRunner:
         results = self._forward_only(inputs, None, with_loss=False)
         if not self.last:
             return None
+        results = [self._whole_micro_batch(result) for result in results]
         if len(results) == 1:
             return results[0]
         return pytree.tree_map(
             lambda *parts: torch.cat(parts) if isinstance(parts[0], torch.Tensor) else parts[0], *results
         )
 
+    def _whole_micro_batch(self, output: Any) -> Any:
+        """The last stage's output of a whole micro-batch: its parts gathered from the devices that share it out."""
+        _, count = self.shares[self.stages[-1]]
+        if count == 1:
+            return output
+        assert self.last_stage is not None, "a last stage that shares micro-batches out has its group"
+        leaves, structure = pytree.tree_flatten(output)
+        rows = batch_size([leaf for leaf in leaves if isinstance(leaf, torch.Tensor)])
+        whole = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == rows:
+                gathered = leaf.new_empty((rows * self.last_stage.world_size, *leaf.shape[1:]))
+                self.last_stage.all_gather(gathered, leaf.contiguous()).wait()
+                leaf = gathered
+            whole.append(leaf)
+        return pytree.tree_unflatten(whole, structure)
+
     def _forward_only(self, inputs: Any, targets: Any, *, with_loss: bool) -> list[Any]:
         """Each micro-batch through this rank's stages in order: received, run, sent on (the last stage: output or
         loss). Every rank goes through (micro-batch, stage) in the same order, so none waits on a later one."""
-        inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         results = []
-        for micro_inputs, micro_targets in micro_batches(inputs, targets, self.num_micro_batch):
+        for micro_inputs, micro_targets in self._micro_batches(inputs, targets):
             for stage in self.stages:
                 channels = self.channels[stage]
                 received = channels.eval_inbound.receive()[0] if channels.eval_inbound is not None else None
+                own_inputs = self._own_part(stage, micro_inputs)
                 with inside(self.forward_contexts):
-                    result = self.program.run(self.model, stage, micro_inputs, received)
+                    result = self.program.run(self.model, stage, own_inputs, received)
                 if channels.eval_outbound is not None:
-                    channels.eval_outbound.send(result)
+                    channels.eval_outbound.send(result, rows=batch_size(own_inputs))
                 elif with_loss:
-                    results.append(self._loss(result, micro_targets).detach())
+                    results.append(self._loss(result, self._own_part(stage, micro_targets)).detach())
                 else:
                     results.append(result)
         for channels in self.channels.values():
@@ -286,15 +350,16 @@ class PipelineStepRunner:
         if inbound is not None:
             self._started = time.time()  # the action starts once its inputs have arrived
         self._receive_ahead()
+        inputs = self._own_part(stage, inputs)
         with inside(self.forward_contexts):
             result = self.program.run(self.model, stage, inputs, values)
         if outbound is not None:
-            sent = outbound.send(result)
+            sent = outbound.send(result, rows=batch_size(inputs))
             assert outbound.description is not None
             specs = outbound.description.tensor_specs
             outputs = [t for t, spec in zip(sent, specs, strict=True) if spec.requires_grad]
         else:
-            loss = self._loss(result, targets)
+            loss = self._loss(result, self._own_part(stage, targets))
             self._losses[m] = loss.detach()
             outputs = [loss / self.num_micro_batch]
             if self.loss_scaler is not None:

@@ -14,25 +14,33 @@ import torch
 from torch import nn
 
 from epl.plugin_api import PlacementError, Plan, TaskGraph, holders_of
+from epl_pipeline.resharding import StageShape
 
 
-def check_stage_widths(plan: Plan) -> None:
-    """Refuse stages this version cannot pipeline: stages of different device counts, ``replicate(k > 1)`` stages.
+def stage_shapes(plan: Plan) -> list[StageShape]:
+    """How each stage runs a micro-batch: its device count, and how many ways it shares the batch out
+    (k for ``replicate(k)``, 1 for ``split(t)``)."""
+    return [StageShape(tg.device_count, plan.batch_parts(tg.index)) for tg in plan.taskgraphs]
 
-    Every stage is ``split(t)`` (tensor parallel inside the stage, each device exchanging
-    activations with the device at its position in the next stage), or ``replicate(1)``,
-    all with the same device count.
-    """
-    widths = {tg.device_count for tg in plan.taskgraphs}
-    wide_replicas = [tg for tg in plan.taskgraphs if tg.strategy == "replicate" and tg.device_count > 1]
-    if len(widths) > 1 or wide_replicas:
+
+def check_stages(plan: Plan) -> None:
+    """Refuse what this version cannot pipeline: stages of different kinds several to a device
+    (``pipeline.stages_per_rank``), and weights tied between stages that run micro-batches differently."""
+    shapes = stage_shapes(plan)
+    labels = ", ".join(f"{tg.name}: {tg.label}" for tg in plan.taskgraphs)
+    if plan.stages_per_rank > 1 and len(set(shapes)) > 1:
         raise PlacementError(
-            "This version pipelines stages of one device count each, all split(t) (tensor parallel inside the "
-            "stage) or all replicate(1); got "
-            + ", ".join(f"{tg.name}: {tg.label}" for tg in plan.taskgraphs)
-            + ". Give every stage the same split device_count, or device_count=1 for replicate stages; EPL "
-            "adds data parallelism over the remaining devices."
+            f"pipeline.stages_per_rank={plan.stages_per_rank} runs several stages per device, which needs stages "
+            f"of one kind (all split(t) or all replicate(k), one device count); got {labels}."
         )
+    for owners in plan.shared:
+        if len({shapes[owner] for owner in owners}) > 1:
+            names = " and ".join(repr(plan.taskgraphs[owner].name) for owner in owners)
+            raise PlacementError(
+                f"Stages {names} share a tied weight but run micro-batches differently ({labels}): the copies' "
+                "gradients are summed position by position, which needs stages of one kind. Keep the tied "
+                "modules on one stage, or give their stages the same strategy and device count."
+            )
 
 
 def stage_roots(model: nn.Module, taskgraphs: list[TaskGraph]) -> dict[str, int]:

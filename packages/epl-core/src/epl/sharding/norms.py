@@ -26,14 +26,16 @@ def total_grad_norm(
     parameters: Iterable[nn.Parameter],
     stages: Communicator | None = None,
     counted_elsewhere: Collection[int] = frozenset(),
+    stage_copies: int = 1,
 ) -> torch.Tensor:
     """The 2-norm (float64) of the gradient of ``parameters``, shards summed over their groups.
 
     A collective over every shard group of ``parameters``: every device of a group must
     call it with the same parameters (it takes part even where a shard has no gradient).
-    ``stages``: the devices holding the other pipeline stages of the same replica (one per
-    stage, at this device's position in its stage), whose squares are added;
-    ``counted_elsewhere``: ids of whole parameters another stage also holds and counts (tied weights).
+    ``stages``: the devices of every pipeline stage of the same replica, whose squares are added;
+    ``counted_elsewhere``: ids of whole parameters another stage also holds and counts (tied weights);
+    ``stage_copies``: how many members of ``stages`` hold this device's stage (its shards, or copies of it):
+    each adds that share of its squares.
     """
     params = list(parameters)
     whole: list[torch.Tensor] = []
@@ -56,7 +58,7 @@ def total_grad_norm(
         communicator.all_reduce(squares, ReduceOp.SUM).wait()
         total = total + squares[0].to(total.device)
     if stages is not None:
-        total = total.reshape(1)
+        total = (total / stage_copies if stage_copies > 1 else total).reshape(1)
         stages.all_reduce(total, ReduceOp.SUM).wait()
         total = total[0]
     return total.sqrt()
@@ -67,19 +69,21 @@ def clip_grad_norm(
     max_norm: float,
     stages: Communicator | None = None,
     counted_elsewhere: Collection[int] = frozenset(),
+    stage_copies: int = 1,
 ) -> torch.Tensor:
     """Scale the gradients so that their global 2-norm is at most ``max_norm``; return the norm before clipping.
 
     As ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + 1e-6)`` clamped
     to 1, non-finite norms not an error), with each shard and each tensor held whole counted
     once (see :func:`total_grad_norm`); with ``stages``, over every pipeline stage of the
-    replica, tied weights (``counted_elsewhere`` on all stages but one) once. Without shards or
+    replica, tied weights (``counted_elsewhere`` on all stages but one) once, each stage once however many
+    devices hold it (``stage_copies``, see :func:`total_grad_norm`). Without shards or
     stages it is ``clip_grad_norm_`` itself.
     """
     params = list(parameters)
     if stages is None and all(shard_spec(p) is None for p in params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    norm = total_grad_norm(params, stages, counted_elsewhere)
+    norm = total_grad_norm(params, stages, counted_elsewhere, stage_copies)
     coefficient = (max_norm / (norm + EPSILON)).clamp(max=1.0)
     dense: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for param in params:
