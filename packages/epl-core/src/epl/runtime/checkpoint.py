@@ -9,20 +9,25 @@ every rank writes its own file at the same time, and a tensor several ranks hold
 - ``optim/<name>/<state>``: the optimizer state of each parameter (Adam's ``exp_avg``...),
   whole, or as ``.../shard<i>of<n>dim<d>`` pieces for split parameters, written by
   whichever device keeps it (under ZeRO, the owner);
-- ``engine/meta``: the step counter, the optimizer's hyperparameters, the loss scaler;
-- ``rng/<rank>``: every rank's random number generator states.
+- ``engine/meta``: the step counter, the optimizer's hyperparameters, the loss scaler (JSON
+  text in a uint8 tensor: nothing in a checkpoint is pickled by EPL);
+- ``rng/<rank>/<generator>``: every rank's random number generator states.
 
 ``Engine.load(path)`` reads what this rank's layout needs, whatever layout saved it: a
 pipeline stage reads its stage's names, a split device slices the whole tensors, a
 ZeRO owner reads the states it owns. Writing goes to ``<path>.partial`` and is renamed
 to ``<path>`` once every rank has finished, so a crash while saving leaves the previous
 checkpoint intact.
+
+Loading never runs code from the checkpoint and checks it first (:mod:`epl.runtime.checkpoint_files`):
+every file against its recorded checksum, then, strictly by default, that the names,
+shapes and dtypes are the model's and the optimizer is of the same kind. Every rank agrees
+before anything is loaded, so a refused checkpoint is one error on every rank, not a hang.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import random
 import shutil
@@ -36,6 +41,7 @@ from torch import nn
 
 from epl.errors import EplError
 from epl.interfaces.optimizer_groups import group_options
+from epl.runtime import checkpoint_files as files
 
 if TYPE_CHECKING:
     from epl.placement.plan import Plan
@@ -78,7 +84,7 @@ class CheckpointedEngine(Protocol):
 
 
 #: Identifies the layout of the directory.
-FORMAT = "epl-checkpoint/1"
+FORMAT = "epl-checkpoint/2"
 _PIECE = "shard{index}of{count}dim{dim}"
 _PARTS = "parts{parts}"  # appended for shards of fused tensors (ShardSpec.parts > 1)
 
@@ -95,6 +101,8 @@ def save_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike[str]) ->
     _everyone(engine, lambda: _remove(partial))
     with _quiet_when_alone(engine):
         dcp.save(items, checkpoint_id=str(partial), no_dist=_alone(engine))
+    rank = engine.context.cluster.rank
+    files.write_checksums(partial, rank, files.written_by(partial, rank))
     _everyone(engine, lambda: _replace(partial, target))
 
 
@@ -125,52 +133,183 @@ def _logical_items(engine: CheckpointedEngine) -> dict[str, Any]:
         "param_groups": [group_options(group) for group in optimizer.param_groups] if optimizer is not None else None,
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
     }
-    items["engine/meta"] = _pickled(meta)
-    items[f"rng/{engine.context.cluster.rank}"] = _pickled(_rng_state())
+    items["engine/meta"] = files.encode_json(meta)
+    items.update({f"rng/{engine.context.cluster.rank}/{k}": v for k, v in _rng_state().items()})
     return items
 
 
 # -- loading -----------------------------------------------------------------------------------
-def load_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike[str]) -> None:
-    """Restore what :func:`save_checkpoint` wrote, into ``engine``'s layout (every rank calls it)."""
+def load_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike[str], *, strict: bool = True) -> None:
+    """Restore what :func:`save_checkpoint` wrote, into ``engine``'s layout (every rank calls it).
+
+    ``strict`` (default): the checkpoint must hold exactly the model's tensors, with their shapes and
+    dtypes, and an optimizer of the same kind. ``strict=False`` loads what matches: extra tensors are
+    ignored, missing ones keep their values, dtypes are converted, and the optimizer state is
+    skipped when the optimizer differs. Shapes must match either way.
+    """
     import torch.distributed.checkpoint as dcp
 
     _require_default_group(engine)
     folder = _readable(Path(path))
-    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    if "engine/meta" not in saved:
+    _verify_files(engine, folder)
+    saved = files.safe_reader(folder).read_metadata().state_dict_metadata
+    meta_entry = saved.get("engine/meta")
+    if meta_entry is None:
         raise EplError(f"{folder} is not an EPL checkpoint (no engine/meta); write one with engine.save(path).")
-    device = engine.context.cluster.device
-    local = engine.model.state_dict(keep_vars=True)
-    missing = [key for key in local if f"model/{key}" not in saved]
-    if missing:
+    if not hasattr(meta_entry, "size"):
         raise EplError(
-            f"The checkpoint {folder} has no {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}: "
-            "it was saved from a different model (the names are those of the model as written, before EPL)."
+            f"{folder} was written by an older EPL, which pickled its metadata; this version never unpickles a "
+            "checkpoint. Load it with that version and save it again with this one."
         )
-    wanted: dict[str, Any] = {
-        f"model/{key}": torch.empty(saved[f"model/{key}"].size, dtype=_dtype(saved[f"model/{key}"])) for key in local
-    }
-    wanted["engine/meta"] = io.BytesIO()
-    rank_rng = f"rng/{engine.context.cluster.rank}"
-    if rank_rng in saved:
-        wanted[rank_rng] = io.BytesIO()
-    states = _wanted_states(engine, saved)
-    wanted.update({key: torch.empty(saved[key].size, dtype=_dtype(saved[key])) for _, keys in states for key in keys})
-    with _quiet_when_alone(engine):
-        dcp.load(wanted, checkpoint_id=str(folder), no_dist=_alone(engine))
-
-    meta = _unpickled(wanted["engine/meta"])
-    whole = {key: wanted[f"model/{key}"] for key in local}
+    local = engine.model.state_dict(keep_vars=True)
+    problem, keys = _model_problems(engine, saved, local, strict)
+    _agree(engine, problem)
+    wanted: dict[str, Any] = {key: torch.empty(saved[key].size, dtype=_dtype(saved[key])) for key in keys.values()}
+    wanted["engine/meta"] = torch.empty(meta_entry.size, dtype=torch.uint8)
+    rank_rng = {key: value for key, value in saved.items() if key.startswith(f"rng/{engine.context.cluster.rank}/")}
+    wanted.update({key: torch.empty(value.size, dtype=_dtype(value)) for key, value in rank_rng.items()})
+    _load(engine, dcp, wanted, folder)
+    meta = files.decode_json(wanted["engine/meta"])
+    optimizer_problem = _optimizer_problem(engine, meta)
+    _agree(engine, optimizer_problem if strict else None)
+    states = _wanted_states(engine, saved) if optimizer_problem is None else []
+    if states:
+        state_wanted = {key: torch.empty(saved[key].size, dtype=_dtype(saved[key])) for _, ks in states for key in ks}
+        _load(engine, dcp, state_wanted, folder)
+        wanted.update(state_wanted)
+    else:
+        _load(engine, dcp, {}, folder)  # every rank takes part in every load
+    device = engine.context.cluster.device
+    current = engine.state_dict(full=True)["model"] if not strict else {}  # what missing tensors keep
+    whole = {key: wanted[item] for key, item in keys.items()}
+    whole.update({key: value for key, value in current.items() if key not in whole})
     engine.load_state_dict(
         {"version": 1, "model": whole, "optimizer": None, "global_step": meta["global_step"], "shards": {}}
     )
-    if engine.optimizer is not None:
+    if engine.optimizer is not None and optimizer_problem is None:
         _restore_optimizer(engine.optimizer, states, wanted, meta["param_groups"], device)
     if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
         engine.loss_scaler.load_state_dict(meta["loss_scaler"])
-    if rank_rng in wanted:
-        _set_rng_state(_unpickled(wanted[rank_rng]))
+    if rank_rng:
+        _set_rng_state({key.rsplit("/", 1)[1]: wanted[key] for key in rank_rng})
+
+
+def _verify_files(engine: CheckpointedEngine, folder: Path) -> None:
+    """Check every file of ``folder`` against its recorded checksum, the files shared out over the ranks; one
+    error on every rank names the first damaged file."""
+    sums = files.recorded_checksums(folder)
+    names = sorted(sums)
+    rank, world = engine.context.cluster.rank, 1 if _alone(engine) else engine.context.cluster.world_size
+    damaged = files.first_damaged(folder, names[rank::world], sums)
+    flag = torch.tensor([names.index(damaged) + 1 if damaged is not None else 0], dtype=torch.int64)
+    if world > 1:
+        engine.context.communicator.all_reduce(flag, _max()).wait()
+    if int(flag):
+        raise files.damaged_file_error(folder, names[int(flag) - 1], sums)
+
+
+def _model_problems(
+    engine: CheckpointedEngine, saved: dict[str, Any], local: dict[str, torch.Tensor], strict: bool
+) -> tuple[str | None, dict[str, str]]:
+    """What keeps the checkpoint's model tensors from loading into this rank's (None: nothing), and the checkpoint
+    key of each local tensor to load."""
+    from epl.sharding.parameters import shard_spec
+
+    absent = [key for key in local if f"model/{key}" not in saved]
+    keys = {key: f"model/{key}" for key in local if key not in absent}
+    shapes, dtypes = [], []
+    for key, item in keys.items():
+        tensor, spec = local[key], shard_spec(local[key])
+        whole = list(tensor.shape)
+        if spec is not None:
+            whole[spec.dim] = spec.size
+        if list(saved[item].size) != whole:
+            shapes.append(f"{key} {list(saved[item].size)} (the model's {whole})")
+        if _dtype(saved[item]) != tensor.dtype:
+            dtypes.append(f"{key} {_dtype(saved[item])} (the model's {tensor.dtype})")
+    extra = _extra_model_keys(engine, saved, local)
+    fix = " Load it into the model it was saved from, or pass strict=False to load what matches."
+    if shapes:
+        return f"The checkpoint's tensors have other shapes than the model's: {_few(shapes)}.", keys
+    if strict and absent:
+        return (
+            f"The checkpoint has no {_few(absent)}: it was saved from a different model (the names are those of the "
+            f"model as written, before EPL).{fix}",
+            keys,
+        )
+    if strict and extra:
+        return f"The checkpoint has tensors the model does not: {_few(extra)}.{fix}", keys
+    if strict and dtypes:
+        return f"The checkpoint's tensors have other dtypes than the model's: {_few(dtypes)}.{fix}", keys
+    return None, keys
+
+
+def _extra_model_keys(engine: CheckpointedEngine, saved: dict[str, Any], local: dict[str, Any]) -> list[str]:
+    """The checkpoint's model tensors that no rank's model has (each rank may hold only its stage)."""
+    names = sorted(key[len("model/") :] for key in saved if key.startswith("model/"))
+    held = torch.tensor([name in local for name in names], dtype=torch.int64)
+    if not _alone(engine) and names:
+        engine.context.communicator.all_reduce(held, _max()).wait()
+    return [name for name, here in zip(names, held.tolist(), strict=True) if not here]
+
+
+def _optimizer_problem(engine: CheckpointedEngine, meta: dict[str, Any]) -> str | None:
+    """Why the checkpoint's optimizer state cannot be restored into this engine's optimizer (None: it can)."""
+    optimizer, groups = engine.optimizer, meta["param_groups"]
+    if optimizer is None or groups is None:
+        return None
+    if len(groups) != len(optimizer.param_groups):
+        return (
+            f"The checkpoint's optimizer had {len(groups)} parameter groups, this one has "
+            f"{len(optimizer.param_groups)}: build the optimizer with the same groups to resume (or pass "
+            "strict=False to load the model only)."
+        )
+    saved_options = sorted(groups[0])
+    options = sorted(group_options(optimizer.param_groups[0]))
+    if saved_options != options:
+        return (
+            f"The checkpoint was saved with another kind of optimizer (options {saved_options}), this one has "
+            f"options {options}: build the same optimizer class to resume (or pass strict=False to load the "
+            "model only)."
+        )
+    return None
+
+
+def _agree(engine: CheckpointedEngine, problem: str | None) -> None:
+    """Raise ``problem`` on this rank and an error naming the refusing rank on every other (a collective)."""
+    flag = torch.tensor([engine.context.cluster.rank + 1 if problem else 0], dtype=torch.int64)
+    if not _alone(engine):
+        engine.context.communicator.all_reduce(flag, _max()).wait()
+    if problem:
+        raise EplError(problem)
+    if int(flag):
+        raise EplError(f"Rank {int(flag) - 1} refused the checkpoint (its error says why); nothing was loaded.")
+
+
+def _load(engine: CheckpointedEngine, dcp: Any, wanted: dict[str, Any], folder: Path) -> None:
+    """DCP's load of ``wanted`` from ``folder`` (metadata read safely), its failures as :class:`EplError`."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _quiet_when_alone(engine):
+            dcp.load(wanted, storage_reader=files.safe_reader(folder), no_dist=_alone(engine))
+    except (CheckpointException, OSError, RuntimeError, ValueError) as error:
+        raise EplError(f"Cannot load the checkpoint {folder}: {_first_line(error)}") from None
+
+
+def _few(items: list[str], count: int = 5) -> str:
+    return ", ".join(items[:count]) + (f" and {len(items) - count} more" if len(items) > count else "")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def _max() -> Any:
+    from epl.interfaces.communicator import ReduceOp
+
+    return ReduceOp.MAX
 
 
 def _wanted_states(
@@ -238,30 +377,20 @@ def _dtype(metadata: Any) -> torch.dtype:
     return metadata.properties.dtype
 
 
-def _pickled(value: Any) -> io.BytesIO:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    buffer.seek(0)
-    return buffer
-
-
-def _unpickled(buffer: io.BytesIO) -> Any:
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+def _rng_state() -> dict[str, torch.Tensor]:
+    """This process's generator states as tensors: torch's, Python's (as JSON), each CUDA device's."""
+    state = {"torch": torch.get_rng_state(), "python": files.encode_json(random.getstate())}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    version, internal, gauss = files.decode_json(state["python"])
+    random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
 
 
 def _alone(engine: CheckpointedEngine) -> bool:
@@ -335,12 +464,16 @@ def read_model_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
 
     folder = _readable(Path(path))
-    reader = dcp.FileSystemReader(str(folder))
+    sums = files.recorded_checksums(folder)
+    damaged = files.first_damaged(folder, sorted(sums), sums)
+    if damaged is not None:
+        raise files.damaged_file_error(folder, damaged, sums)
+    reader = files.safe_reader(folder)
     saved = reader.read_metadata().state_dict_metadata
     wanted = {
         key: torch.empty(meta.size, dtype=_dtype(meta)) for key, meta in saved.items() if key.startswith("model/")
     }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(wanted, storage_reader=reader, no_dist=True)
+        dcp.load(wanted, storage_reader=files.safe_reader(folder), no_dist=True)
     return {key[len("model/") :]: value for key, value in wanted.items()}

@@ -220,11 +220,16 @@ class Engine:
 
         save_checkpoint(self, path)
 
-    def load(self, path: str | os.PathLike[str]) -> None:
-        """Restore a checkpoint written by :meth:`save`, under this engine's layout (every rank calls it)."""
+    def load(self, path: str | os.PathLike[str], *, strict: bool = True) -> None:
+        """Restore a checkpoint written by :meth:`save`, under this engine's layout (every rank calls it).
+
+        Nothing in the checkpoint is run; its files are checked against their checksums first. ``strict``
+        (default): the checkpoint must hold exactly the model's tensors, shapes and dtypes, and an optimizer of
+        the same kind; ``strict=False`` loads what matches (see :func:`epl.runtime.checkpoint.load_checkpoint`).
+        """
         from epl.runtime.checkpoint import load_checkpoint
 
-        load_checkpoint(self, path)
+        load_checkpoint(self, path, strict=strict)
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,203 @@
+"""Reading checkpoint files without running what is in them, and checking that they are the files written.
+
+torch.distributed.checkpoint (DCP) reads its ``.metadata`` file with ``pickle.load``, which
+runs whatever code the file names, and reads ``BytesIO`` entries with
+``torch.load(weights_only=False)``. EPL therefore stores its own entries as tensors (JSON
+text in a ``uint8`` tensor: DCP reads tensors with ``weights_only=True``), and reads
+``.metadata`` through :class:`SafeFileSystemReader`, whose unpickler builds only the
+classes DCP's metadata is made of and refuses every other global.
+
+Each rank records a CRC-32 of every file it wrote (``.checksums-<rank>.json``; rank 0's also
+covers ``.metadata``); loading verifies them first, so a truncated or corrupted file is
+refused before any of it is used. CRC-32 rather than SHA-256: it detects accidental damage
+at a fifth of the cost (measured on 400 MiB on this machine: 0.10 s against 0.47 s, the
+write itself 1.1 s); a hash would not stop tampering anyway, since whoever can change a file
+can change its checksum: safety against tampering comes from never running code and from
+the strict checks of shapes, dtypes and names.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from epl.errors import EplError
+
+#: Chunk size for checksums: large enough to be fast, small enough not to hold a file in memory.
+_CHUNK = 16 * 2**20
+_CHECKSUMS = ".checksums-{rank}.json"
+
+
+# -- EPL's own entries: JSON in a uint8 tensor -------------------------------------------------------------------
+def encode_json(value: Any) -> torch.Tensor:
+    """``value`` (numbers, strings, None, lists, tuples, dicts, tensors) as a uint8 tensor of JSON text."""
+    text = json.dumps(_to_plain(value), allow_nan=True)
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).clone()
+
+
+def decode_json(data: torch.Tensor) -> Any:
+    """Inverse of :func:`encode_json`."""
+    return _from_plain(json.loads(bytes(data.tolist()).decode()))
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_to_plain(item) for item in value]}
+    if isinstance(value, list):
+        return [_to_plain(item) for item in value]
+    if isinstance(value, dict):
+        if not all(isinstance(key, str) for key in value):
+            raise EplError(f"Checkpoint metadata keys must be strings, got {sorted(map(repr, value))[:3]}.")
+        return {key: _to_plain(item) for key, item in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise EplError(
+        f"Cannot store {type(value).__name__} {value!r} in a checkpoint's metadata: only numbers, strings, None, "
+        "lists, tuples, dicts and tensors are stored (as data, never pickled)."
+    )
+
+
+def _from_plain(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_from_plain(item) for item in value]
+    if isinstance(value, dict):
+        if "__tensor__" in value:
+            return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+        if "__tuple__" in value:
+            return tuple(_from_plain(item) for item in value["__tuple__"])
+        return {key: _from_plain(item) for key, item in value.items()}
+    return value
+
+
+# -- DCP's metadata without pickle's code execution ------------------------------------------------------------
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only the classes of DCP's metadata (and torch dtypes); any other global is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_CLASSES.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def read_metadata(path: Path) -> Any:
+    """DCP's ``Metadata`` from the file ``path``, built without running code from it."""
+    try:
+        with path.open("rb") as file:
+            return _MetadataUnpickler(file).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as error:
+        raise EplError(
+            f"The checkpoint metadata {path} is not what torch.distributed.checkpoint writes ({error}); it was "
+            "refused without running anything from it. Load only checkpoints written by engine.save."
+        ) from None
+
+
+def safe_reader(folder: Path) -> Any:
+    """A ``torch.distributed.checkpoint.FileSystemReader`` for ``folder`` whose metadata is read by
+    :func:`read_metadata` (DCP reads tensors with ``weights_only=True`` itself)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        """DCP's file reader, its metadata read without pickle's code execution."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = read_metadata(folder / ".metadata")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader(str(folder))
+
+
+# -- checksums -----------------------------------------------------------------------------------------------------
+def checksum(path: Path) -> str:
+    """The CRC-32 of the file ``path`` and its size, as text."""
+    crc, size = 0, 0
+    with path.open("rb") as file:
+        while chunk := file.read(_CHUNK):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return f"crc32:{crc:08x}:{size}"
+
+
+def write_checksums(folder: Path, rank: int, names: Iterable[str]) -> None:
+    """Record the checksums of the files ``names`` of ``folder`` that ``rank`` wrote."""
+    sums = {name: checksum(folder / name) for name in sorted(names)}
+    (folder / _CHECKSUMS.format(rank=rank)).write_text(json.dumps(sums, indent=1) + "\n")
+
+
+def written_by(folder: Path, rank: int) -> list[str]:
+    """The data files of ``folder`` that DCP's rank ``rank`` wrote (and ``.metadata`` for rank 0)."""
+    names = [path.name for path in folder.glob(f"__{rank}_*.distcp")]
+    return names + [".metadata"] if rank == 0 else names
+
+
+def recorded_checksums(folder: Path) -> dict[str, str]:
+    """Every file's recorded checksum (the union of every rank's record)."""
+    records = sorted(folder.glob(".checksums-*.json"))
+    if not records:
+        raise EplError(
+            f"The checkpoint {folder} has no checksums (.checksums-<rank>.json), so its files cannot be checked: "
+            "it was not written by this version of engine.save. Save it again with this version."
+        )
+    sums: dict[str, str] = {}
+    for record in records:
+        try:
+            entries = json.loads(record.read_text())
+        except (OSError, ValueError) as error:
+            raise EplError(f"Cannot read the checksums {record}: {error}.") from None
+        if not isinstance(entries, dict) or not all(isinstance(v, str) for v in entries.values()):
+            raise EplError(f"The checksums {record} are not a map of file names to checksums.")
+        sums.update(entries)
+    unlisted = [path.name for path in folder.glob("*.distcp") if path.name not in sums]
+    if unlisted or ".metadata" not in sums:
+        raise EplError(f"The checkpoint {folder} has files without a recorded checksum: {unlisted or ['.metadata']}.")
+    return sums
+
+
+def first_damaged(folder: Path, names: Iterable[str], sums: dict[str, str]) -> str | None:
+    """The first of ``names`` whose content does not match its recorded checksum (or is missing), else None."""
+    for name in names:
+        path = folder / name
+        if not path.is_file() or checksum(path) != sums[name]:
+            return name
+    return None
+
+
+def damaged_file_error(folder: Path, name: str, sums: dict[str, str]) -> EplError:
+    """The error for a file of ``folder`` that is not the file written."""
+    path = folder / name
+    found = checksum(path) if path.is_file() else "no such file"
+    return EplError(
+        f"The checkpoint file {path} is damaged: recorded {sums[name]}, found {found} (a truncated copy, a flipped "
+        "bit or another file). Nothing was loaded; load an intact copy of the checkpoint."
+    )
