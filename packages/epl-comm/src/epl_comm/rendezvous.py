@@ -1,10 +1,19 @@
-"""Joining the job's processes through torch.distributed's rendezvous (MASTER_ADDR/MASTER_PORT)."""
+"""Joining the job's processes through torch.distributed's rendezvous (MASTER_ADDR/MASTER_PORT).
+
+Rank 0 hosts the rendezvous store. torch's own ``env://`` store listens on every interface;
+EPL's listens on MASTER_ADDR only (loopback on one machine, by default), through a socket it
+binds itself and hands to ``TCPStore``. The store has no authentication: on several machines
+MASTER_ADDR must be an address inside a trusted network. Under torchrun, whose agent already
+runs a store, ``env://`` reuses it.
+"""
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import errno
 import os
+import socket
 
 import torch.distributed as dist
 
@@ -26,19 +35,51 @@ def join_process_group(cluster: Cluster, backend: str, *, timeout: float) -> Non
             )
         os.environ.setdefault("MASTER_ADDR", cluster.master_addr)
         os.environ.setdefault("MASTER_PORT", str(cluster.master_port))
-        dist.init_process_group(
-            backend,
-            init_method="env://",
-            rank=cluster.rank,
-            world_size=cluster.world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
+        wait = datetime.timedelta(seconds=timeout)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts the store
+            dist.init_process_group(
+                backend, init_method="env://", rank=cluster.rank, world_size=cluster.world_size, timeout=wait
+            )
+        else:
+            store = _store(cluster.master_addr, cluster.master_port, cluster.rank, cluster.world_size, wait)
+            dist.init_process_group(
+                backend, store=store, rank=cluster.rank, world_size=cluster.world_size, timeout=wait
+            )
         atexit.register(_destroy_process_group)
     if dist.get_world_size() != cluster.world_size:
         raise ClusterError(
             f"The existing process group has {dist.get_world_size()} processes, the environment says "
             f"{cluster.world_size}."
         )
+
+
+def _store(address: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The rendezvous store: rank 0 listens on ``address`` only (not every interface), the others connect."""
+    if rank != 0:
+        return dist.TCPStore(address, port, world_size, False, timeout)
+    listener = _listen(address, port)
+    if listener is None:  # the address is not this machine's own (e.g. behind NAT): torch listens everywhere
+        return dist.TCPStore(address, port, world_size, True, timeout)
+    return dist.TCPStore(address, port, world_size, True, timeout, master_listen_fd=listener.detach())
+
+
+def _listen(address: str, port: int) -> socket.socket | None:
+    """A socket listening on ``address``:``port``, or None when ``address`` is not one of this machine's."""
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as error:
+        raise ClusterError(f"MASTER_ADDR {address!r} does not resolve ({error}); give rank 0's address.") from None
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(where)
+        listener.listen(max(128, socket.SOMAXCONN))
+    except OSError as error:
+        listener.close()
+        if error.errno == errno.EADDRNOTAVAIL:
+            return None
+        raise ClusterError(f"Rank 0 cannot listen on MASTER_ADDR {address}:{port}: {error}.") from None
+    return listener
 
 
 def default_store() -> dist.Store | None:
