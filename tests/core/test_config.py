@@ -239,3 +239,9 @@ def test_init_accepts_a_dict_and_rejects_other_types() -> None:
     assert epl.init({"pipeline.num_micro_batch": 2}).config["pipeline.num_micro_batch"] == 2
     with pytest.raises(epl.ConfigError, match="takes an epl.Config"):
         epl.init(42)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_numbers_must_be_finite(value: float) -> None:
+    with pytest.raises(epl.ConfigError, match=r"'communication.timeout': expected a finite number"):
+        epl.Config({"communication.timeout": value})

@@ -280,3 +280,16 @@ def test_lazy_modules_are_planned_with_a_note_and_train() -> None:
     assert any("uninitialised (lazy) parameters" in note for note in plan.notes)
     engine = epl.parallelize(model, optimizer=OPTIMIZERS["sgd"], loss_fn=nn.MSELoss())
     assert engine.step(torch.randn(2, 3), torch.randn(2, 2)).dim() == 0
+
+
+def test_a_model_without_parameters_is_one_clear_error() -> None:
+    import epl
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = [nn.Linear(2, 2)]  # a plain list: not registered
+
+    epl.init()
+    with pytest.raises(epl.EplError, match="Holder has no parameters, so the optimizer has nothing to train"):
+        epl.parallelize(Holder(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))

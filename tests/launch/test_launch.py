@@ -282,3 +282,12 @@ def test_a_target_that_cannot_be_executed_is_a_clear_error(tmp_path: Path) -> No
     target.write_text("echo hi\n")
     done = launch(str(target))
     assert done.returncode != 0 and "not executable" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_misspelt_option_names_the_closest_and_a_bad_master_address_names_its_flag() -> None:
+    result = CliRunner().invoke(make_cli(), ["launch", "--nproc-per-nod", "2", "train.py"])
+    assert result.exit_code == 2
+    assert "No such option: --nproc-per-nod. Did you mean --nproc-per-node?" in result.output
+    result = CliRunner().invoke(make_cli(), ["launch", "--master-addr", "no.such.host.invalid", "train.py"])
+    assert result.exit_code == 1
+    assert "--master-addr 'no.such.host.invalid': cannot resolve this address" in result.output

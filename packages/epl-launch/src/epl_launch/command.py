@@ -127,6 +127,8 @@ def launch_command(
       epl launch --num_workers 1 --gpu_per_worker 2 run.sh
       epl launch --num-workers 2 --machine-rank 1 --master-addr 10.0.0.1 --master-port 29500 train.py
     """
+    if target.startswith("-"):
+        raise click.UsageError(_unknown_option(target))
     try:
         if machine_list is not None:
             listed_workers, listed_rank, listed_master = machine_from_list(machine_list)
@@ -145,8 +147,32 @@ def launch_command(
             target=target,
             target_args=target_args,
         )
+        _check_address(config.master_addr)
         port = config.master_port or free_port(config.master_addr)
     except (LaunchError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
     outcome = run_mpi(config, port) if config.mpi else LocalJob(config, port).run()
     sys.exit(report(outcome))
+
+
+def _unknown_option(option: str) -> str:
+    """The error for an option ``epl launch`` does not have, with the closest one it has."""
+    import difflib
+
+    names = [name for param in launch_command.params for name in param.opts if name.startswith("--")]
+    close = difflib.get_close_matches(option.split("=", 1)[0], names, n=1)
+    hint = f" Did you mean {close[0]}?" if close else ""
+    return f"No such option: {option}.{hint} Options of epl launch go before the script (see epl launch --help)."
+
+
+def _check_address(address: str) -> None:
+    """Refuse a ``--master-addr`` this machine cannot resolve, naming the flag."""
+    import socket
+
+    try:
+        socket.getaddrinfo(address, None)
+    except socket.gaierror as error:
+        raise LaunchError(
+            f"--master-addr {address!r}: cannot resolve this address ({error.strerror}). Give machine 0's address "
+            "or host name (default 127.0.0.1, one machine)."
+        ) from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,8 @@ class ConfigKey:
             return f"expected {self.type_name()}, got {value!r} ({type(value).__name__})"
         if isinstance(value, str) and self.choices is not None and value not in self.choices:
             return f"expected {self.allowed()}, got {value!r}"
+        if _is_number(value) and not math.isfinite(value):
+            return f"expected a finite number ({self.allowed()}), got {value!r}"
         if _is_number(value) and self.minimum is not None and value < self.minimum:
             return f"expected {self.allowed()}, got {value!r}"
         return None

@@ -43,6 +43,12 @@ def parallelize(
     env = Env.get()
     if not isinstance(model, nn.Module):
         raise EplError(f"epl.parallelize takes an nn.Module, got {type(model).__name__}.")
+    if optimizer is not None and next(model.parameters(), None) is None:
+        raise EplError(
+            f"{type(model).__name__} has no parameters, so the optimizer has nothing to train: register its layers "
+            "as attributes of the model (self.layer = nn.Linear(...), nn.ModuleList for lists), or pass no optimizer "
+            "to run it without training."
+        )
     taskgraphs = _taskgraphs(model, env, example_inputs)
     plan = _plan_for(taskgraphs, env)
     env.annotations.remove()
