@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from epl.plugin_api import Cluster, Communicator, ReduceOp, Work
+from epl.plugin_api import Cluster, Communicator, EplError, ReduceOp, Work
 from epl_comm.diagnostics import CollectiveLog, CollectiveRecord, DiagnosedWork
 from epl_comm.rendezvous import default_store, join_process_group
 
@@ -69,6 +69,7 @@ class TorchCommunicator(Communicator):
         name = f"group{next(self._names)}-" + ".".join(map(str, self.ranks))
         self.log = CollectiveLog(name, dist.get_rank(), self.ranks, store)
         self._split_off: list[TorchCommunicator] = []
+        self._closed = False
 
     @classmethod
     def join(cls, cluster: Cluster, *, timeout: float) -> TorchCommunicator:
@@ -150,14 +151,24 @@ class TorchCommunicator(Communicator):
         return mine
 
     def close(self) -> None:
-        """Stop the heartbeats of this communicator and of those split off it. The process groups
-        stay for a later ``epl.init`` and end with the process."""
+        """Stop the heartbeats of this communicator and of those split off it, and release the process
+        groups split off it (their threads and sockets). The default group stays for a later ``epl.init``
+        and ends with the process."""
         self.log.close()
         for communicator in self._split_off:
             communicator.close()
         self._split_off.clear()
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+            self.group = None  # the last reference: the group's threads and sockets end with it
+        self._closed = True
 
     def _start(self, op: str, tensor: torch.Tensor, launch: Callable[[], dist.Work | None]) -> TorchWork:
+        if self._closed:
+            raise EplError(
+                f"{op} on a communicator of an earlier epl.init, closed when epl.init started over: call "
+                "epl.parallelize again after epl.init, and use the new engine."
+            )
         record = self.log.start(op, tensor)
         work = launch()
         assert work is not None
