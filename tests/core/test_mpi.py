@@ -78,3 +78,50 @@ def test_plain_mpiexec_job_trains_data_parallel_with_the_address_shared_over_mpi
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert [(tmp_path / f"train{r}.txt").read_text() for r in range(2)] == ["2 mpi True"] * 2
+
+
+FAILING = """
+import sys, torch, epl
+from torch import nn
+epl.init(epl.Config({"communication.timeout": 10}))
+engine = epl.parallelize(nn.Linear(4, 4), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.MSELoss())
+engine.step(torch.randn(8, 4), torch.randn(8, 4))
+if epl.Env.get().cluster.rank == 1:
+    if sys.argv[1] == "raise":
+        raise RuntimeError("rank 1 broke")
+    while True:  # stuck without a collective
+        pass
+for _ in range(10_000):
+    engine.step(torch.randn(8, 4), torch.randn(8, 4))
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("failure", ["raise", "hang"])
+def test_plain_mpiexec_ends_the_whole_job_when_a_rank_fails(tmp_path: Path, failure: str) -> None:
+    """Without EPL's hook a raising rank waits in MPI_Finalize and the others wait for it until the timeout; a
+    stuck rank kept the job alive forever. Now: the traceback names the rank, and mpiexec ends every process."""
+    import time
+
+    pytest.importorskip("epl_comm")
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    started = time.monotonic()
+    done = subprocess.run(
+        [str(MPIEXEC), "-n", "2", sys.executable, str(script), failure],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
+    seconds = time.monotonic() - started
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    if failure == "raise":
+        assert "[epl] rank 1 failed; ending the MPI job." in output and "RuntimeError: rank 1 broke" in output
+        assert seconds < 30, seconds
+    else:  # rank 0's collective times out after 10 s naming rank 1, which ends the job
+        assert "[epl] rank 0 failed; ending the MPI job." in output and "ranks [1] did not arrive" in output
+        assert seconds < 10 + 30, seconds
+    assert str(script) not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
