@@ -291,3 +291,60 @@ def test_a_misspelt_option_names_the_closest_and_a_bad_master_address_names_its_
     result = CliRunner().invoke(make_cli(), ["launch", "--master-addr", "no.such.host.invalid", "train.py"])
     assert result.exit_code == 1
     assert "--master-addr 'no.such.host.invalid': cannot resolve this address" in result.output
+
+
+#: Data parallel with EPL; after one step rank 1 gets stuck outside any collective (TEST_MODE=stuck) or every rank
+#: keeps computing without a word (TEST_MODE=busy).
+STUCK = """
+import os, time, torch, epl
+from torch import nn
+epl.init(epl.Config({"communication.timeout": 5}))
+engine = epl.parallelize(nn.Linear(4, 4), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.MSELoss())
+engine.step(torch.randn(8, 4), torch.randn(8, 4))
+open(os.path.join(os.environ["TEST_OUT"], f"pid{os.environ['RANK']}"), "w").write(str(os.getpid()))
+if os.environ["TEST_MODE"] == "busy" or os.environ["RANK"] == "1":
+    while True:
+        pass
+for _ in range(10_000):
+    engine.step(torch.randn(8, 4), torch.randn(8, 4))
+"""
+
+
+def test_the_launcher_names_the_rank_the_timeout_diagnosis_names(tmp_path: Path, out: Path) -> None:
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK)
+    done = launch("--nproc-per-node", "2", str(script), env={"TEST_MODE": "stuck"}, timeout=90)
+    assert done.returncode == 1
+    assert "epl launch: rank 1 stopped taking part in collectives: rank 0's collective timed out" in done.stderr
+
+
+def test_workers_end_when_the_launcher_is_killed(tmp_path: Path, out: Path) -> None:
+    """SIGKILL cannot be passed on: the workers notice the launcher is gone and end within seconds."""
+    script = tmp_path / "busy.py"
+    script.write_text(STUCK)
+    launcher = subprocess.Popen(
+        [EPL, "launch", "--nproc-per-node", "2", str(script)],
+        env={**os.environ, "TEST_MODE": "busy"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("pid*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    workers = [int(path.read_text()) for path in out.glob("pid*")]
+    assert len(workers) == 2, "the workers did not start"
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in workers), "workers kept running after their launcher died"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat")
+    return not (state.exists() and state.read_text().split(") ", 1)[1].startswith("Z"))  # a zombie has ended

@@ -24,6 +24,8 @@ PEER_LOST = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|did not arrive|CollectiveTimeoutError|"
     r"NCCL communicator was aborted|ProcessGroupGloo|DistNetworkError|DistBackendError"
 )
+#: EPL's timeout diagnosis: the ranks a collective waited for.
+LATE_RANKS = re.compile(r"ranks \[([\d, ]+)\] did not arrive")
 #: Signals that end the whole job (HUP: the terminal or ssh session went away).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -49,6 +51,7 @@ def worker_environment(config: LaunchConfig, local_rank: int, master_port: int) 
         MASTER_ADDR=config.master_addr,
         MASTER_PORT=str(master_port),
         EPL_LAUNCHER="epl",
+        EPL_LAUNCHER_PID=str(os.getpid()),
         PYTHONUNBUFFERED="1",
     )
     env.setdefault("OMP_NUM_THREADS", default_omp_threads(config.nproc_per_node))
@@ -141,6 +144,15 @@ class LocalJob:
             how, exit_code = f"exited with code {code}", code
         log = self.output.log_path(rank)
         where = f"; its log: {log}" if log is not None else " (use --log-dir to keep each rank's log)"
+        late = LATE_RANKS.findall("".join(self.output.recent.get(rank, ())))
+        if late:  # the rank that failed only reported the one that stopped arriving
+            names = late[-1].split(", ")
+            who = f"rank {names[0]}" if len(names) == 1 else f"ranks {', '.join(names)}"
+            return Outcome(
+                exit_code,
+                f"epl launch: {who} stopped taking part in collectives: rank {rank}'s collective timed out "
+                f"waiting for it and {how}{where}. Stopped the other ranks.",
+            )
         return Outcome(exit_code, f"epl launch: rank {rank} {how}{where}. Stopped the other ranks.")
 
     def _on_signal(self, signum: int, frame: object) -> None:

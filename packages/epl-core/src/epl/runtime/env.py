@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -94,6 +95,10 @@ def init(config: Config | Mapping[str, Any] | None = None) -> Env:
             from epl.runtime.failure import end_job_on_uncaught_exception
 
             end_job_on_uncaught_exception(cluster.rank)
+        if os.environ.get("EPL_LAUNCHER_PID", "").isdigit():  # started by epl launch: end with it
+            from epl.runtime.failure import end_with_launcher
+
+            end_with_launcher(int(os.environ["EPL_LAUNCHER_PID"]), cluster.rank)
         communicator = plugins.make_communicator(cluster, config)
     annotations = AnnotationRecorder()
     annotations.install()

@@ -8,12 +8,17 @@ is loaded (the MPI launcher then stops every rank), else an immediate exit with 
 (which MPICH's and Open MPI's launchers also treat as the end of the job). A rank stuck
 without a collective is found by the others' timeout diagnosis, which is uncaught on them
 and so ends the job the same way.
+
+Workers started by ``epl launch`` end when the launcher does, even one killed with SIGKILL
+(which cannot pass the signal on): a thread watches the launcher's process and ends the worker
+within a second of it going away.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import traceback
 from types import TracebackType
@@ -48,3 +53,40 @@ def end_job_on_uncaught_exception(rank: int) -> None:
 
     sys.excepthook = hook
     _installed = True
+
+
+#: Seconds between two looks at the launcher.
+_WATCH_SECONDS = 1.0
+_watching: set[int] = set()
+
+
+def end_with_launcher(launcher_pid: int, rank: int) -> None:
+    """End this process (exit code 1, after a line naming ``rank``) once process ``launcher_pid`` has gone."""
+    if launcher_pid in _watching or launcher_pid <= 1:
+        return
+    direct_child = os.getppid() == launcher_pid
+
+    def gone() -> bool:
+        if direct_child and os.getppid() != launcher_pid:  # re-parented: the launcher died
+            return True
+        try:
+            os.kill(launcher_pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, another user's (a reused pid is not ours to judge)
+            return False
+        return False
+
+    def watch() -> None:
+        while not gone():
+            time.sleep(_WATCH_SECONDS)
+        try:  # the launcher read our output: the pipe may be gone with it
+            stream = sys.__stderr__ or sys.stderr
+            stream.write(f"[epl] rank {rank}: the launcher (pid {launcher_pid}) is gone; ending this worker.\n")
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="epl-launcher-watch", daemon=True).start()
+    _watching.add(launcher_pid)
