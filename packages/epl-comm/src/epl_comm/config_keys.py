@@ -64,6 +64,13 @@ KEYS: tuple[ConfigKey, ...] = (
         "(CuPy's NCCL, needs CUDA and the epl-comm[cupy] extra), or 'auto' (= torch).",
     ),
     ConfigKey(
+        name="communication.check_steps",
+        types=(bool,),
+        default=True,
+        doc="Check every step that the ranks averaging gradients are at the same step (one int64 gathered "
+        "during the step); a rank that skipped engine.step is an error naming each rank's step.",
+    ),
+    ConfigKey(
         name="communication.timeout",
         types=(float, int),
         default=600,

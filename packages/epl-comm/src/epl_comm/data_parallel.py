@@ -25,6 +25,7 @@ from torch import nn
 
 from epl.plugin_api import Communicator, CompletedWork, ReduceOp, Work
 from epl_comm.buckets import plan_buckets
+from epl_comm.step_check import StepCheck
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,8 +73,11 @@ class DataParallelReducer:
         sparse: Sequence[nn.Parameter] = (),
         defer_until_finish: bool = False,
         owners: Mapping[int, int] | None = None,
+        step_check: StepCheck | None = None,
     ) -> None:
         self.policy = policy
+        #: Checks every step that the copies' ranks are at the same step (None: no check).
+        self.step_check = step_check
         self.communicators = list(communicators)
         sparse_ids = set() if policy.sparse_as_dense else {id(p) for p in sparse}
         dense = [p for p in params if p.requires_grad and id(p) not in sparse_ids]
@@ -106,9 +110,13 @@ class DataParallelReducer:
                 bucket.work.wait()
         self._reset()
         self._armed = True
+        if self.step_check is not None:
+            self.step_check.start()
 
     def finish(self, clip: Callable[[], None] | None) -> None:
         """Finish this step's reduction; clip before it (per replica) or after it, as configured."""
+        if self.step_check is not None:  # posted first, so complete first: the peers are at this step
+            self.step_check.finish()
         if clip is not None and not self.policy.clip_after_allreduce:
             clip()
         while self._next < len(self.buckets):

@@ -38,6 +38,14 @@ class CollectiveTimeoutError(EplError, TimeoutError):
     """A collective did not complete in time; the message names the operation and the missing ranks."""
 
 
+class PeerLostError(EplError, ConnectionError):
+    """A member of a collective went away (its connection closed); the message names the candidates."""
+
+
+#: What gloo and NCCL say when a peer's process has gone.
+PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused")
+
+
 @dataclass(frozen=True)
 class CollectiveRecord:
     """One collective as this rank started it."""
@@ -105,6 +113,16 @@ class CollectiveLog:
             "same order; raise communication.timeout if the job is just slow."
         )
 
+    def peer_lost_error(self, record: CollectiveRecord, cause: str) -> PeerLostError:
+        """The error for ``record`` failing because a member's connection closed."""
+        others = [rank for rank in self.ranks if rank != self.rank]
+        who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
+        return PeerLostError(
+            f"{record.describe()} on communicator {self.name!r} (ranks {list(self.ranks)}) failed on rank "
+            f"{self.rank}: {who} went away (the connection closed: {cause.strip()[:100]}). Its own error, or its "
+            "launcher, says why it ended."
+        )
+
     def close(self) -> None:
         """Stop the heartbeat."""
         self._stop.set()
@@ -165,3 +183,8 @@ class DiagnosedWork(Work):
     def timed_out(self, seconds: float) -> CollectiveTimeoutError:
         """The error for not completing within ``seconds``."""
         return self._log.timeout_error(self._record, seconds)
+
+    def peer_lost(self, error: BaseException) -> PeerLostError | None:
+        """The error naming the peers when ``error`` says a member's connection closed, else None."""
+        text = str(error)
+        return self._log.peer_lost_error(self._record, text) if any(sign in text for sign in PEER_GONE) else None

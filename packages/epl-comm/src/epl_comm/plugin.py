@@ -81,6 +81,7 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
 
     from epl_comm.data_parallel import DataParallelReducer, ReducePolicy, ReducerSet
     from epl_comm.groups import groups_for
+    from epl_comm.step_check import StepCheck
 
     if context.plan.local:
         return None
@@ -114,6 +115,7 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
                 sparse=[p for p in params if id(p) in sparse],
                 defer_until_finish=clip_first,
                 owners=context.gradient_owners,
+                step_check=StepCheck(groups.communicators(copies)[0]) if config["communication.check_steps"] else None,
             )
         )
     if not reducers:

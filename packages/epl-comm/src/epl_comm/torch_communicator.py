@@ -41,6 +41,9 @@ class TorchWork(DiagnosedWork):
         except RuntimeError as exc:
             if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                 raise self.timed_out(seconds) from exc
+            lost = self.peer_lost(exc)
+            if lost is not None:
+                raise lost from None
             raise
 
     def is_completed(self) -> bool:

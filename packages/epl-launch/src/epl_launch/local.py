@@ -22,7 +22,8 @@ SETTLE_SECONDS = 1.0
 #: Output of a rank that failed because a peer went away.
 PEER_LOST = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|did not arrive|CollectiveTimeoutError|"
-    r"NCCL communicator was aborted|ProcessGroupGloo|DistNetworkError|DistBackendError"
+    r"NCCL communicator was aborted|ProcessGroupGloo|DistNetworkError|DistBackendError|"
+    r"went away \(the connection closed"
 )
 #: EPL's timeout diagnosis: the ranks a collective waited for.
 LATE_RANKS = re.compile(r"ranks \[([\d, ]+)\] did not arrive")

@@ -28,9 +28,11 @@ before anything is loaded, so a refused checkpoint is one error on every rank, n
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import random
 import shutil
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -100,7 +102,9 @@ def save_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike[str]) ->
     items = _logical_items(engine)
     _everyone(engine, lambda: _remove(partial))
     with _quiet_when_alone(engine):
-        dcp.save(items, checkpoint_id=str(partial), no_dist=_alone(engine))
+        _named_when_late(
+            engine, "engine.save", lambda: dcp.save(items, checkpoint_id=str(partial), no_dist=_alone(engine))
+        )
     rank = engine.context.cluster.rank
     files.write_checksums(partial, rank, files.written_by(partial, rank))
     _everyone(engine, lambda: _replace(partial, target))
@@ -292,9 +296,51 @@ def _load(engine: CheckpointedEngine, dcp: Any, wanted: dict[str, Any], folder: 
 
     try:
         with _quiet_when_alone(engine):
-            dcp.load(wanted, storage_reader=files.safe_reader(folder), no_dist=_alone(engine))
+            _named_when_late(
+                engine,
+                "engine.load",
+                lambda: dcp.load(wanted, storage_reader=files.safe_reader(folder), no_dist=_alone(engine)),
+            )
     except (CheckpointException, OSError, RuntimeError, ValueError) as error:
         raise EplError(f"Cannot load the checkpoint {folder}: {_first_line(error)}") from None
+
+
+_calls = itertools.count()
+#: Seconds a rank whose checkpoint collective timed out waits for the other waiting ranks to say so.
+_LATE_SETTLE_SECONDS = 2.0
+
+
+def _named_when_late(engine: CheckpointedEngine, what: str, action: Callable[[], Any]) -> Any:
+    """Run ``action`` (torch.distributed.checkpoint's collectives); when it times out, name the ranks that never
+    finished it nor timed out themselves (the late ones), as EPL's own collectives do.
+
+    Every rank records in the job's store that it finished, or that it timed out; the ranks with neither did not
+    arrive.
+    """
+    import torch.distributed as dist
+
+    if _alone(engine):
+        return action()
+    key = f"epl/checkpoint/{next(_calls)}"
+    rank, world = engine.context.cluster.rank, engine.context.cluster.world_size
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):  # no store: DCP's own error
+        return action()
+    try:
+        result = action()
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower():
+            raise
+        store.set(f"{key}/timed_out/{rank}", "1")
+        time.sleep(_LATE_SETTLE_SECONDS)
+        late = [r for r in range(world) if not any(store.check([f"{key}/{how}/{r}"]) for how in ("timed_out", "done"))]
+        raise EplError(
+            f"{what} timed out on rank {rank}: ranks {late} did not arrive at torch.distributed.checkpoint's "
+            "collectives (stuck, or no longer calling engine.save/load with the others)."
+        ) from None
+    store.set(f"{key}/done/{rank}", "1")
+    return result
 
 
 def _few(items: list[str], count: int = 5) -> str:
