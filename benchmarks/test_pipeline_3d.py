@@ -71,8 +71,8 @@ def built_stages() -> list[nn.Sequential]:
     return [stage_module(stage) for stage in range(STAGES)]
 
 
-def epl_engine() -> Any:
-    """The EPL side: each stage under its own ``epl.split(2)`` scope."""
+def epl_engine(strategy: str = "split", devices: int = SHARDS) -> Any:
+    """The EPL side: each stage under its own ``epl.split(2)`` scope (or another ``strategy`` over ``devices``)."""
     import torch
     from torch import nn
 
@@ -82,7 +82,7 @@ def epl_engine() -> Any:
     torch.manual_seed(0)
     stages = []
     for stage in range(STAGES):
-        with epl.split(SHARDS, name=f"stage_{stage}"):
+        with getattr(epl, strategy)(devices, name=f"stage_{stage}"):
             stages.append(stage_module(stage))
     return epl.parallelize(nn.Sequential(*stages), optimizer=lambda p: torch.optim.SGD(p, lr=LR), loss_fn=nn.MSELoss())
 

@@ -27,15 +27,14 @@ import pytest
 from tests.helpers.distributed import run_ranks
 
 from benchmarks.harness import Ratio, ResultRow, Section, ms, record, short_mode
+from benchmarks.test_pipeline_3d import LR, MICRO, STAGES, WIDTH, epl_engine, stage_module
 
 if TYPE_CHECKING:
     import torch
-    from torch import nn
 
 pytestmark = pytest.mark.multiprocess
 
-WIDTH, BATCH, MICRO, STAGES, COPIES = 512, 128, 4, 2, 2
-LR = 0.01
+BATCH, COPIES = 128, 2
 #: CI (short mode) only catches gross regressions; a full run checks the target with margin for noise.
 MAX_RATIO = 2.0 if short_mode() else 1.25
 SECTION = Section(
@@ -46,37 +45,6 @@ SECTION = Section(
     "`DistributedDataParallel` on the `dp` dimension of a 2 x 2 mesh and run by `torch.distributed.pipelining` "
     "(`Schedule1F1B`) on its `pp` dimension, after checking both take the same step. Target <= 1.00.",
 )
-
-
-def stage_module() -> nn.Sequential:
-    """One stage: two MLP blocks, a ReLU between them."""
-    from torch import nn
-
-    return nn.Sequential(
-        nn.Linear(WIDTH, 4 * WIDTH),
-        nn.ReLU(),
-        nn.Linear(4 * WIDTH, WIDTH),
-        nn.ReLU(),
-        nn.Linear(WIDTH, 4 * WIDTH),
-        nn.ReLU(),
-        nn.Linear(4 * WIDTH, WIDTH),
-    )
-
-
-def epl_engine() -> Any:
-    """The EPL side: each stage under its own ``epl.replicate(2)`` scope."""
-    import torch
-    from torch import nn
-
-    import epl
-
-    epl.init(epl.Config({"pipeline.num_micro_batch": MICRO, "pipeline.strategy": "PreferBackward"}))
-    torch.manual_seed(0)
-    stages = []
-    for stage in range(STAGES):
-        with epl.replicate(COPIES, name=f"stage_{stage}"):
-            stages.append(stage_module())
-    return epl.parallelize(nn.Sequential(*stages), optimizer=lambda p: torch.optim.SGD(p, lr=LR), loss_fn=nn.MSELoss())
 
 
 class TorchPipelineDataParallel:
@@ -93,7 +61,7 @@ class TorchPipelineDataParallel:
         mesh = init_device_mesh("cpu", (STAGES, COPIES), mesh_dim_names=("pp", "dp"))
         self.stage_index, copy = divmod(dist.get_rank(), COPIES)
         torch.manual_seed(0)
-        built = [stage_module() for _ in range(STAGES)]
+        built = [stage_module(stage) for stage in range(STAGES)]
         self.module = DistributedDataParallel(built[self.stage_index], process_group=mesh["dp"].get_group())
         example = torch.empty(BATCH // MICRO // COPIES, WIDTH, requires_grad=True)
         stage = pipelining.PipelineStage(
@@ -129,7 +97,7 @@ def race(rounds: int, steps: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(BATCH, WIDTH, generator=generator)
     y = torch.randn(BATCH, WIDTH, generator=generator)
-    engine = epl_engine()
+    engine = epl_engine("replicate", COPIES)
     theirs = TorchPipelineDataParallel(x, y)
     ours = list(engine.parameters())
     for a, b in zip(ours, theirs.module.parameters(), strict=True):

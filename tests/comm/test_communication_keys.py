@@ -13,6 +13,9 @@ from tests.helpers.distributed import run_ranks
 pytestmark = pytest.mark.multiprocess
 
 F32, F64 = torch.float32, torch.float64
+#: Scenarios that count what crosses the reducer's communicators: the gradients only, without the step check's
+#: gather of step numbers (communication.check_steps, tested in test_step_check.py).
+GRADIENTS_ONLY = {"communication.check_steps": False}
 SCENARIOS: dict[str, dict[str, Any]] = {
     "one_bucket": {"optimizer": "adam", "dtype": F64, "config": {"communication.max_splits": 1}},
     "three_buckets": {"optimizer": "adam", "dtype": F64, "config": {"communication.max_splits": 3}},
@@ -21,14 +24,14 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "dtype": F64,
         "config": {"communication.max_splits": 5, "communication.num_communicators": 3},
     },
-    "fp32_wire": {"optimizer": "sgd", "dtype": F32},
-    "fp16_wire": {"optimizer": "sgd", "dtype": F32, "config": {"communication.fp16": True}},
-    "sparse": {"optimizer": "plain_sgd", "dtype": F64, "model": "embedding"},
+    "fp32_wire": {"optimizer": "sgd", "dtype": F32, "config": GRADIENTS_ONLY},
+    "fp16_wire": {"optimizer": "sgd", "dtype": F32, "config": {"communication.fp16": True, **GRADIENTS_ONLY}},
+    "sparse": {"optimizer": "plain_sgd", "dtype": F64, "model": "embedding", "config": GRADIENTS_ONLY},
     "sparse_as_dense": {
         "optimizer": "plain_sgd",
         "dtype": F64,
         "model": "embedding",
-        "config": {"communication.sparse_as_dense": True},
+        "config": {"communication.sparse_as_dense": True, **GRADIENTS_ONLY},
     },
     "clip_before_allreduce": {
         "optimizer": "plain_sgd",

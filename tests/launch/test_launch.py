@@ -338,13 +338,7 @@ def test_workers_end_when_the_launcher_is_killed(tmp_path: Path, out: Path) -> N
     deadline = time.monotonic() + 10
     while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(pid) for pid in workers), "workers kept running after their launcher died"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    state = Path(f"/proc/{pid}/stat")
-    return not (state.exists() and state.read_text().split(") ", 1)[1].startswith("Z"))  # a zombie has ended
+    survivors = [pid for pid in workers if _alive(pid)]
+    for pid in survivors:  # never leave busy workers behind for the tests after this one
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, "workers kept running after their launcher died"
