@@ -172,17 +172,14 @@ def load_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
     wanted["engine/meta"] = torch.empty(meta_entry.size, dtype=torch.uint8)
     rank_rng = {key: value for key, value in saved.items() if key.startswith(f"rng/{engine.context.cluster.rank}/")}
     wanted.update({key: torch.empty(value.size, dtype=_dtype(value)) for key, value in rank_rng.items()})
-    _load(engine, dcp, wanted, folder)
+    states = _wanted_states(engine, saved)
+    wanted.update({key: torch.empty(saved[key].size, dtype=_dtype(saved[key])) for _, ks in states for key in ks})
+    _load(engine, dcp, wanted, folder)  # one read of everything, into tensors of its own: nothing is applied yet
     meta = files.decode_json(wanted["engine/meta"])
     optimizer_problem = _optimizer_problem(engine, meta)
     _agree(engine, optimizer_problem if strict else None)
-    states = _wanted_states(engine, saved) if optimizer_problem is None else []
-    if states:
-        state_wanted = {key: torch.empty(saved[key].size, dtype=_dtype(saved[key])) for _, ks in states for key in ks}
-        _load(engine, dcp, state_wanted, folder)
-        wanted.update(state_wanted)
-    else:
-        _load(engine, dcp, {}, folder)  # every rank takes part in every load
+    if optimizer_problem is not None:
+        states = []
     device = engine.context.cluster.device
     current = engine.state_dict(full=True)["model"] if not strict else {}  # what missing tensors keep
     whole = {key: wanted[item] for key, item in keys.items()}
