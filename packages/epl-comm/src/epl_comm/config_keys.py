@@ -68,7 +68,8 @@ KEYS: tuple[ConfigKey, ...] = (
         types=(bool,),
         default=True,
         doc="Check every step that the ranks averaging gradients are at the same step (one int64 gathered "
-        "during the step); a rank that skipped engine.step is an error naming each rank's step.",
+        "during the step): a difference is an error naming each rank's step, and a rank that took fewer steps "
+        "is named when it ends.",
     ),
     ConfigKey(
         name="communication.timeout",

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         TaskGraph,
     )
     from epl_pipeline.program import StageProgram
+    from epl_pipeline.resharding import StageShape
     from epl_pipeline.runner import StageLink
 
 
@@ -162,7 +163,7 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
         loss_fn=context.loss_fn,
         program=program,
         schedule=schedule,
-        links=_links(context, local, schedule),
+        links=_links(context, local, schedule, shapes),
         num_micro_batch=plan.num_micro_batch,
         replica=replica_group,
         loss_share=loss_share,
@@ -183,7 +184,7 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
 
 
 def _links(
-    context: ParallelContext, local: tuple[int, ...], schedule: Schedule
+    context: ParallelContext, local: tuple[int, ...], schedule: Schedule, shapes: Sequence[StageShape]
 ) -> dict[int, tuple[StageLink | None, StageLink | None]]:
     """Each of this rank's stages' way to its previous and next stage: the device at this rank's position in
     the neighbouring stage when both run micro-batches alike (split stages exchange activations shard by
@@ -198,10 +199,9 @@ def _links(
     from epl_pipeline.resharding import boundary
     from epl_pipeline.runner import Link
     from epl_pipeline.schedules import one_stream_per_pair
-    from epl_pipeline.stages import stage_shapes
 
     plan, rank, world = context.plan, context.cluster.rank, context.communicator
-    replica, shapes = plan.replica_of(rank), stage_shapes(plan)
+    replica = plan.replica_of(rank)
     between = [world] * (plan.num_stages - 1)
     if plan.stages_per_rank > 1 and not one_stream_per_pair(schedule):
         between = [_link_communicator(context, stage) for stage in range(plan.num_stages - 1)]

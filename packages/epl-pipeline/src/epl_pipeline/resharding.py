@@ -189,7 +189,7 @@ class ReshardingChannel:
         structure, batched = flat[0][1], messages[0][1]
         columns = zip(*(leaves for leaves, _ in flat), strict=True)  # each leaf's pieces, one per sender
         leaves = [_join(list(column), has_rows) for column, has_rows in zip(columns, batched, strict=True)]
-        self._rows = next((_length(leaf) for leaf, has_rows in zip(leaves, batched, strict=True) if has_rows), 0)
+        self._rows = next((int(leaf.shape[0]) for leaf, has_rows in zip(leaves, batched, strict=True) if has_rows), 0)
         self._batched_gradients = _needing_gradients(leaves, batched)
         if not self.side.whole_gradients and not all(self._batched_gradients):
             raise EplError(
@@ -254,10 +254,6 @@ def _rows_of(leaf: Any, low: int, high: int) -> Any:
     if isinstance(leaf, ShapeOnly):
         return ShapeOnly((high - low, *leaf.shape[1:]), leaf.dtype)
     return leaf[low:high]
-
-
-def _length(leaf: Any) -> int:
-    return int(leaf.shape[0])
 
 
 def _join(pieces: list[Any], has_rows: bool) -> Any:

@@ -226,8 +226,8 @@ class Plan:
         """The groups of devices that communicate, by kind, in device order.
 
         ``tensor parallel``: the devices of each split TaskGraph in each replica; ``pipeline``: in
-        each replica, the devices at one position of every stage (activations between stages,
-        the gradient norm over the stages; stages of one width); ``data parallel``: the devices
+        each replica, the devices at one position of every stage (activations between stages;
+        stages of one width); ``data parallel``: the devices
         at one place of every replica (gradients reduced over the copies); ``tied weights``: the
         devices holding copies of a tensor several stages share, at one position of each owner in
         every replica (their gradients summed between the stages). Empty kinds are left out.

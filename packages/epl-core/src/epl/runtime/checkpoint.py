@@ -155,7 +155,7 @@ def load_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
 
     _require_default_group(engine)
     folder = _readable(Path(path))
-    _verify_files(engine, folder)
+    _verify_files(folder, engine)
     saved = files.safe_reader(folder).read_metadata().state_dict_metadata
     meta_entry = saved.get("engine/meta")
     if meta_entry is None:
@@ -195,15 +195,16 @@ def load_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
         _set_rng_state({key.rsplit("/", 1)[1]: wanted[key] for key in rank_rng})
 
 
-def _verify_files(engine: CheckpointedEngine, folder: Path) -> None:
-    """Check every file of ``folder`` against its recorded checksum, the files shared out over the ranks; one
-    error on every rank names the first damaged file."""
+def _verify_files(folder: Path, engine: CheckpointedEngine | None = None) -> None:
+    """Check every file of ``folder`` against its recorded checksum, the files shared out over ``engine``'s ranks
+    (None: this process checks them all); one error on every rank names the first damaged file."""
     sums = files.recorded_checksums(folder)
     names = sorted(sums)
-    rank, world = engine.context.cluster.rank, 1 if _alone(engine) else engine.context.cluster.world_size
+    several = engine is not None and not _alone(engine)
+    rank, world = (engine.context.cluster.rank, engine.context.cluster.world_size) if several else (0, 1)
     damaged = files.first_damaged(folder, names[rank::world], sums)
     flag = torch.tensor([names.index(damaged) + 1 if damaged is not None else 0], dtype=torch.int64)
-    if world > 1:
+    if several:
         engine.context.communicator.all_reduce(flag, _max()).wait()
     if int(flag):
         raise files.damaged_file_error(folder, names[int(flag) - 1], sums)
@@ -228,7 +229,7 @@ def _model_problems(
             shapes.append(f"{key} {list(saved[item].size)} (the model's {whole})")
         if _dtype(saved[item]) != tensor.dtype:
             dtypes.append(f"{key} {_dtype(saved[item])} (the model's {tensor.dtype})")
-    extra = _extra_model_keys(engine, saved, local)
+    extra = _extra_model_keys(engine, saved, local) if strict else []  # strict is the same on every rank
     fix = " Load it into the model it was saved from, or pass strict=False to load what matches."
     if shapes:
         return f"The checkpoint's tensors have other shapes than the model's: {_few(shapes)}.", keys
@@ -507,10 +508,7 @@ def read_model_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
 
     folder = _readable(Path(path))
-    sums = files.recorded_checksums(folder)
-    damaged = files.first_damaged(folder, sorted(sums), sums)
-    if damaged is not None:
-        raise files.damaged_file_error(folder, damaged, sums)
+    _verify_files(folder)
     reader = files.safe_reader(folder)
     saved = reader.read_metadata().state_dict_metadata
     wanted = {
@@ -518,5 +516,5 @@ def read_model_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(wanted, storage_reader=files.safe_reader(folder), no_dist=True)
+        dcp.load(wanted, storage_reader=reader, no_dist=True)
     return {key[len("model/") :]: value for key, value in wanted.items()}
