@@ -17,10 +17,12 @@ import torch
 from torch import nn
 
 from tests.helpers.distributed import run_ranks
+from tests.pipeline.test_split_stages import adam
+from tests.pipeline.test_split_stages import batches as split_stage_batches
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS, MICRO_BATCHES, REPLICA_ROWS = 3, 4, 16
+MICRO_BATCHES, REPLICA_ROWS = 4, 16  # 3 steps: the split-stage tests' batches
 MAX_NORM = 0.05
 TOLERANCE = 1e-10
 CONFIG = {
@@ -47,19 +49,7 @@ def build(stages: Stages) -> nn.Module:
 
 
 def batches(replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(2)
-    rows = replicas * REPLICA_ROWS
-    return [
-        (
-            torch.randn(rows, 6, generator=generator, dtype=torch.float64),
-            torch.randn(rows, 4, generator=generator, dtype=torch.float64),
-        )
-        for _ in range(STEPS)
-    ]
-
-
-def adam(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.Adam(params, lr=0.01)
+    return split_stage_batches(replicas, REPLICA_ROWS)
 
 
 def train(stages: Stages, config: dict[str, Any]) -> dict[str, Any]:

@@ -57,9 +57,10 @@ def one_split_scope() -> nn.Module:
 BUILDERS = {"stages": build, "auto": one_split_scope}
 
 
-def batches(replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(replicas: int, replica_rows: int = REPLICA_ROWS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``STEPS`` batches of ``replicas`` x ``replica_rows`` rows (inputs of 6, targets of 4 features)."""
     generator = torch.Generator().manual_seed(2)
-    rows = replicas * REPLICA_ROWS
+    rows = replicas * replica_rows
     return [
         (
             torch.randn(rows, 6, generator=generator, dtype=torch.float64),
