@@ -61,9 +61,10 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path: Path, mon
     saved = {key: value.clone() for key, value in engine.model.state_dict().items()}
     step(engine, 1)
 
-    def crash(state_dict: dict[str, Any], *, checkpoint_id: str, **_: Any) -> None:
-        Path(checkpoint_id).mkdir(parents=True)
-        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half written")
+    def crash(state_dict: dict[str, Any], *, storage_writer: Any, **_: Any) -> None:
+        folder = Path(str(storage_writer.path))
+        folder.mkdir(parents=True)
+        (folder / "__0_0.distcp").write_bytes(b"half written")
         raise RuntimeError("the machine went down while saving")
 
     monkeypatch.setattr(dcp, "save", crash)

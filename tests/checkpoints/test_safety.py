@@ -95,7 +95,7 @@ def test_a_flipped_bit_or_a_truncated_file_is_refused_before_anything_loads(save
     engine = engine_for("local")
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
     for load in (lambda: engine.load(saved), lambda: epl.read_model_state(saved)):
-        with pytest.raises(epl.EplError, match=rf"{data.name} is damaged: recorded crc32:"):
+        with pytest.raises(epl.EplError, match=rf"{data.name} is damaged: recorded xxh3_64:"):
             load()
     assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())  # nothing was loaded
     data.write_bytes(original[: len(original) // 3])
@@ -185,3 +185,12 @@ def test_checkpoint_metadata_is_stored_as_data(saved: Path) -> None:
     assert all(hasattr(entry, "size") for entry in entries.values())
     assert {key for key in entries if key.startswith("rng/")} == {"rng/0/torch", "rng/0/python"}
     assert os.path.getsize(saved / ".checksums-0.json") > 0
+
+
+def test_checksums_taken_while_writing_are_those_of_the_files(saved: Path) -> None:
+    """The checksums recorded as the bytes were written match the files read back (every data file and .metadata)."""
+    sums = files.recorded_checksums(saved)
+    assert {name for name in sums if name.endswith(".distcp")} == {p.name for p in saved.glob("*.distcp")}
+    assert ".metadata" in sums
+    for name, recorded in sums.items():
+        assert files.checksum(saved / name) == recorded, name

@@ -32,9 +32,11 @@ import itertools
 import os
 import random
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -101,12 +103,13 @@ def save_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike[str]) ->
     partial = target.with_name(target.name + ".partial")
     items = _logical_items(engine)
     _everyone(engine, lambda: _remove(partial))
+    writer = files.checksumming_writer(partial)
     with _quiet_when_alone(engine):
         _named_when_late(
-            engine, "engine.save", lambda: dcp.save(items, checkpoint_id=str(partial), no_dist=_alone(engine))
+            engine, "engine.save", lambda: dcp.save(items, storage_writer=writer, no_dist=_alone(engine))
         )
     rank = engine.context.cluster.rank
-    files.write_checksums(partial, rank, files.written_by(partial, rank))
+    files.write_checksums(partial, rank, files.written_by(partial, rank), writer.written_checksums)
     _everyone(engine, lambda: _replace(partial, target))
 
 
@@ -155,7 +158,45 @@ def load_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
 
     _require_default_group(engine)
     folder = _readable(Path(path))
-    _verify_files(folder, engine)
+    with _verified(folder, engine):  # nothing read is applied before the files are known to be intact
+        read = _read(engine, dcp, folder, strict)
+    current = engine.state_dict(full=True)["model"] if not strict else {}  # what missing tensors keep
+    whole = {key: read.tensors[item] for key, item in read.model_keys.items()}
+    whole.update({key: value for key, value in current.items() if key not in whole})
+    meta = read.meta
+    engine.load_state_dict(
+        {"version": 1, "model": whole, "optimizer": None, "global_step": meta["global_step"], "shards": {}}
+    )
+    if engine.optimizer is not None and read.optimizer_problem is None:
+        device = engine.context.cluster.device
+        _restore_optimizer(engine.optimizer, read.states, read.tensors, meta["param_groups"], device)
+    if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
+        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    rng_prefix = f"rng/{engine.context.cluster.rank}/"
+    rank_rng = {key[len(rng_prefix) :]: value for key, value in read.tensors.items() if key.startswith(rng_prefix)}
+    if rank_rng:
+        _set_rng_state(rank_rng)
+
+
+@dataclass
+class _Read:
+    """What :func:`_read` read and decided, before anything is applied."""
+
+    #: Every tensor read, by checkpoint key.
+    tensors: dict[str, torch.Tensor]
+    #: The checkpoint key of each of this rank's model tensors found in the checkpoint.
+    model_keys: dict[str, str]
+    #: Each (parameter, optimizer state name) to restore, with the checkpoint keys holding it.
+    states: list[tuple[tuple[nn.Parameter, str], list[str]]]
+    #: EPL's own entry: step counter, optimizer options, loss scaler.
+    meta: dict[str, Any]
+    #: Why the optimizer state is not restored (None: it is).
+    optimizer_problem: str | None
+
+
+def _read(engine: CheckpointedEngine, dcp: Any, folder: Path, strict: bool) -> _Read:
+    """Check the checkpoint against ``engine`` (every rank agrees) and read what this rank needs into tensors of
+    its own."""
     saved = files.safe_reader(folder).read_metadata().state_dict_metadata
     meta_entry = saved.get("engine/meta")
     if meta_entry is None:
@@ -178,33 +219,43 @@ def load_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
     meta = files.decode_json(wanted["engine/meta"])
     optimizer_problem = _optimizer_problem(engine, meta)
     _agree(engine, optimizer_problem if strict else None)
-    if optimizer_problem is not None:
-        states = []
-    device = engine.context.cluster.device
-    current = engine.state_dict(full=True)["model"] if not strict else {}  # what missing tensors keep
-    whole = {key: wanted[item] for key, item in keys.items()}
-    whole.update({key: value for key, value in current.items() if key not in whole})
-    engine.load_state_dict(
-        {"version": 1, "model": whole, "optimizer": None, "global_step": meta["global_step"], "shards": {}}
-    )
-    if engine.optimizer is not None and optimizer_problem is None:
-        _restore_optimizer(engine.optimizer, states, wanted, meta["param_groups"], device)
-    if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
-        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
-    if rank_rng:
-        _set_rng_state({key.rsplit("/", 1)[1]: wanted[key] for key in rank_rng})
+    return _Read(wanted, keys, [] if optimizer_problem is not None else states, meta, optimizer_problem)
 
 
-def _verify_files(folder: Path, engine: CheckpointedEngine | None = None) -> None:
-    """Check every file of ``folder`` against its recorded checksum, the files shared out over ``engine``'s ranks
-    (None: this process checks them all); one error on every rank names the first damaged file."""
+@contextlib.contextmanager
+def _verified(folder: Path, engine: CheckpointedEngine | None = None) -> Iterator[None]:
+    """Check every file of ``folder`` against its recorded checksum while the block reads them (hashing releases
+    the GIL); the files are shared out over ``engine``'s ranks (None: this process checks them all). At the end
+    every rank agrees, and one error on every rank names the first damaged file; when the block fails, a damaged
+    file found here is the error reported. Nothing read in the block may be applied before it ends."""
     sums = files.recorded_checksums(folder)
     names = sorted(sums)
     several = engine is not None and not _alone(engine)
     rank, world = (engine.context.cluster.rank, engine.context.cluster.world_size) if several else (0, 1)
-    damaged = files.first_damaged(folder, names[rank::world], sums)
+    outcome: list[str | None | BaseException] = []
+
+    def verify() -> None:
+        try:
+            outcome.append(files.first_damaged(folder, names[rank::world], sums))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+            outcome.append(error)
+
+    thread = threading.Thread(target=verify, name="epl-checkpoint-verify", daemon=True)
+    thread.start()
+    try:
+        yield
+    except BaseException:
+        thread.join()
+        if outcome and isinstance(outcome[0], str):
+            raise files.damaged_file_error(folder, outcome[0], sums) from None
+        raise
+    thread.join()
+    if isinstance(outcome[0], BaseException):
+        raise EplError(f"Cannot check the checkpoint {folder}: {outcome[0]}") from outcome[0]
+    damaged = outcome[0]
     flag = torch.tensor([names.index(damaged) + 1 if damaged is not None else 0], dtype=torch.int64)
     if several:
+        assert engine is not None
         engine.context.communicator.all_reduce(flag, _max()).wait()
     if int(flag):
         raise files.damaged_file_error(folder, names[int(flag) - 1], sums)
@@ -508,13 +559,12 @@ def read_model_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
 
     folder = _readable(Path(path))
-    _verify_files(folder)
-    reader = files.safe_reader(folder)
-    saved = reader.read_metadata().state_dict_metadata
-    wanted = {
-        key: torch.empty(meta.size, dtype=_dtype(meta)) for key, meta in saved.items() if key.startswith("model/")
-    }
-    with warnings.catch_warnings():
+    with _verified(folder), warnings.catch_warnings():
+        reader = files.safe_reader(folder)
+        saved = reader.read_metadata().state_dict_metadata
+        wanted = {
+            key: torch.empty(meta.size, dtype=_dtype(meta)) for key, meta in saved.items() if key.startswith("model/")
+        }
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(wanted, storage_reader=reader, no_dist=True)
     return {key[len("model/") :]: value for key, value in wanted.items()}

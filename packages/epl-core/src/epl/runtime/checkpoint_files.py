@@ -7,27 +7,32 @@ text in a ``uint8`` tensor: DCP reads tensors with ``weights_only=True``), and r
 ``.metadata`` through :class:`SafeFileSystemReader`, whose unpickler builds only the
 classes DCP's metadata is made of and refuses every other global.
 
-Each rank records a CRC-32 of every file it wrote (``.checksums-<rank>.json``; rank 0's also
-covers ``.metadata``); loading verifies them first, so a truncated or corrupted file is
-refused before any of it is used. CRC-32 rather than SHA-256: it detects accidental damage
-at a fifth of the cost (measured on 400 MiB on this machine: 0.10 s against 0.47 s, the
-write itself 1.1 s); a hash would not stop tampering anyway, since whoever can change a file
-can change its checksum: safety against tampering comes from never running code and from
-the strict checks of shapes, dtypes and names.
+Each rank records an XXH3 (64-bit) checksum and the size of every file it wrote
+(``.checksums-<rank>.json``; rank 0's also covers ``.metadata``), computed as the bytes are
+written (:func:`checksumming_writer`: reading the files back afterwards cost a sixth of a
+save); loading verifies them before anything read is applied, so a truncated or corrupted
+file is refused. XXH3 (the ``xxhash`` package) rather than zlib's CRC-32 or SHA-256: measured
+on this machine it hashes 20 GB/s against CRC-32's 4 GB/s and SHA-256's 0.8 GB/s, and CRC-32
+made verifying a third of a small checkpoint's load. A cryptographic hash would not stop
+tampering anyway, since whoever can change a file can change its checksum: safety against
+tampering comes from never running code and from the strict checks of shapes, dtypes and names.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import mmap
 import os
 import pickle
-import zlib
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from epl.errors import EplError
 
@@ -140,21 +145,96 @@ def safe_reader(folder: Path) -> Any:
 
 
 # -- checksums -----------------------------------------------------------------------------------------------------
+def _digest(hasher: Any, size: int) -> str:
+    return f"xxh3_64:{hasher.hexdigest()}:{size}"
+
+
+class _ChecksummingStream(io.IOBase):
+    """A file opened for writing that keeps the checksum and size of what is written through it (DCP and
+    ``torch.save`` write sequentially; a seek marks the running checksum unusable)."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.hasher, self.size, self.sequential = raw, xxhash.xxh3_64(), 0, True
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.hasher.update(view)
+        self.size += view.nbytes
+        return self.raw.write(view)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self.sequential = False
+        return self.raw.seek(offset, whence)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def checksum(self) -> str | None:
+        return _digest(self.hasher, self.size) if self.sequential else None
+
+
+def checksumming_writer(folder: Path) -> Any:
+    """A ``torch.distributed.checkpoint.FileSystemWriter`` for ``folder`` that records each data file's checksum
+    as it writes it (``written_checksums``)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    sums: dict[str, str | None] = {}
+    lock = threading.Lock()
+
+    class ChecksummingFileSystem(FileSystem):
+        """DCP's local file system, its written files checksummed on the way."""
+
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+            if mode != "wb":
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with super().create_stream(path, mode) as raw:
+                stream = _ChecksummingStream(raw)
+                yield stream
+            with lock:
+                sums[Path(path).name] = stream.checksum()
+
+    class ChecksummingFileSystemWriter(FileSystemWriter):
+        """DCP's file writer that records what it wrote."""
+
+        written_checksums = sums
+
+        def __init__(self) -> None:
+            super().__init__(str(folder))
+            self.fs = ChecksummingFileSystem()
+
+    return ChecksummingFileSystemWriter()
+
+
 def checksum(path: Path) -> str:
-    """The CRC-32 of the file ``path`` and its size, as text (read through a memory map: no copy of the file,
-    which made verifying a third of a small checkpoint's load)."""
+    """The checksum of the file ``path`` and its size, as text (read through a memory map: no copy of the
+    file)."""
+    hasher = xxhash.xxh3_64()
     with path.open("rb") as file:
         size = os.fstat(file.fileno()).st_size
-        if size == 0:
-            return "crc32:00000000:0"
-        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            crc = zlib.crc32(mapped)
-    return f"crc32:{crc:08x}:{size}"
+        if size:
+            with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                hasher.update(mapped)
+    return _digest(hasher, size)
 
 
-def write_checksums(folder: Path, rank: int, names: Iterable[str]) -> None:
-    """Record the checksums of the files ``names`` of ``folder`` that ``rank`` wrote."""
-    sums = {name: checksum(folder / name) for name in sorted(names)}
+def write_checksums(folder: Path, rank: int, names: Iterable[str], known: dict[str, str | None] | None = None) -> None:
+    """Record the checksums of the files ``names`` of ``folder`` that ``rank`` wrote (taken from ``known`` where
+    it has them, else read from the files)."""
+    known = known or {}
+    sums = {name: known.get(name) or checksum(folder / name) for name in sorted(names)}
     (folder / _CHECKSUMS.format(rank=rank)).write_text(json.dumps(sums, indent=1) + "\n")
 
 
