@@ -105,9 +105,7 @@ def save_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike[str]) ->
     _everyone(engine, lambda: _remove(partial))
     writer = files.checksumming_writer(partial)
     with _quiet_when_alone(engine):
-        _named_when_late(
-            engine, "engine.save", lambda: dcp.save(items, storage_writer=writer, no_dist=_alone(engine))
-        )
+        _named_when_late(engine, "engine.save", lambda: dcp.save(items, storage_writer=writer, no_dist=_alone(engine)))
     rank = engine.context.cluster.rank
     files.write_checksums(partial, rank, files.written_by(partial, rank), writer.written_checksums)
     _everyone(engine, lambda: _replace(partial, target))
