@@ -67,9 +67,9 @@ KEYS: tuple[ConfigKey, ...] = (
         name="communication.check_steps",
         types=(bool,),
         default=True,
-        doc="Check every step that the ranks averaging gradients are at the same step (one int64 gathered "
-        "during the step): a difference is an error naming each rank's step, and a rank that took fewer steps "
-        "is named when it ends.",
+        doc="Check every step that the ranks averaging gradients are at the same step on the same data (four "
+        "int64 gathered during the step: the step and the epl.io sampler's position): a difference, such as a "
+        "rank that skipped engine.step for a batch, is an error naming each rank's step or position.",
     ),
     ConfigKey(
         name="communication.timeout",

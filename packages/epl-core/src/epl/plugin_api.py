@@ -18,6 +18,7 @@ What is here, by what a plugin does with it:
 * communicate: :class:`Communicator` (the protocol a communicator implements), :class:`Work`,
   :class:`CompletedWork`, :class:`ReduceOp`, :func:`broadcast_tensors`, :func:`communicators_for`,
   :class:`Cluster`, :func:`free_port`;
+* the data: :func:`data_position` (where this rank's ``epl.io`` sampler is, for checks across ranks);
 * data parallelism over copies: :class:`Copies`, :func:`copies_of`, :func:`every_copy_group`;
 * pipelines: :class:`Action`, :class:`ActionKind`, :data:`Schedule`, :class:`ScheduleGenerator`,
   :class:`TaskGraph`, :func:`replicate` and :func:`split` (to build TaskGraphs of a partition),
@@ -63,6 +64,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.interfaces.schedule import Action, ActionKind, Schedule, ScheduleGenerator
     from epl.interfaces.shard_group import ShardGroup, shard_sizes, shard_slice
     from epl.interfaces.split_rule import ShardContext, ShardRole, SplitRule
+    from epl.io import data_position
     from epl.placement.copies import Copies, copies_of, every_copy_group
     from epl.placement.estimate import MemoryEstimateContext
     from epl.placement.memory_estimate import EstimatedTensor, MemoryEstimate, ShardPieces, ShardShapes
@@ -121,6 +123,7 @@ _EXPORTS: dict[str, str] = {
     "broadcast_tensors": "epl.interfaces.collectives",
     "communicators_for": "epl.interfaces.collectives",
     "Cluster": "epl.interfaces.cluster",
+    "data_position": "epl.io",
     "free_port": "epl.ports",
     # copies of tensors (data parallelism)
     "Copies": "epl.placement.copies",

@@ -1,4 +1,4 @@
-"""``epl.io``: give each model replica its own share of the data (the manual's ``io.*`` keys).
+"""Each replica's share of a list of files or a map-style dataset, by the manual's ``io.*`` keys.
 
 Data is sharded by replica, not by rank: every rank of one replica sees the same
 share, since they all receive the same replica batch.
