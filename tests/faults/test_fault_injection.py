@@ -6,7 +6,8 @@ in its forward, its backward, its optimizer step or its checkpoint save. Each fa
 under every launcher: ``epl launch``, ``epl launch --mpi``, torchrun and plain ``mpiexec``.
 Each job must end with a non-zero code within seconds (a stuck rank: once the others'
 ``communication.timeout`` of 10 s has named it), the output must name rank 1, and no process
-of the job may be left. The seconds each took are printed (docs/reliability.md).
+of the job may be left. The seconds each took are printed (docs/reliability.md). The same
+faults in the second stage of a 2-stage pipeline end the job the same way under ``epl launch``.
 """
 
 from __future__ import annotations
@@ -84,6 +85,21 @@ for step in range(1, 10_000):
         engine.save(os.path.join(folder, "checkpoint"))
 """
 
+#: The job as a 2-stage pipeline (rank 1 is the second stage): its forward and backward fail.
+PIPELINED = FAULTY.replace(
+    'epl.init(epl.Config({{"communication.timeout": {TIMEOUT}}}))'.format(TIMEOUT=TIMEOUT),
+    'epl.init(epl.Config({{"communication.timeout": {TIMEOUT}, "pipeline.num_micro_batch": 2}}))'.format(
+        TIMEOUT=TIMEOUT
+    ),
+).replace(
+    "engine = epl.parallelize(Model(),",
+    """with epl.replicate(1, name="stage_0"):
+    first = nn.Linear(4, 4)
+with epl.replicate(1, name="stage_1"):
+    second = Model()
+engine = epl.parallelize(nn.Sequential(first, second),""",
+)
+
 LAUNCHERS = ["epl launch", "epl launch --mpi", "torchrun", "mpiexec"]
 FAULTS = ["raise", "sigkill", "exit", "hang"]
 PLACES = ["forward", "backward", "optimizer", "save"]
@@ -141,6 +157,35 @@ def test_a_failing_rank_ends_the_job_named_and_leaves_no_process(tmp_path: Path,
     named = NAMES_RANK_1.search(output) or (launcher == "mpiexec" and re.search(rf"\bPID {pid}\b", output))
     silent_exit = launcher == "mpiexec" and fault == "exit" and done.returncode == 7
     assert named or silent_exit, output[-3000:]
+    deadline = time.monotonic() + 5
+    while leftovers(script) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not leftovers(script), leftovers(script)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_failing_pipeline_stage_ends_the_job_named_and_leaves_no_process(tmp_path: Path, fault: str) -> None:
+    place = ["forward", "backward"][FAULTS.index(fault) % 2]
+    script = tmp_path / f"faulty_stage_{fault}_{place}.py"
+    script.write_text(PIPELINED)
+    assert "stage_1" in PIPELINED and "pipeline.num_micro_batch" in PIPELINED
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run(
+        command("epl launch", script, fault, place, str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=80,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
+    output = done.stdout + done.stderr
+    after = time.time() - float((tmp_path / "fault_at").read_text())
+    print(f"\npipeline, epl launch {fault:8} in {place:10}: {after:5.1f} s from the fault to the end")
+    assert done.returncode != 0, output[-3000:]
+    assert after < (TIMEOUT + 15 if fault == "hang" else 15), output[-3000:]
+    assert NAMES_RANK_1.search(output), output[-3000:]
+    if fault == "hang":  # the other stage's receive names the stuck stage, and so does the launcher
+        assert "did not arrive at the other side of it" in output and "rank 1 stopped taking part" in output
     deadline = time.monotonic() + 5
     while leftovers(script) and time.monotonic() < deadline:
         time.sleep(0.2)

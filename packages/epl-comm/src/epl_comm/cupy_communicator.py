@@ -186,13 +186,19 @@ class CupyCommunicator(Communicator):
     def send(self, tensor: torch.Tensor, dst: int) -> Work:
         """Send ``tensor`` to member ``dst``."""
         return self._run(
-            "send", tensor, lambda s: self._comm.send(tensor.data_ptr(), tensor.numel(), self._dtype(tensor), dst, s)
+            "send",
+            tensor,
+            lambda s: self._comm.send(tensor.data_ptr(), tensor.numel(), self._dtype(tensor), dst, s),
+            peer=self.ranks[dst],
         )
 
     def recv(self, tensor: torch.Tensor, src: int) -> Work:
         """Receive into ``tensor`` from member ``src``."""
         return self._run(
-            "recv", tensor, lambda s: self._comm.recv(tensor.data_ptr(), tensor.numel(), self._dtype(tensor), src, s)
+            "recv",
+            tensor,
+            lambda s: self._comm.recv(tensor.data_ptr(), tensor.numel(), self._dtype(tensor), src, s),
+            peer=self.ranks[src],
         )
 
     def barrier(self) -> Work:
@@ -224,9 +230,14 @@ class CupyCommunicator(Communicator):
 
     # -- helpers ---------------------------------------------------------------------------
     def _run(
-        self, op: str, tensor: torch.Tensor, launch: Callable[[int], None], after: Callable[[], None] | None = None
+        self,
+        op: str,
+        tensor: torch.Tensor,
+        launch: Callable[[int], None],
+        after: Callable[[], None] | None = None,
+        peer: int | None = None,
     ) -> CupyWork:
-        record = self.log.start(op, tensor)
+        record = self.log.start(op, tensor, peer)
         stream = torch.cuda.current_stream()
         launch(stream.cuda_stream)
         event = torch.cuda.Event()

@@ -56,10 +56,13 @@ class CollectiveRecord:
     dtype: str
     bytes: int
     started: float
+    #: The other side's global rank, for a send or a receive (None for a collective).
+    peer: int | None = None
 
     def describe(self) -> str:
-        """``all_reduce #12 (1,024 x torch.float32)``."""
-        return f"{self.op} #{self.seq} ({self.numel:,} x {self.dtype})"
+        """``all_reduce #12 (1,024 x torch.float32)``, ``recv #8 (16 x torch.float32) from rank 1``."""
+        side = "" if self.peer is None else f" {'to' if self.op == 'send' else 'from'} rank {self.peer}"
+        return f"{self.op} #{self.seq} ({self.numel:,} x {self.dtype}){side}"
 
 
 class CollectiveLog:
@@ -82,11 +85,12 @@ class CollectiveLog:
             self._thread.start()
             _live_logs.add(self)
 
-    def start(self, op: str, tensor: torch.Tensor) -> CollectiveRecord:
-        """Number and record a collective that this rank is starting."""
+    def start(self, op: str, tensor: torch.Tensor, peer: int | None = None) -> CollectiveRecord:
+        """Number and record a collective (or a send or receive with the global rank ``peer``) that this rank is
+        starting."""
         self.seq += 1
         nbytes = tensor.numel() * tensor.element_size()
-        record = CollectiveRecord(self.seq, op, tensor.numel(), str(tensor.dtype), nbytes, time.monotonic())
+        record = CollectiveRecord(self.seq, op, tensor.numel(), str(tensor.dtype), nbytes, time.monotonic(), peer)
         self.records.append(record)
         self.bytes_sent += nbytes
         return record
@@ -101,6 +105,13 @@ class CollectiveLog:
                 for rank, seen in sorted(missing.items())
             )
             detail = f"ranks {sorted(missing)} did not arrive: {who}"
+        elif progress and record.peer is not None:
+            seen = progress.get(record.peer)
+            where = f" (it is at #{seen[0]} ({seen[1]}))" if seen is not None else ""
+            detail = (
+                f"ranks [{record.peer}] did not arrive at the other side of it{where}: rank {record.peer} is stuck "
+                "outside communication (a loop, a deadlock, a slow step) or has died"
+            )
         elif progress:
             detail = "every rank started it; a rank may have died or the network stalled"
         else:

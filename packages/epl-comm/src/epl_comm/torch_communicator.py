@@ -125,11 +125,11 @@ class TorchCommunicator(Communicator):
 
     def send(self, tensor: torch.Tensor, dst: int) -> Work:
         """Send ``tensor`` to member ``dst``."""
-        return self._start("send", tensor, lambda: dist.isend(tensor, self.ranks[dst], self.group))
+        return self._start("send", tensor, lambda: dist.isend(tensor, self.ranks[dst], self.group), self.ranks[dst])
 
     def recv(self, tensor: torch.Tensor, src: int) -> Work:
         """Receive into ``tensor`` from member ``src``."""
-        return self._start("recv", tensor, lambda: dist.irecv(tensor, self.ranks[src], self.group))
+        return self._start("recv", tensor, lambda: dist.irecv(tensor, self.ranks[src], self.group), self.ranks[src])
 
     def barrier(self) -> Work:
         """Complete once every member has reached the barrier."""
@@ -166,13 +166,15 @@ class TorchCommunicator(Communicator):
             self.group = None  # the last reference: the group's threads and sockets end with it
         self._closed = True
 
-    def _start(self, op: str, tensor: torch.Tensor, launch: Callable[[], dist.Work | None]) -> TorchWork:
+    def _start(
+        self, op: str, tensor: torch.Tensor, launch: Callable[[], dist.Work | None], peer: int | None = None
+    ) -> TorchWork:
         if self._closed:
             raise EplError(
                 f"{op} on a communicator of an earlier epl.init, closed when epl.init started over: call "
                 "epl.parallelize again after epl.init, and use the new engine."
             )
-        record = self.log.start(op, tensor)
+        record = self.log.start(op, tensor, peer)
         work = launch()
         assert work is not None
         return TorchWork(work, record, self.log, self.timeout)
