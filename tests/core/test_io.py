@@ -15,8 +15,18 @@ def config(**keys: bool | int) -> epl.Config:
     return epl.Config({f"io.{k}": bool(v) for k, v in keys.items()})
 
 
-def test_without_slicing_every_replica_reads_everything() -> None:
+def test_without_slicing_every_replica_reads_every_file() -> None:
     assert epl.io.shard(FILES, num_replicas=4, replica_index=2, config=config()) == FILES
+
+
+def test_samples_are_shared_out_without_slicing() -> None:
+    """io.slicing is about file lists: a dataset, a range or a list of samples is always shared out."""
+    dataset = TensorDataset(torch.arange(8))
+    share = epl.io.shard(dataset, num_replicas=2, replica_index=1, config=config())
+    assert [int(share[i][0]) for i in range(len(share))] == [1, 3, 5, 7]
+    assert epl.io.shard(range(8), num_replicas=2, replica_index=0, config=config()) == [0, 2, 4, 6]
+    with pytest.raises(epl.ConfigError, match="do not divide evenly"):
+        epl.io.shard(range(7), num_replicas=2, replica_index=0, config=config())
 
 
 def test_slicing_gives_disjoint_shares_that_cover_the_data() -> None:

@@ -1,4 +1,4 @@
-"""epl.io.ReplicaSampler and epl.io.data_loader: each replica's own share of a map-style dataset, reshuffled each epoch."""
+"""epl.io.ReplicaSampler and epl.io.data_loader: each replica's own share of a dataset, reshuffled each epoch."""
 
 from __future__ import annotations
 

@@ -87,10 +87,8 @@ for step in range(1, 10_000):
 
 #: The job as a 2-stage pipeline (rank 1 is the second stage): its forward and backward fail.
 PIPELINED = FAULTY.replace(
-    'epl.init(epl.Config({{"communication.timeout": {TIMEOUT}}}))'.format(TIMEOUT=TIMEOUT),
-    'epl.init(epl.Config({{"communication.timeout": {TIMEOUT}, "pipeline.num_micro_batch": 2}}))'.format(
-        TIMEOUT=TIMEOUT
-    ),
+    f'epl.init(epl.Config({{"communication.timeout": {TIMEOUT}}}))',
+    f'epl.init(epl.Config({{"communication.timeout": {TIMEOUT}, "pipeline.num_micro_batch": 2}}))',
 ).replace(
     "engine = epl.parallelize(Model(),",
     """with epl.replicate(1, name="stage_0"):

@@ -342,3 +342,30 @@ def test_workers_end_when_the_launcher_is_killed(tmp_path: Path, out: Path) -> N
     for pid in survivors:  # never leave busy workers behind for the tests after this one
         os.kill(pid, signal.SIGKILL)
     assert not survivors, "workers kept running after their launcher died"
+
+
+def test_a_module_runs_with_dash_m_and_standalone(tmp_path: Path, out: Path) -> None:
+    """`epl launch --standalone -m package.module args` runs `python -m package.module args` on every rank."""
+    scripts = write(tmp_path)
+    package = tmp_path / "trainer"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "main.py").write_text(scripts["record"].read_text())
+    done = subprocess.run(
+        [EPL, "launch", "--standalone", "--nproc-per-node", "2", "-m", "trainer.main", "--lr", "1"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=os.environ,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    got = records(out)
+    assert sorted(got) == [0, 1] and got[1]["argv"] == ["--lr", "1"]
+    assert got[0]["env"]["MASTER_ADDR"] == "127.0.0.1"
+
+
+def test_dash_m_and_standalone_errors_are_clear(tmp_path: Path) -> None:
+    result = CliRunner().invoke(make_cli(), ["launch", "-m", "no_such_package_here.train"])
+    assert result.exit_code == 1 and "-m no_such_package_here.train: no module 'no_such_package_here.train'" in (
+        result.output
+    )
+    result = CliRunner().invoke(make_cli(), ["launch", "--standalone", "--num-workers", "2", "train.py"])
+    assert result.exit_code == 1 and "--standalone runs on this machine alone" in result.output
+    assert "--num-workers" in result.output

@@ -13,8 +13,8 @@ What is here, by what a plugin does with it:
   :class:`WrapperPhase`, :class:`GradientReducer`, :class:`LossScaler`, :class:`StepRunner`),
   the core's :class:`LocalStepRunner` to build on, and the helpers runners share
   (:func:`micro_batches`, :func:`split_batch`, :func:`batch_size`, :func:`to_device`, :func:`as_arguments`,
-  :func:`call_model`, :func:`example_input`, :func:`tensors_in`, :func:`forked_rng`, :func:`inside`,
-  :func:`step_or_skip`, :func:`clip_grad_norm`);
+  :func:`call_model`, :func:`compute_loss`, :func:`example_input`, :func:`tensors_in`, :func:`forked_rng`,
+  :func:`inside`, :func:`step_or_skip`, :func:`clip_grad_norm`);
 * communicate: :class:`Communicator` (the protocol a communicator implements), :class:`Work`,
   :class:`CompletedWork`, :class:`ReduceOp`, :func:`broadcast_tensors`, :func:`communicators_for`,
   :class:`Cluster`, :func:`free_port`;
@@ -81,6 +81,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     )
     from epl.ports import free_port
     from epl.runtime.batch import as_arguments, batch_size, call_model, micro_batches, split_batch, to_device
+    from epl.runtime.loss import compute_loss
     from epl.sharding.dataflow import example_input, forked_rng, tensors_in
     from epl.sharding.norms import clip_grad_norm
 
@@ -110,6 +111,7 @@ _EXPORTS: dict[str, str] = {
     "split_batch": "epl.runtime.batch",
     "batch_size": "epl.runtime.batch",
     "to_device": "epl.runtime.batch",
+    "compute_loss": "epl.runtime.loss",
     "as_arguments": "epl.runtime.batch",
     "call_model": "epl.runtime.batch",
     "example_input": "epl.sharding.dataflow",

@@ -90,6 +90,22 @@ def _option(*names: str, env: str, **kwargs: object):  # type: ignore[no-untyped
 )
 @_option("--mpi", "mpi", env="MPI", is_flag=True, help="Start the processes with mpiexec.")
 @_option(
+    "-m",
+    "--module",
+    "module",
+    env="MODULE",
+    is_flag=True,
+    help="TARGET is a Python module, run as python -m TARGET (as torchrun -m).",
+)
+@_option(
+    "--standalone",
+    "standalone",
+    env="STANDALONE",
+    is_flag=True,
+    help="One machine, a rendezvous on loopback at a free port (the default on one machine; as torchrun "
+    "--standalone, it refuses the options of several machines).",
+)
+@_option(
     "--grace-period",
     "--grace_period",
     "grace_period",
@@ -110,6 +126,8 @@ def launch_command(
     master_port: int | None,
     log_dir: Path | None,
     mpi: bool,
+    module: bool,
+    standalone: bool,
     grace_period: float,
     target: str,
     target_args: tuple[str, ...],
@@ -124,12 +142,17 @@ def launch_command(
     \b
     Examples:
       epl launch --nproc-per-node 4 train.py --lr 3e-4
+      epl launch --standalone --nproc-per-node 2 -m mypackage.train --epochs 3
       epl launch --num_workers 1 --gpu_per_worker 2 run.sh
       epl launch --num-workers 2 --machine-rank 1 --master-addr 10.0.0.1 --master-port 29500 train.py
     """
     if target.startswith("-"):
         raise click.UsageError(_unknown_option(target))
     try:
+        if standalone:
+            _check_standalone(num_workers, machine_rank, machine_list, master_addr)
+        if module:
+            _check_module(target)
         if machine_list is not None:
             listed_workers, listed_rank, listed_master = machine_from_list(machine_list)
             num_workers = num_workers or listed_workers
@@ -143,6 +166,7 @@ def launch_command(
             master_port=master_port,
             log_dir=log_dir,
             mpi=mpi,
+            module=module,
             grace_period=grace_period,
             target=target,
             target_args=target_args,
@@ -163,6 +187,48 @@ def _unknown_option(option: str) -> str:
     close = difflib.get_close_matches(option.split("=", 1)[0], names, n=1)
     hint = f" Did you mean {close[0]}?" if close else ""
     return f"No such option: {option}.{hint} Options of epl launch go before the script (see epl launch --help)."
+
+
+def _check_standalone(
+    num_workers: int | None, machine_rank: int | None, machine_list: str | None, master_addr: str | None
+) -> None:
+    """Refuse ``--standalone`` with the options of a job of several machines."""
+    given = [
+        flag
+        for flag, value in (
+            ("--num-workers", num_workers if num_workers not in (None, 1) else None),
+            ("--machine-rank", machine_rank or None),
+            ("--machine-list", machine_list),
+            ("--master-addr", master_addr if master_addr not in (None, "127.0.0.1", "localhost") else None),
+        )
+        if value is not None
+    ]
+    if given:
+        raise LaunchError(
+            f"--standalone runs on this machine alone, with a rendezvous on loopback; it cannot take "
+            f"{', '.join(given)}. Drop --standalone to launch on several machines."
+        )
+
+
+def _check_module(name: str) -> None:
+    """Refuse ``-m NAME`` when its top-level package cannot be found from the current folder or the installed
+    packages (found without importing anything: the launcher never runs the user's code)."""
+    import importlib.util
+    import os
+
+    sys.path.insert(0, os.getcwd())  # what python -m searches first
+    try:
+        found = importlib.util.find_spec(name.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        found = False
+    finally:
+        sys.path.pop(0)
+    if not found:
+        raise LaunchError(
+            f"-m {name}: no module {name!r} in the current folder ({os.getcwd()}) or the installed packages. Give "
+            "the module's dotted name (package.module) from the folder that holds the package, or a script path "
+            "without -m."
+        )
 
 
 def _check_address(address: str) -> None:

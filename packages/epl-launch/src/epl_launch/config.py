@@ -35,6 +35,8 @@ class LaunchConfig:
     log_dir: Path | None = None
     mpi: bool = False
     grace_period: float = 5.0
+    #: Run ``target`` as a Python module (``python -m target``), as ``torchrun -m`` does.
+    module: bool = False
     target: str
     target_args: tuple[str, ...] = ()
 
@@ -65,8 +67,10 @@ class LaunchConfig:
         return self.machine_rank * self.nproc_per_node + local_rank
 
     def command(self) -> list[str]:
-        """The argv of one worker: a Python file runs under this Python, a shell script under bash,
-        anything else as a command (no shell)."""
+        """The argv of one worker: a module (``module``) or a Python file runs under this Python, a shell
+        script under bash, anything else as a command (no shell)."""
+        if self.module:
+            return [sys.executable, "-u", "-m", self.target, *self.target_args]
         if self.target.endswith(".py"):
             return [sys.executable, "-u", self.target, *self.target_args]
         if self.target.endswith(".sh"):

@@ -24,6 +24,7 @@ from epl.plugin_api import (
     Schedule,
     batch_size,
     clip_grad_norm,
+    compute_loss,
     inside,
     micro_batches,
     split_batch,
@@ -307,14 +308,8 @@ class PipelineStepRunner:
 
     def _loss(self, output: Any, targets: Any) -> torch.Tensor:
         """The last stage's scalar loss of one micro-batch (inside the forward contexts)."""
-        if self.loss_fn is None:
-            loss = output
-        else:
-            with inside(self.forward_contexts):
-                loss = self.loss_fn(output, targets) if targets is not None else self.loss_fn(output)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise EplError("The last pipeline stage must produce a scalar loss: pass loss_fn=... to parallelize.")
-        return loss
+        with inside(self.forward_contexts):
+            return compute_loss(output, targets, self.loss_fn)
 
     def _run(self, action: Action, pieces: list[tuple[Any, Any]]) -> None:
         key = (action.stage, action.micro_batch)

@@ -12,6 +12,7 @@ from torch import nn
 from epl.errors import EplError
 from epl.plugins.context import GradientReducer, LossFn, LossScaler, ParallelContext
 from epl.runtime.batch import call_model, micro_batches, to_device
+from epl.runtime.loss import compute_loss
 from epl.sharding.norms import clip_grad_norm
 
 ForwardContext = Callable[[], contextlib.AbstractContextManager[Any]]
@@ -168,14 +169,4 @@ class LocalStepRunner:
     def loss(self, inputs: Any, targets: Any) -> torch.Tensor:
         """The scalar loss of ``inputs`` against ``targets`` (computed inside the forward contexts)."""
         with inside(self.forward_contexts):
-            outputs = call_model(self.model, inputs)
-            if self.loss_fn is None:
-                if targets is not None:
-                    raise EplError("Engine.step got targets but epl.parallelize() had no loss_fn; pass loss_fn=... .")
-                loss = outputs
-            else:
-                loss = self.loss_fn(outputs, targets) if targets is not None else self.loss_fn(outputs)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise EplError(f"The loss must be a scalar tensor, got {shape}. Reduce it (e.g. reduction='mean').")
-        return loss
+            return compute_loss(call_model(self.model, inputs), targets, self.loss_fn)

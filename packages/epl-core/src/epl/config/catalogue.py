@@ -88,7 +88,8 @@ CORE_KEYS: tuple[ConfigKey, ...] = (
         name="io.slicing",
         types=(bool,),
         default=False,
-        doc="Give each replica its own slice of the data files.",
+        doc="Give each replica its own slice of a list of data files (epl.io.shard of file names); samples and "
+        "datasets are always shared out.",
     ),
     ConfigKey(
         name="io.unbalanced_io_slicing",

@@ -6,6 +6,7 @@ share, since they all receive the same replica batch.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -28,14 +29,16 @@ def shard(
     replica_index: int | None = None,
     config: Config | None = None,
 ) -> list[T] | Dataset[T]:
-    """This replica's share of ``data``: a list of files, or a map-style dataset (as a Subset).
+    """This replica's share of ``data``: samples (a map-style dataset, as a Subset; a range, a list), or a list
+    of files.
 
     ``engine`` (or ``num_replicas`` and ``replica_index``) says which replica this is;
-    ``config`` defaults to the current ``epl.Env``'s. With ``io.slicing`` False every
-    replica gets everything. Otherwise replica r of R gets items r, r+R, r+2R, ...; when
-    the count does not divide, ``io.drop_last_files`` drops the last items so every
-    replica gets as many, ``io.unbalanced_io_slicing`` lets some replicas get one more,
-    and with neither it is an error.
+    ``config`` defaults to the current ``epl.Env``'s. Replica r of R gets items r, r+R, r+2R, ...;
+    when the count does not divide, ``io.drop_last_files`` drops the last items so every
+    replica gets as many, ``io.unbalanced_io_slicing`` lets some replicas get one more, and
+    with neither it is an error. Samples are always shared out. A list of file names (str or
+    paths) is shared out only with ``io.slicing`` (the manual's meaning: without it every
+    replica reads every file, shuffling on its own).
     """
     if engine is not None:
         num_replicas, replica_index = engine.num_replicas, engine.replica_index
@@ -52,7 +55,7 @@ def shard(
         count,
         num_replicas,
         replica_index,
-        slicing=bool(config["io.slicing"]),
+        slicing=bool(config["io.slicing"]) or not _is_file_list(data),
         drop_last=bool(config["io.drop_last_files"]),
         unbalanced=bool(config["io.unbalanced_io_slicing"]),
     )
@@ -83,3 +86,13 @@ def share_indices(
         if count < num_replicas:
             raise ConfigError(f"{count} items cannot feed {num_replicas} replicas: some would read nothing.")
     return list(range(replica_index, count, num_replicas))
+
+
+def _is_file_list(data: object) -> bool:
+    """Whether ``data`` is a list of file names (str or paths), which ``io.slicing`` governs."""
+    return (
+        isinstance(data, Sequence)
+        and not isinstance(data, (str, bytes))
+        and len(data) > 0
+        and all(isinstance(item, (str, os.PathLike)) for item in data)
+    )

@@ -78,6 +78,11 @@ class CheckpointedEngine(Protocol):
         """The Plan the engine runs."""
         ...
 
+    @property
+    def lr_scheduler(self) -> Any:
+        """The LR scheduler the engine steps, if any."""
+        ...
+
     def state_dict(self, *, full: bool = False) -> dict[str, Any]:
         """The engine's state (``full``: whole tensors gathered from shards)."""
         ...
@@ -90,6 +95,8 @@ class CheckpointedEngine(Protocol):
 #: Identifies the layout of the directory.
 FORMAT = "epl-checkpoint/2"
 _PIECE = "shard{index}of{count}dim{dim}"
+#: Options an LR scheduler adds to the optimizer's groups: not part of the optimizer's kind.
+_SCHEDULER_OPTIONS = {"initial_lr"}
 _PARTS = "parts{parts}"  # appended for shards of fused tensors (ShardSpec.parts > 1)
 
 
@@ -137,6 +144,7 @@ def _logical_items(engine: CheckpointedEngine) -> dict[str, Any]:
         "global_step": engine.global_step,
         "param_groups": [group_options(group) for group in optimizer.param_groups] if optimizer is not None else None,
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
     }
     items["engine/meta"] = files.encode_json(meta)
     items.update({f"rng/{engine.context.cluster.rank}/{k}": v for k, v in _rng_state().items()})
@@ -170,6 +178,8 @@ def load_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
         _restore_optimizer(engine.optimizer, read.states, read.tensors, meta["param_groups"], device)
     if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
         engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    if engine.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     rng_prefix = f"rng/{engine.context.cluster.rank}/"
     rank_rng = {key[len(rng_prefix) :]: value for key, value in read.tensors.items() if key.startswith(rng_prefix)}
     if rank_rng:
@@ -216,7 +226,14 @@ def _read(engine: CheckpointedEngine, dcp: Any, folder: Path, strict: bool) -> _
     _load(engine, dcp, wanted, folder)  # one read of everything, into tensors of its own: nothing is applied yet
     meta = files.decode_json(wanted["engine/meta"])
     optimizer_problem = _optimizer_problem(engine, meta)
-    _agree(engine, optimizer_problem if strict else None)
+    scheduler_problem = None
+    if engine.lr_scheduler is not None and meta.get("lr_scheduler") is None:
+        scheduler_problem = (
+            "The checkpoint has no LR scheduler state, but this engine has an LR scheduler: it would restart its "
+            "schedule. Save from an engine with the same scheduler, or pass strict=False to keep the scheduler as "
+            "it is."
+        )
+    _agree(engine, (optimizer_problem or scheduler_problem) if strict else None)
     return _Read(wanted, keys, [] if optimizer_problem is not None else states, meta, optimizer_problem)
 
 
@@ -315,8 +332,8 @@ def _optimizer_problem(engine: CheckpointedEngine, meta: dict[str, Any]) -> str 
             f"{len(optimizer.param_groups)}: build the optimizer with the same groups to resume (or pass "
             "strict=False to load the model only)."
         )
-    saved_options = sorted(groups[0])
-    options = sorted(group_options(optimizer.param_groups[0]))
+    saved_options = sorted(set(groups[0]) - _SCHEDULER_OPTIONS)
+    options = sorted(set(group_options(optimizer.param_groups[0])) - _SCHEDULER_OPTIONS)
     if saved_options != options:
         return (
             f"The checkpoint was saved with another kind of optimizer (options {saved_options}), this one has "

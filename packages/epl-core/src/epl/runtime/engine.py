@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -13,6 +13,9 @@ from epl.placement.plan import Plan
 from epl.plugins.context import LossScaler, ParallelContext, StepRunner
 from epl.runtime.batch import call_model, tensors_in, to_device
 from epl.runtime.memory import MemoryReport
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
 
 #: Version of the layout of ``Engine.state_dict``.
 STATE_VERSION = 1
@@ -30,13 +33,52 @@ class Engine:
         self.context = context
         self.runner = runner
         self.global_step = 0
+        self._lr_scheduler: LRScheduler | None = None
 
     # -- training --------------------------------------------------------------------
     def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
-        """Run forward, backward and the optimizer on one replica batch; return its mean loss."""
+        """Run forward, backward and the optimizer on one replica batch; return its mean loss.
+
+        The LR scheduler (if any) steps after every update the optimizer made: not after one that AMP's
+        loss scaler skipped for a non-finite gradient. ``ReduceLROnPlateau`` needs a metric: step it
+        yourself (``engine.lr_scheduler.step(validation_loss)``).
+        """
+        skipped_before = self._skipped_updates()
         loss = self.runner.step(inputs, targets)
         self.global_step += 1
+        scheduler = self._lr_scheduler
+        if scheduler is not None and self._skipped_updates() == skipped_before and not _needs_metric(scheduler):
+            scheduler.step()
         return loss
+
+    def _skipped_updates(self) -> int:
+        return int(getattr(self.loss_scaler, "skipped_steps", 0) or 0)
+
+    @property
+    def lr_scheduler(self) -> LRScheduler | None:
+        """The learning-rate scheduler that :meth:`step` steps and checkpoints save (None: none).
+
+        Set it with ``epl.parallelize(..., lr_scheduler=lambda optimizer: ...)``, or assign one built over
+        :attr:`optimizer`: ``engine.lr_scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(engine.optimizer, 100)``.
+        """
+        return self._lr_scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: LRScheduler | None) -> None:
+        from epl.errors import EplError
+
+        if scheduler is not None and getattr(scheduler, "optimizer", None) is not self.optimizer:
+            raise EplError(
+                "The LR scheduler must be built over engine.optimizer (the optimizer EPL built and wrapped), not "
+                "over an optimizer of the model you passed in: pass lr_scheduler=lambda optimizer: ... to "
+                "epl.parallelize, or build it over engine.optimizer."
+            )
+        self._lr_scheduler = scheduler
+
+    @property
+    def lr(self) -> float | None:
+        """The learning rate of the optimizer's first parameter group now (None without an optimizer)."""
+        return None if self.optimizer is None else float(self.optimizer.param_groups[0]["lr"])
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
@@ -266,3 +308,8 @@ def _to_shards(
         if saved is None and given.shape[spec.dim] == spec.size:
             result[key] = spec.slice_of(given)
     return result
+
+
+def _needs_metric(scheduler: Any) -> bool:
+    """Whether ``scheduler`` steps on a metric the script gives it (``ReduceLROnPlateau``)."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)

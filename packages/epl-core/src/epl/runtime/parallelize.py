@@ -24,7 +24,12 @@ OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Iterable[nn.Parameter]], 
 
 
 def parallelize(
-    model: nn.Module, optimizer: OptimizerSpec = None, loss_fn: LossFn | None = None, *, example_inputs: Any = None
+    model: nn.Module,
+    optimizer: OptimizerSpec = None,
+    loss_fn: LossFn | None = None,
+    *,
+    example_inputs: Any = None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
 ) -> Engine:
     """Turn the annotated ``model`` into an :class:`Engine` for this rank.
 
@@ -38,6 +43,9 @@ def parallelize(
     what runs the model once while parallelizing (the split layout, the cut of a model into
     pipeline stages, pipelines of models ``torch.fx`` cannot trace); without it EPL guesses
     inputs from the model (transformers' ``dummy_inputs``, or a batch for its first layer).
+    ``lr_scheduler`` (optional): a factory ``optimizer -> LR scheduler``, built over the optimizer
+    EPL builds; ``Engine.step`` steps it and checkpoints save it.
+    Without ``loss_fn`` the model's output is the loss (a scalar, or a transformers output's ``.loss``).
     In ``epl plan`` runs it raises ``PlanReady`` instead.
     """
     env = Env.get()
@@ -81,7 +89,12 @@ def parallelize(
     context.gradient_reducer = env.plugins.make_gradient_reducer(context)
     context.loss_scaler = env.plugins.make_loss_scaler(context)
     context.step_runner = env.plugins.make_step_runner(context)
-    return Engine(context, context.step_runner)
+    engine = Engine(context, context.step_runner)
+    if lr_scheduler is not None:
+        if context.optimizer is None:
+            raise EplError("epl.parallelize got lr_scheduler=... but no optimizer=... for it to schedule.")
+        engine.lr_scheduler = lr_scheduler(context.optimizer)
+    return engine
 
 
 def plan(
