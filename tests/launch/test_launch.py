@@ -369,3 +369,29 @@ def test_dash_m_and_standalone_errors_are_clear(tmp_path: Path) -> None:
     result = CliRunner().invoke(make_cli(), ["launch", "--standalone", "--num-workers", "2", "train.py"])
     assert result.exit_code == 1 and "--standalone runs on this machine alone" in result.output
     assert "--num-workers" in result.output
+
+
+def test_one_launcher_per_node_under_srun(tmp_path: Path, out: Path) -> None:
+    """`srun --ntasks-per-node 1 epl launch --nproc-per-node 1 train.py` on 2 nodes (simulated on loopback): each
+    launcher takes its machine rank, the machine count and rank 0's host from Slurm's variables."""
+    pytest.importorskip("epl_comm")
+    scripts = write(tmp_path)
+    slurm = {
+        "SLURM_JOB_ID": "4242", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_NNODES": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_STEP_NODELIST": "127.0.0.1,127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }  # fmt: skip
+    machines = [
+        subprocess.Popen(
+            [EPL, "launch", "--nproc-per-node", "1", str(scripts["train"])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **slurm, "SLURM_PROCID": str(node), "SLURM_NODEID": str(node), "SLURM_LOCALID": "0"},
+        )  # fmt: skip
+        for node in (0, 1)
+    ]
+    for machine in machines:
+        _, stderr = machine.communicate(timeout=120)
+        assert machine.returncode == 0, stderr
+    assert [(out / f"train{r}.txt").read_text() for r in (0, 1)] == ["2 epl True"] * 2

@@ -17,7 +17,7 @@ What is here, by what a plugin does with it:
   :func:`inside`, :func:`step_or_skip`, :func:`clip_grad_norm`);
 * communicate: :class:`Communicator` (the protocol a communicator implements), :class:`Work`,
   :class:`CompletedWork`, :class:`ReduceOp`, :func:`broadcast_tensors`, :func:`communicators_for`,
-  :class:`Cluster`, :func:`free_port`;
+  :class:`Cluster`, :func:`free_port`, :func:`slurm_step` (a Slurm task's place, for launchers);
 * the data: :func:`data_position` (where this rank's ``epl.io`` sampler is, for checks across ranks);
 * data parallelism over copies: :class:`Copies`, :func:`copies_of`, :func:`every_copy_group`;
 * pipelines: :class:`Action`, :class:`ActionKind`, :data:`Schedule`, :class:`ScheduleGenerator`,
@@ -63,6 +63,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.interfaces.phases import TransformPhase, WrapperPhase
     from epl.interfaces.schedule import Action, ActionKind, Schedule, ScheduleGenerator
     from epl.interfaces.shard_group import ShardGroup, shard_sizes, shard_slice
+    from epl.interfaces.slurm import slurm_step
     from epl.interfaces.split_rule import ShardContext, ShardRole, SplitRule
     from epl.io import data_position
     from epl.placement.copies import Copies, copies_of, every_copy_group
@@ -127,6 +128,7 @@ _EXPORTS: dict[str, str] = {
     "Cluster": "epl.interfaces.cluster",
     "data_position": "epl.io",
     "free_port": "epl.ports",
+    "slurm_step": "epl.interfaces.slurm",
     # copies of tensors (data parallelism)
     "Copies": "epl.placement.copies",
     "copies_of": "epl.placement.copies",

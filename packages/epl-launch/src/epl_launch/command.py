@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import click
 
-from epl.plugin_api import free_port
+from epl.plugin_api import free_port, slurm_step
 from epl_launch.config import LaunchConfig, LaunchError, default_nproc_per_node, machine_from_list
 from epl_launch.local import LocalJob, report
 from epl_launch.mpi import run_mpi
@@ -153,6 +154,11 @@ def launch_command(
             _check_standalone(num_workers, machine_rank, machine_list, master_addr)
         if module:
             _check_module(target)
+        step = slurm_step(os.environ)
+        if step is not None and step.world_size == step.num_nodes > 1 and num_workers is None:
+            # srun --ntasks-per-node 1 epl launch ...: one launcher per node of the allocation
+            num_workers, machine_rank = step.num_nodes, step.node_rank if machine_rank is None else machine_rank
+            master_addr, master_port = master_addr or step.master_addr, master_port or step.master_port
         if machine_list is not None:
             listed_workers, listed_rank, listed_master = machine_from_list(machine_list)
             num_workers = num_workers or listed_workers
@@ -214,7 +220,6 @@ def _check_module(name: str) -> None:
     """Refuse ``-m NAME`` when its top-level package cannot be found from the current folder or the installed
     packages (found without importing anything: the launcher never runs the user's code)."""
     import importlib.util
-    import os
 
     sys.path.insert(0, os.getcwd())  # what python -m searches first
     try:

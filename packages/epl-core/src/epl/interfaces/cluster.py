@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from epl.errors import ClusterError
+from epl.interfaces.slurm import slurm_step
 from epl.ports import free_port
 
 #: (world size, rank, local rank, local world size) variables of each MPI flavour.
@@ -96,7 +97,8 @@ class Cluster:
         ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` win; otherwise the
         variables of Open MPI, MPICH (hydra) or PMIx, asking mpi4py for the ranks within
         the node when the launcher does not export them, and for rank 0's address and a
-        free port when MASTER_ADDR/MASTER_PORT are not set; otherwise one local process.
+        free port when MASTER_ADDR/MASTER_PORT are not set; otherwise Slurm's, for a task of
+        ``srun`` (:mod:`epl.interfaces.slurm`); otherwise one local process.
         ``visible_devices`` is ``cluster.run_visible_devices``: local rank i uses the
         i-th listed CUDA device. Without CUDA every process computes on the CPU.
         """
@@ -117,8 +119,12 @@ class Cluster:
                         local_rank, local_world = _mpi_node_ranks(size_var)
                     launcher = "mpi"
                     break
-        port = _int(environ, "MASTER_PORT", 0)
-        address = environ.get("MASTER_ADDR")
+        step = slurm_step(environ) if launcher == "none" else None
+        if step is not None:
+            world, rank, local_rank, local_world = step.world_size, step.rank, step.local_rank, step.local_world_size
+            launcher = "slurm"
+        port = step.master_port if step is not None else _int(environ, "MASTER_PORT", 0)
+        address = step.master_addr if step is not None else environ.get("MASTER_ADDR")
         if launcher == "mpi" and world > 1 and (address is None or not port):
             address, port = _mpi_rendezvous(single_node=local_world == world)
         device_type, device_index = _pick_device(local_rank, visible_devices, cuda_available)

@@ -91,7 +91,7 @@ def init(config: Config | Mapping[str, Any] | None = None) -> Env:
         communicator = None
     else:
         cluster = Cluster.from_environ(visible_devices=config["cluster.run_visible_devices"])
-        if cluster.launcher == "mpi" and cluster.world_size > 1:  # plain mpiexec: nothing else ends the job
+        if cluster.launcher in ("mpi", "slurm") and cluster.world_size > 1:  # mpiexec, srun: nothing else ends it
             from epl.runtime.failure import end_job_on_uncaught_exception
 
             end_job_on_uncaught_exception(cluster.rank)
