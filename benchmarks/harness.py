@@ -20,7 +20,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -266,6 +266,35 @@ def race_steps(
         "rounds": rounds,
         "steps": steps,
     }
+
+
+def record_step_race(
+    name: str,
+    result: Mapping[str, Any],
+    *,
+    feature: str,
+    against: str,
+    plot: str,
+    section: Section,
+    detail: str,
+    max_ratio: float,
+    printed: str | None = None,
+) -> None:
+    """The tail every step-time race shares: ``result`` (what :func:`race_steps` returns, or any dict with
+    ``ratio``) recorded as one time row in benchmarks/results/NAME.json with ``detail`` under ``section``,
+    ``printed`` (default ``detail``) shown, and EPL no more than ``max_ratio`` times PyTorch's time."""
+    row = ResultRow(feature, against, time=(Ratio(result["ratio"]),), plot=plot)
+    record(name, [row], section=section, details=[detail])
+    print(f"\n{printed if printed is not None else detail}")
+    assert result["ratio"] < max_ratio, result
+
+
+def step_times(result: Mapping[str, Any]) -> str:
+    """``PyTorch 1.23 ms, EPL 1.20 ms per step, ratio 0.976 (15 rounds x 3 steps)`` from :func:`race_steps`."""
+    return (
+        f"PyTorch {ms(result['torch_ms'])}, EPL {ms(result['epl_ms'])} per step, ratio {result['ratio']:.3f} "
+        f"({result['rounds']} rounds x {result['steps']} steps)"
+    )
 
 
 def compare(

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from tests.helpers.distributed import run_ranks
 
-from benchmarks.harness import Ratio, ResultRow, Section, ms, record, short_mode
+from benchmarks.harness import Section, record_step_race, short_mode, step_times
 
 if TYPE_CHECKING:
     import torch
@@ -160,17 +160,13 @@ def test_split_stages_against_dtensor_in_torch_pipelining() -> None:
     """TP 2 x PP 2 on 4 processes: EPL's split stages against DTensor inside torch.distributed.pipelining stages."""
     rounds, steps = (3, 1) if short_mode() else (15, 3)
     first, *_ = run_ranks(race, STAGES * SHARDS, rounds, steps, timeout=900)
-    row = ResultRow(
-        "Split stages (`epl.split` x pipeline, 1F1B), 4 processes",
-        "DTensor inside `torch.distributed.pipelining` stages",
-        time=(Ratio(first["ratio"]),),
+    record_step_race(
+        "pipeline_3d_vs_torch",
+        first,
+        feature="Split stages (`epl.split` x pipeline, 1F1B), 4 processes",
+        against="DTensor inside `torch.distributed.pipelining` stages",
         plot="TP 2 x PP 2 vs DTensor + pipelining",
+        section=SECTION,
+        detail=f"2 stages x split(2), {BATCH} samples in {MICRO} micro-batches: {step_times(first)}",
+        max_ratio=MAX_RATIO,
     )
-    detail = (
-        f"2 stages x split(2), {BATCH} samples in {MICRO} micro-batches: PyTorch {ms(first['torch_ms'])}, "
-        f"EPL {ms(first['epl_ms'])} per step, ratio {first['ratio']:.3f} ({first['rounds']} rounds x "
-        f"{first['steps']} steps)"
-    )
-    record("pipeline_3d_vs_torch", [row], section=SECTION, details=[detail])
-    print(f"\n{detail}")
-    assert first["ratio"] < MAX_RATIO, first

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from tests.helpers.distributed import run_ranks
 
-from benchmarks.harness import Ratio, ResultRow, Section, ms, record, short_mode
+from benchmarks.harness import Section, record_step_race, short_mode, step_times
 from benchmarks.test_pipeline_3d import LR, MICRO, STAGES, WIDTH, epl_engine, stage_module
 
 if TYPE_CHECKING:
@@ -115,17 +115,13 @@ def test_replicate_stages_against_ddp_in_torch_pipelining() -> None:
     torch.distributed.pipelining stages."""
     rounds, steps = (3, 1) if short_mode() else (15, 3)
     first, *_ = run_ranks(race, STAGES * COPIES, rounds, steps, timeout=900)
-    row = ResultRow(
-        "Replicate stages (`epl.replicate(2)` x pipeline, 1F1B), 4 processes",
-        "DDP inside `torch.distributed.pipelining` stages",
-        time=(Ratio(first["ratio"]),),
+    record_step_race(
+        "pipeline_replicate_stages_vs_torch",
+        first,
+        feature="Replicate stages (`epl.replicate(2)` x pipeline, 1F1B), 4 processes",
+        against="DDP inside `torch.distributed.pipelining` stages",
         plot="DP 2 x PP 2 vs DDP + pipelining",
+        section=SECTION,
+        detail=f"2 stages x replicate(2), {BATCH} samples in {MICRO} micro-batches: {step_times(first)}",
+        max_ratio=MAX_RATIO,
     )
-    detail = (
-        f"2 stages x replicate(2), {BATCH} samples in {MICRO} micro-batches: PyTorch {ms(first['torch_ms'])}, "
-        f"EPL {ms(first['epl_ms'])} per step, ratio {first['ratio']:.3f} ({first['rounds']} rounds x "
-        f"{first['steps']} steps)"
-    )
-    record("pipeline_replicate_stages_vs_torch", [row], section=SECTION, details=[detail])
-    print(f"\n{detail}")
-    assert first["ratio"] < MAX_RATIO, first

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from tests.helpers.distributed import run_ranks
 
-from benchmarks.harness import Ratio, ResultRow, Section, ms, record, short_mode
+from benchmarks.harness import Section, record_step_race, short_mode, step_times
 
 if TYPE_CHECKING:
     import torch
@@ -193,17 +193,13 @@ def test_unmodified_llama_pipeline_against_hand_written_torch_stages() -> None:
     """2 stages on 2 processes: EPL on the unmodified LlamaForCausalLM against hand-written stage modules."""
     rounds, steps = (3, 1) if short_mode() else (15, 3)
     first, _ = run_ranks(race, 2, rounds, steps, timeout=900)
-    row = ResultRow(
-        "Pipeline of an unmodified transformers Llama (replayed stages, 1F1B), 2 processes",
-        "hand-written stage modules in `torch.distributed.pipelining`",
-        time=(Ratio(first["ratio"]),),
+    record_step_race(
+        "pipeline_transformers_vs_torch",
+        first,
+        feature="Pipeline of an unmodified transformers Llama (replayed stages, 1F1B), 2 processes",
+        against="hand-written stage modules in `torch.distributed.pipelining`",
         plot="Llama 2 stages vs pipelining",
+        section=SECTION,
+        detail=f"LlamaForCausalLM, 2 stages, {BATCH} x {SEQUENCE} tokens in {MICRO} micro-batches: {step_times(first)}",
+        max_ratio=MAX_RATIO,
     )
-    detail = (
-        f"LlamaForCausalLM, 2 stages, {BATCH} x {SEQUENCE} tokens in {MICRO} micro-batches: PyTorch "
-        f"{ms(first['torch_ms'])}, EPL {ms(first['epl_ms'])} per step, ratio {first['ratio']:.3f} "
-        f"({first['rounds']} rounds x {first['steps']} steps)"
-    )
-    record("pipeline_transformers_vs_torch", [row], section=SECTION, details=[detail])
-    print(f"\n{detail}")
-    assert first["ratio"] < MAX_RATIO, first

@@ -38,7 +38,7 @@ import pytest
 from tests.helpers.distributed import run_ranks
 
 from benchmarks.collectives import collectives_of
-from benchmarks.harness import MIB, Ratio, ResultRow, Section, mib, ms, record, short_mode
+from benchmarks.harness import MIB, Ratio, ResultRow, Section, mib, ms, record, record_step_race, short_mode
 from epl_memory.measure import peak_allocated_bytes
 
 if TYPE_CHECKING:
@@ -247,25 +247,26 @@ def test_split_mlp_against_dtensor() -> None:
     """Column- then row-parallel MLP block on 2 processes: EPL's ``epl.split`` against DTensor's parallelize_module."""
     rounds, steps = (5, 5) if short_mode() else (21, 20)
     first, _ = run_ranks(race_against_dtensor, 2, rounds, steps, timeout=600)
-    row = ResultRow(
-        "Tensor-parallel MLP block (`epl.split`), 2 processes",
-        "DTensor `parallelize_module` (Colwise/Rowwise)",
-        time=(Ratio(first["ratio"]),),
+    record_step_race(
+        "split_mlp_vs_dtensor",
+        first,
+        feature="Tensor-parallel MLP block (`epl.split`), 2 processes",
+        against="DTensor `parallelize_module` (Colwise/Rowwise)",
         plot="split MLP vs DTensor",
+        section=SPLIT_MLP,
+        detail=(
+            f"MLP {WIDTH}-{4 * WIDTH}-{WIDTH}, batch {BATCH}: DTensor {ms(first['torch_ms'])}, EPL "
+            f"{ms(first['epl_ms'])} per step, ratio {first['ratio']:.3f}; collectives per step EPL "
+            f"{first['epl_collectives_per_step']}, DTensor {first['torch_collectives_per_step']}"
+        ),
+        max_ratio=MAX_RATIO,
+        printed=(
+            f"split MLP {WIDTH}-{4 * WIDTH}-{WIDTH}, batch {BATCH}, 2 processes: "
+            f"DTensor {first['torch_ms']:.2f} ms/step, EPL {first['epl_ms']:.2f} ms/step, ratio {first['ratio']:.3f} "
+            f"({first['rounds']} rounds x {first['steps']} steps); collectives per step: "
+            f"DTensor {first['torch_collectives_per_step']}, EPL {first['epl_collectives_per_step']}"
+        ),
     )
-    detail = (
-        f"MLP {WIDTH}-{4 * WIDTH}-{WIDTH}, batch {BATCH}: DTensor {ms(first['torch_ms'])}, EPL {ms(first['epl_ms'])} "
-        f"per step, ratio {first['ratio']:.3f}; collectives per step EPL {first['epl_collectives_per_step']}, "
-        f"DTensor {first['torch_collectives_per_step']}"
-    )
-    record("split_mlp_vs_dtensor", [row], section=SPLIT_MLP, details=[detail])
-    print(
-        f"\nsplit MLP {WIDTH}-{4 * WIDTH}-{WIDTH}, batch {BATCH}, 2 processes: "
-        f"DTensor {first['torch_ms']:.2f} ms/step, EPL {first['epl_ms']:.2f} ms/step, ratio {first['ratio']:.3f} "
-        f"({first['rounds']} rounds x {first['steps']} steps); collectives per step: "
-        f"DTensor {first['torch_collectives_per_step']}, EPL {first['epl_collectives_per_step']}"
-    )
-    assert first["ratio"] < MAX_RATIO, first
 
 
 def test_sharded_cross_entropy_memory() -> None:

@@ -39,7 +39,7 @@ import pytest
 from tests.helpers.distributed import run_ranks
 
 from benchmarks.collectives import collectives_of
-from benchmarks.harness import Ratio, ResultRow, Section, mib, ms, record, short_mode
+from benchmarks.harness import Section, mib, ms, record_step_race, short_mode
 
 if TYPE_CHECKING:
     import torch
@@ -194,19 +194,21 @@ def test_split_llama_against_dtensor() -> None:
     """transformers' Llama under ``epl.split(2)`` against DTensor's torchtitan plan: step time and communication."""
     rounds, steps = (3, 1) if short_mode() else (15, 3)
     first, _ = run_ranks(race_against_dtensor, 2, rounds, steps, timeout=900)
-    row = ResultRow(
-        "transformers Llama (`epl.split`, no rules), 2 processes",
-        "DTensor `parallelize_module`, torchtitan plan",
-        time=(Ratio(first["ratio"]),),
-        plot="split Llama vs DTensor",
-    )
     detail = (
         f"Llama hidden {HIDDEN}, {LAYERS} layers, {BATCH} x {SEQUENCE} tokens: DTensor {ms(first['torch_ms'])}, "
         f"EPL {ms(first['epl_ms'])} per step, ratio {first['ratio']:.3f}; collectives per step and rank: "
         f"EPL {first['collectives']['epl']} ({mib(first['bytes']['epl'])}), "
         f"DTensor {first['collectives']['torch']} ({mib(first['bytes']['torch'])})"
     )
-    record("split_llama_vs_dtensor", [row], section=SECTION, details=[detail])
-    print(f"\n{detail} ({first['rounds']} rounds x {first['steps']} steps)")
     assert first["bytes"]["epl"] < first["bytes"]["torch"], first
-    assert first["ratio"] < MAX_RATIO, first
+    record_step_race(
+        "split_llama_vs_dtensor",
+        first,
+        feature="transformers Llama (`epl.split`, no rules), 2 processes",
+        against="DTensor `parallelize_module`, torchtitan plan",
+        plot="split Llama vs DTensor",
+        section=SECTION,
+        detail=detail,
+        max_ratio=MAX_RATIO,
+        printed=f"{detail} ({first['rounds']} rounds x {first['steps']} steps)",
+    )
