@@ -87,34 +87,25 @@ def epl_engine(strategy: str = "split", devices: int = SHARDS) -> Any:
     return epl.parallelize(nn.Sequential(*stages), optimizer=lambda p: torch.optim.SGD(p, lr=LR), loss_fn=nn.MSELoss())
 
 
-class TorchThreeD:
-    """The PyTorch side: this rank's stage, DTensor tensor parallel, in a torch.distributed.pipelining schedule."""
+class TorchStages:
+    """What the PyTorch sides share: this rank's stage ``module`` (index ``stage_index``) as a
+    ``torch.distributed.pipelining`` stage over ``pp_group``, run by ``Schedule1F1B`` on ``x``/``y`` with SGD."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def __init__(
+        self, module: torch.nn.Module, stage_index: int, rows: int, pp_group: Any, x: torch.Tensor, y: torch.Tensor
+    ) -> None:
         import torch
-        import torch.distributed as dist
         from torch import nn
         from torch.distributed import pipelining
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        mesh = init_device_mesh("cpu", (STAGES, SHARDS), mesh_dim_names=("pp", "tp"))
-        self.stage_index = dist.get_rank() // SHARDS
-        plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(), "6": RowwiseParallel()}
-        self.module = parallelize_module(built_stages()[self.stage_index], mesh["tp"], plan)
+        self.module, self.stage_index = module, stage_index
         # The examples must require grad: torch takes "no gradient flows back through this output" from them.
-        example = torch.empty(BATCH // MICRO, WIDTH, requires_grad=True)
+        example = torch.empty(rows, WIDTH, requires_grad=True)
         stage = pipelining.PipelineStage(
-            self.module,
-            self.stage_index,
-            STAGES,
-            torch.device("cpu"),
-            input_args=example,
-            output_args=example,
-            group=mesh["pp"].get_group(),
+            module, stage_index, STAGES, torch.device("cpu"), input_args=example, output_args=example, group=pp_group
         )
         self.schedule = pipelining.Schedule1F1B(stage, MICRO, loss_fn=nn.MSELoss(), scale_grads=True)
-        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=LR)
+        self.optimizer = torch.optim.SGD(module.parameters(), lr=LR)
         self.x, self.y = x, y
 
     def step(self) -> None:
@@ -125,6 +116,21 @@ class TorchThreeD:
         else:
             self.schedule.step(target=self.y, losses=[], return_outputs=False)
         self.optimizer.step()
+
+
+class TorchThreeD(TorchStages):
+    """The PyTorch side: this rank's stage, DTensor tensor parallel, in a torch.distributed.pipelining schedule."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (STAGES, SHARDS), mesh_dim_names=("pp", "tp"))
+        stage_index = dist.get_rank() // SHARDS
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(), "6": RowwiseParallel()}
+        module = parallelize_module(built_stages()[stage_index], mesh["tp"], plan)
+        super().__init__(module, stage_index, BATCH // MICRO, mesh["pp"].get_group(), x, y)
 
     def local_parameters(self) -> list[torch.Tensor]:
         """This rank's shards, in the module's order."""

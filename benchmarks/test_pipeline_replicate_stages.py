@@ -27,7 +27,7 @@ import pytest
 from tests.helpers.distributed import run_ranks
 
 from benchmarks.harness import Section, record_step_race, short_mode, step_times
-from benchmarks.test_pipeline_3d import LR, MICRO, STAGES, WIDTH, epl_engine, stage_module
+from benchmarks.test_pipeline_3d import MICRO, STAGES, WIDTH, TorchStages, epl_engine, stage_module
 
 if TYPE_CHECKING:
     import torch
@@ -47,45 +47,23 @@ SECTION = Section(
 )
 
 
-class TorchPipelineDataParallel:
-    """The PyTorch side: this rank's stage in DDP over ``dp``, in a pipelining schedule over ``pp``."""
+class TorchPipelineDataParallel(TorchStages):
+    """The PyTorch side: this rank's stage in DDP over ``dp``, in a pipelining schedule over ``pp`` (DDP averages)."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         import torch
         import torch.distributed as dist
-        from torch import nn
-        from torch.distributed import pipelining
         from torch.distributed.device_mesh import init_device_mesh
         from torch.nn.parallel import DistributedDataParallel
 
         mesh = init_device_mesh("cpu", (STAGES, COPIES), mesh_dim_names=("pp", "dp"))
-        self.stage_index, copy = divmod(dist.get_rank(), COPIES)
+        stage_index, copy = divmod(dist.get_rank(), COPIES)
         torch.manual_seed(0)
         built = [stage_module(stage) for stage in range(STAGES)]
-        self.module = DistributedDataParallel(built[self.stage_index], process_group=mesh["dp"].get_group())
-        example = torch.empty(BATCH // MICRO // COPIES, WIDTH, requires_grad=True)
-        stage = pipelining.PipelineStage(
-            self.module,
-            self.stage_index,
-            STAGES,
-            torch.device("cpu"),
-            input_args=example,
-            output_args=example,
-            group=mesh["pp"].get_group(),
-        )
-        self.schedule = pipelining.Schedule1F1B(stage, MICRO, loss_fn=nn.MSELoss(), scale_grads=True)
-        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=LR)
+        module = DistributedDataParallel(built[stage_index], process_group=mesh["dp"].get_group())
         # EPL's device q runs half q of every micro-batch: the same rows, as this copy's batch.
-        self.x, self.y = (torch.cat([m.chunk(COPIES)[copy] for m in t.chunk(MICRO)]) for t in (x, y))
-
-    def step(self) -> None:
-        """One training step: the schedule's forwards and backwards of this stage (DDP averages), then SGD."""
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.stage_index == 0:
-            self.schedule.step(self.x, return_outputs=False)
-        else:
-            self.schedule.step(target=self.y, losses=[], return_outputs=False)
-        self.optimizer.step()
+        x, y = (torch.cat([m.chunk(COPIES)[copy] for m in t.chunk(MICRO)]) for t in (x, y))
+        super().__init__(module, stage_index, BATCH // MICRO // COPIES, mesh["pp"].get_group(), x, y)
 
 
 def race(rounds: int, steps: int) -> dict[str, Any]:
