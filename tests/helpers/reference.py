@@ -45,3 +45,18 @@ def assert_rank_matches(
     torch.testing.assert_close(result["losses"], losses, rtol=tolerance, atol=tolerance)
     for name, value in result["state"].items():
         torch.testing.assert_close(value, state[name], rtol=tolerance, atol=tolerance, msg=name)
+
+
+def pipeline_rank_result(engine: Any, losses: list[float], norms: list[float | None], **extra: Any) -> dict[str, Any]:
+    """What one rank of a pipeline run reports for the comparison with the local run: its first stage, its replica,
+    how many elements it holds, its losses and gradient norms, the whole model's state (a collective: every rank
+    calls it), and ``extra``."""
+    return {
+        "stage": engine.context.pipeline_stages[0],
+        "replica": engine.replica_index,
+        "held": sum(p.numel() for p in engine.parameters()),
+        "losses": losses,
+        "norms": norms,
+        "state": engine.state_dict(full=True)["model"],
+        **extra,
+    }

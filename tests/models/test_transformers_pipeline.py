@@ -36,7 +36,7 @@ from transformers import (  # offline: tests/models/__init__.py
 )
 
 from tests.helpers.distributed import run_ranks
-from tests.helpers.reference import assert_rank_matches
+from tests.helpers.reference import assert_rank_matches, pipeline_rank_result
 
 pytestmark = pytest.mark.multiprocess
 
@@ -144,14 +144,7 @@ def train(
         norms.append(engine.grad_norm)
     if save_to is not None:
         engine.save(save_to)
-    return {
-        "stage": engine.context.pipeline_stages[0],
-        "replica": engine.replica_index,
-        "held": sum(p.numel() for p in engine.parameters()),
-        "losses": losses,
-        "norms": norms,
-        "state": engine.state_dict(full=True)["model"],
-    }
+    return pipeline_rank_result(engine, losses, norms)
 
 
 def train_here(name: str, replicas: int = 1) -> tuple[list[float], list[list[float]], dict[str, torch.Tensor]]:

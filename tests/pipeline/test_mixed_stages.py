@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tests.helpers.distributed import run_ranks
+from tests.helpers.reference import pipeline_rank_result
 from tests.pipeline.test_split_stages import adam
 from tests.pipeline.test_split_stages import batches as split_stage_batches
 
@@ -68,15 +69,7 @@ def train(stages: Stages, config: dict[str, Any]) -> dict[str, Any]:
     x, y = data[0]
     engine.eval()
     evaluated = {"loss": float(engine.evaluate(x[rows] * 2, y[rows])), "output": engine.predict(x[rows] * 2)}
-    return {
-        "stage": engine.context.pipeline_stages[0],
-        "replica": engine.replica_index,
-        "held": sum(p.numel() for p in engine.parameters()),
-        "losses": losses,
-        "norms": norms,
-        "evaluated": evaluated,
-        "state": engine.state_dict(full=True)["model"],
-    }
+    return pipeline_rank_result(engine, losses, norms, evaluated=evaluated)
 
 
 def train_locally(stages: Stages, replicas: int, clip: bool = True) -> dict[str, Any]:

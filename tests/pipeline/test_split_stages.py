@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tests.helpers.distributed import run_ranks
+from tests.helpers.reference import pipeline_rank_result
 
 pytestmark = pytest.mark.multiprocess
 
@@ -96,17 +97,14 @@ def train(config: dict[str, Any], evaluate: bool = False, model: str = "stages")
     from epl_memory.checkpointing import CheckpointingState
 
     checkpointed = engine.context.state(CheckpointingState).plan
-    return {
-        "checkpointed": checkpointed.describe() if checkpointed is not None else None,
-        "evaluated": evaluated,
-        "stage": engine.context.pipeline_stages[0],
-        "replica": engine.replica_index,
-        "held": sum(p.numel() for p in engine.parameters()),
-        "losses": losses,
-        "norms": norms,
-        "state": engine.state_dict(full=True)["model"],
-        "repr": repr(engine.model),
-    }
+    return pipeline_rank_result(
+        engine,
+        losses,
+        norms,
+        checkpointed=checkpointed.describe() if checkpointed is not None else None,
+        evaluated=evaluated,
+        repr=repr(engine.model),
+    )
 
 
 def train_locally(replicas: int) -> tuple[list[list[float]], list[list[float]], dict[str, torch.Tensor]]:
