@@ -205,7 +205,8 @@ class _Read:
 def _read(engine: CheckpointedEngine, dcp: Any, folder: Path, strict: bool) -> _Read:
     """Check the checkpoint against ``engine`` (every rank agrees) and read what this rank needs into tensors of
     its own."""
-    saved = files.safe_reader(folder).read_metadata().state_dict_metadata
+    reader = files.safe_reader(folder)  # reads .metadata once, for these checks and for DCP's load
+    saved = reader.read_metadata().state_dict_metadata
     meta_entry = saved.get("engine/meta")
     if meta_entry is None:
         raise EplError(f"{folder} is not an EPL checkpoint (no engine/meta); write one with engine.save(path).")
@@ -223,7 +224,9 @@ def _read(engine: CheckpointedEngine, dcp: Any, folder: Path, strict: bool) -> _
     wanted.update({key: torch.empty(value.size, dtype=_dtype(value)) for key, value in rank_rng.items()})
     states = _wanted_states(engine, saved)
     wanted.update({key: torch.empty(saved[key].size, dtype=_dtype(saved[key])) for _, ks in states for key in ks})
-    _load(engine, dcp, wanted, folder)  # one read of everything, into tensors of its own: nothing is applied yet
+    _load(
+        engine, dcp, wanted, reader, folder
+    )  # one read of everything, into tensors of its own: nothing is applied yet
     meta = files.decode_json(wanted["engine/meta"])
     optimizer_problem = _optimizer_problem(engine, meta)
     scheduler_problem = None
@@ -354,8 +357,9 @@ def _agree(engine: CheckpointedEngine, problem: str | None) -> None:
         raise EplError(f"Rank {int(flag) - 1} refused the checkpoint (its error says why); nothing was loaded.")
 
 
-def _load(engine: CheckpointedEngine, dcp: Any, wanted: dict[str, Any], folder: Path) -> None:
-    """DCP's load of ``wanted`` from ``folder`` (metadata read safely), its failures as :class:`EplError`."""
+def _load(engine: CheckpointedEngine, dcp: Any, wanted: dict[str, Any], reader: Any, folder: Path) -> None:
+    """DCP's load of ``wanted`` from ``folder`` through ``reader`` (:func:`files.safe_reader`), its failures as
+    :class:`EplError`."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -363,7 +367,7 @@ def _load(engine: CheckpointedEngine, dcp: Any, wanted: dict[str, Any], folder: 
             _named_when_late(
                 engine,
                 "engine.load",
-                lambda: dcp.load(wanted, storage_reader=files.safe_reader(folder), no_dist=_alone(engine)),
+                lambda: dcp.load(wanted, storage_reader=reader, no_dist=_alone(engine)),
             )
     except (CheckpointException, OSError, RuntimeError, ValueError) as error:
         raise EplError(f"Cannot load the checkpoint {folder}: {_first_line(error)}") from None

@@ -132,14 +132,17 @@ def safe_reader(folder: Path) -> Any:
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeFileSystemReader(FileSystemReader):
-        """DCP's file reader, its metadata read without pickle's code execution."""
+        """DCP's file reader, its metadata read without pickle's code execution, once per reader."""
+
+        cached: Any = None
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = read_metadata(folder / ".metadata")
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
+            if self.cached is None:
+                self.cached = read_metadata(folder / ".metadata")
+                if getattr(self.cached, "storage_meta", None) is None:
+                    self.cached.storage_meta = StorageMeta()
+            self.cached.storage_meta.load_id = self.load_id
+            return self.cached
 
     return SafeFileSystemReader(str(folder))
 
