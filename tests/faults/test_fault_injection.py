@@ -124,6 +124,14 @@ def leftovers(script: Path) -> list[str]:
     return [line for line in listing if str(script) in line and " Z" not in line]
 
 
+def assert_no_process_left(script: Path) -> None:
+    """No process runs ``script`` any more (those still ending get 5 seconds)."""
+    deadline = time.monotonic() + 5
+    while leftovers(script) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not leftovers(script), leftovers(script)
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 @pytest.mark.parametrize("fault", FAULTS)
@@ -155,10 +163,7 @@ def test_a_failing_rank_ends_the_job_named_and_leaves_no_process(tmp_path: Path,
     named = NAMES_RANK_1.search(output) or (launcher == "mpiexec" and re.search(rf"\bPID {pid}\b", output))
     silent_exit = launcher == "mpiexec" and fault == "exit" and done.returncode == 7
     assert named or silent_exit, output[-3000:]
-    deadline = time.monotonic() + 5
-    while leftovers(script) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not leftovers(script), leftovers(script)
+    assert_no_process_left(script)
 
 
 @pytest.mark.timeout(90)
@@ -184,7 +189,4 @@ def test_a_failing_pipeline_stage_ends_the_job_named_and_leaves_no_process(tmp_p
     assert NAMES_RANK_1.search(output), output[-3000:]
     if fault == "hang":  # the other stage's receive names the stuck stage, and so does the launcher
         assert "did not arrive at the other side of it" in output and "rank 1 stopped taking part" in output
-    deadline = time.monotonic() + 5
-    while leftovers(script) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not leftovers(script), leftovers(script)
+    assert_no_process_left(script)
