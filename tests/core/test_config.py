@@ -245,3 +245,12 @@ def test_init_accepts_a_dict_and_rejects_other_types() -> None:
 def test_numbers_must_be_finite(value: float) -> None:
     with pytest.raises(epl.ConfigError, match=r"'communication.timeout': expected a finite number"):
         epl.Config({"communication.timeout": value})
+
+
+def test_max_grad_norm_takes_inf_to_measure_the_norm_without_clipping(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert epl.Config({"optimizer.max_grad_norm": float("inf")})["optimizer.max_grad_norm"] == float("inf")
+    monkeypatch.setenv("EPL_OPTIMIZER_MAX_GRAD_NORM", "inf")
+    assert epl.Config()["optimizer.max_grad_norm"] == float("inf")
+    for value in (float("nan"), float("-inf")):
+        with pytest.raises(epl.ConfigError, match="'optimizer.max_grad_norm'"):
+            epl.Config({"optimizer.max_grad_norm": value})

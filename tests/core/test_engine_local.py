@@ -293,3 +293,22 @@ def test_a_model_without_parameters_is_one_clear_error() -> None:
     epl.init()
     with pytest.raises(epl.EplError, match="Holder has no parameters, so the optimizer has nothing to train"):
         epl.parallelize(Holder(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+def test_infinite_max_grad_norm_reports_the_norm_without_clipping() -> None:
+    """``optimizer.max_grad_norm: inf`` logs the gradient norm of every step and changes no update."""
+    model = plain_model()
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    norms = []
+    for x, y in data():
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+        opt.step()
+    epl.init(epl.Config({"optimizer.max_grad_norm": float("inf")}))
+    engine = epl.parallelize(build(), optimizer=OPTIMIZERS["sgd"], loss_fn=nn.MSELoss())
+    for (x, y), norm in zip(data(), norms, strict=True):
+        engine.step(x, y)
+        assert engine.grad_norm == pytest.approx(float(norm), rel=1e-12)
+    for ours, theirs in zip(engine.model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(ours, theirs)

@@ -59,7 +59,9 @@ CORE_KEYS: tuple[ConfigKey, ...] = (
         types=(float, type(None)),
         default=None,
         minimum=0,
-        doc="Clip gradients to this total norm before the update (None: no clipping). With data "
+        infinite_allowed=True,
+        doc="Clip gradients to this total norm before the update (None: no clipping); engine.grad_norm is "
+        "then the norm before clipping. inf computes the norm without clipping (for logging). With data "
         "parallelism each replica clips before the reduction unless communication.clip_after_allreduce.",
     ),
     # 6.7 Cluster

@@ -22,7 +22,8 @@ class ConfigKey:
     distribution name) that implements the key when the key is declared by
     someone else, e.g. the core declares the manual's ``zero.level`` as provided
     by ``epl-memory``. Setting such a key to a non-default value without that
-    plugin installed is an error at ``epl.init``.
+    plugin installed is an error at ``epl.init``. ``infinite_allowed`` lets a
+    float key take ``inf`` (numbers must be finite otherwise).
     """
 
     name: str
@@ -32,6 +33,7 @@ class ConfigKey:
     choices: tuple[str, ...] | None = None
     minimum: int | float | None = None
     provided_by: str | None = None
+    infinite_allowed: bool = False
 
     def __post_init__(self) -> None:
         if "." not in self.name:
@@ -65,7 +67,7 @@ class ConfigKey:
         if self.choices is not None:
             parts.append("one of " + ", ".join(repr(c) for c in self.choices))
         if self.minimum is not None:
-            parts.append(f"a number >= {self.minimum}")
+            parts.append(f"a number >= {self.minimum}" + (" (inf included)" if self.infinite_allowed else ""))
         if type(None) in self.types:
             parts.append("None")
         if not parts:
@@ -78,7 +80,7 @@ class ConfigKey:
             return f"expected {self.type_name()}, got {value!r} ({type(value).__name__})"
         if isinstance(value, str) and self.choices is not None and value not in self.choices:
             return f"expected {self.allowed()}, got {value!r}"
-        if _is_number(value) and not math.isfinite(value):
+        if _is_number(value) and not (math.isfinite(value) or (math.isinf(value) and self.infinite_allowed)):
             return f"expected a finite number ({self.allowed()}), got {value!r}"
         if _is_number(value) and self.minimum is not None and value < self.minimum:
             return f"expected {self.allowed()}, got {value!r}"

@@ -143,6 +143,7 @@ class Engine:
 
         The norm that was clipped: the whole model's, each shard of a split tensor counted once; of
         the reduced gradient with ``communication.clip_after_allreduce``, else of this rank's rows'.
+        ``optimizer.max_grad_norm: inf`` measures it without clipping (as ``clip_grad_norm_(params, inf)``).
         """
         return getattr(self.runner, "grad_norm", None)
 
