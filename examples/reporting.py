@@ -1,14 +1,12 @@
-"""Progress and summary lines shared by the examples (kept out of the scripts so they show only the EPL parts).
+"""Summary lines shared by the examples (kept out of the scripts so they show only the EPL parts).
 
-``Progress`` prints one line per step on rank 0 (a bar updated in place when stdout is a
-terminal); ``summary`` prints the layout of the run, the memory of every rank and the
-throughput. ``summary`` is a collective: every rank calls it.
+The progress of each run is the library's ``epl.Progress``; ``summary`` prints the layout of
+the run, the memory of every rank and the throughput. ``summary`` is a collective: every rank
+calls it.
 """
 
 from __future__ import annotations
 
-import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,8 +14,6 @@ import torch
 
 import epl
 from epl.runtime.memory import MemoryReport
-
-BAR_WIDTH = 24
 
 
 def is_rank0() -> bool:
@@ -29,44 +25,6 @@ def say(*args: Any) -> None:
     """``print`` on rank 0 only."""
     if is_rank0():
         print(*args, flush=True)
-
-
-class Progress:
-    """Step, loss and samples/s of each step, on rank 0: plain lines, or a bar on a terminal."""
-
-    def __init__(self, steps: int, global_batch: int) -> None:
-        self.steps = steps
-        self.global_batch = global_batch
-        self.seconds: list[float] = []
-        self.loss = float("nan")
-        self.show = is_rank0()
-        self.tty = sys.stdout.isatty()
-        self._last = time.perf_counter()
-        self._width = 0
-
-    def step(self, step: int, loss: torch.Tensor) -> None:
-        """Record step ``step`` (1-based), which returned ``loss``."""
-        self.loss = float(loss)
-        now = time.perf_counter()
-        self.seconds.append(now - self._last)
-        self._last = now
-        if not self.show:
-            return
-        rate = self.global_batch / self.seconds[-1]
-        text = f"step {step:>{len(str(self.steps))}}/{self.steps}  loss {self.loss:.4f}  {rate:8.1f} samples/s"
-        if self.tty:
-            done = BAR_WIDTH * step // self.steps
-            end = "\n" if step == self.steps else ""
-            line = f"[{'#' * done}{'.' * (BAR_WIDTH - done)}] {text}"
-            print(f"\r{line.ljust(self._width)}", end=end, flush=True)  # blanks cover a longer previous line
-            self._width = len(line)
-        else:
-            print(text, flush=True)
-
-    def samples_per_second(self) -> float:
-        """Throughput of the job (global batch per step), leaving out the first step (warm-up) when there are more."""
-        seconds = self.seconds[1:] or self.seconds
-        return self.global_batch * len(seconds) / sum(seconds) if seconds else 0.0
 
 
 def layout(engine: epl.Engine) -> list[str]:
@@ -116,7 +74,12 @@ def memory_reports(engine: epl.Engine, batch: Sequence[Any] | None = None) -> li
 
 
 def summary(
-    name: str, engine: epl.Engine, progress: Progress, *, batch: Sequence[Any] | None = None, extra: Sequence[str] = ()
+    name: str,
+    engine: epl.Engine,
+    progress: epl.Progress,
+    *,
+    batch: Sequence[Any] | None = None,
+    extra: Sequence[str] = (),
 ) -> None:
     """Print the layout, the memory of every rank and the throughput (rank 0). Every rank calls it."""
     reports = memory_reports(engine, batch)
@@ -126,8 +89,9 @@ def summary(
     lines += [f"layout:     {line}" for line in layout(engine)]
     lines += [f"memory:     {report}" for report in reports]
     lines += list(extra)
+    progress.close()
     lines.append(
-        f"throughput: {progress.samples_per_second():.1f} samples/s (global batch {progress.global_batch}, "
-        f"{len(progress.seconds)} steps), final loss {progress.loss:.4f}"
+        f"throughput: {progress.samples_per_second or 0:.1f} samples/s (global batch {engine.last_step_samples}, "
+        f"{engine.global_step} steps), final loss {progress.loss or float('nan'):.4f}"
     )
     print("\n".join(lines), flush=True)

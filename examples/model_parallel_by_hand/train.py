@@ -20,7 +20,7 @@ from torch import nn
 import epl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/reporting.py
-from reporting import Progress, say, summary  # noqa: E402
+from reporting import say, summary  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--stages", type=int, default=2, choices=[1, 2, 4, 8], help="pipeline stages (the original: 4)")
@@ -77,7 +77,7 @@ train_loader = torch.utils.data.DataLoader(
 
 steps = args.epochs * len(train_loader) if args.steps is None else args.steps
 say(f"model_parallel_by_hand: 8 layers on {args.stages} stage(s), {args.micro_batches} micro-batches, {steps} steps")
-progress = Progress(steps, args.batch_size * engine.num_replicas)
+progress = epl.Progress(engine, total=steps)  # rank 0: a bar on a terminal, else plain lines
 step, epoch = 0, 0
 while step < steps:
     engine.train()
@@ -86,7 +86,7 @@ while step < steps:
         loss = engine.step(train_x, train_y)  # forward, backward and update of every micro-batch, all stages
         train_loss += float(loss)
         step += 1
-        progress.step(step, loss)
+        progress.update(loss)
         if step == steps:
             break
     epoch += 1

@@ -21,7 +21,7 @@ import epl
 from epl.nn import Experts, MoE, TopKGate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/reporting.py
-from reporting import Progress, say, summary  # noqa: E402
+from reporting import say, summary  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--steps", type=int, default=30)
@@ -117,12 +117,12 @@ say(
     f"moe_transformer: {parameters:,} parameters, {args.layers} layers x {args.experts} experts "
     f"(top-{args.top_k}, capacity factor {args.capacity_factor})"
 )
-progress = Progress(args.steps, args.batch_size * engine.num_replicas)
+progress = epl.Progress(engine, total=args.steps)  # rank 0: a bar on a terminal, else plain lines
 step = 0
 while step < args.steps:
     for x, y in loader:
         step += 1
-        progress.step(step, engine.step(x, y))  # each device of the replica computes its share of x
+        progress.update(engine.step(x, y))  # each device of the replica computes its share of x
         if step == args.steps:
             break
 

@@ -18,7 +18,7 @@ from torch import nn
 import epl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/reporting.py
-from reporting import Progress, say, summary  # noqa: E402
+from reporting import say, summary  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--steps", type=int, default=20)
@@ -106,12 +106,12 @@ loader = torch.utils.data.DataLoader(
 )
 
 say(f"resnet_dp: {parameters:,} parameters, config {config}")
-progress = Progress(args.steps, args.batch_size * engine.num_replicas)
+progress = epl.Progress(engine, total=args.steps)  # rank 0: a bar on a terminal, else plain lines
 step = 0
 while step < args.steps:
     for x, y in loader:
         step += 1
-        progress.step(step, engine.step(x, y))
+        progress.update(engine.step(x, y))
         if step == args.steps:
             break
 

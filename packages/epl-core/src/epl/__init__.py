@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from epl.interfaces.split_rule import ShardContext
     from epl.placement import Plan
     from epl.plugins import hookimpl
+    from epl.progress import Progress
     from epl.runtime import Engine, parallelize, plan
     from epl.runtime.checkpoint import read_model_state
     from epl.runtime.env import Env, init
@@ -68,6 +69,7 @@ _EXPORTS = {
     "PlacementError": "epl.errors",
     "PluginError": "epl.errors",
     "Plan": "epl.placement",
+    "Progress": "epl.progress",
     "hookimpl": "epl.plugins",
     "Strategy": "epl.annotations",
     "TaskGraph": "epl.annotations",
@@ -94,6 +96,7 @@ __all__ = [
     "PlacementError",
     "Plan",
     "PluginError",
+    "Progress",
     "ReduceOp",
     "ShardContext",
     "Strategy",

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from epl_launch.config import LaunchConfig, default_omp_threads
-from epl_launch.output import RankOutput
+from epl_launch.output import RankOutput, terminal_environment
 from epl_launch.processes import signal_group
 
 #: Seconds between two looks at the workers.
@@ -56,6 +56,7 @@ def worker_environment(config: LaunchConfig, local_rank: int, master_port: int) 
         PYTHONUNBUFFERED="1",
     )
     env.setdefault("OMP_NUM_THREADS", default_omp_threads(config.nproc_per_node))
+    env.update(terminal_environment(config.global_rank(local_rank)))
     return env
 
 

@@ -1,8 +1,16 @@
-"""Each rank's output: shown live with a ``[rank N]`` prefix, and kept whole in a log file per rank."""
+"""Each rank's output: shown live with a ``[rank N]`` prefix, and kept whole in a log file per rank.
+
+A rank's line is shown when its newline arrives. A progress bar redraws one line with carriage
+returns (``\\r``) and no newline: when the launcher's output is a terminal, the latest such
+redraw is shown in place as the *status line* (the ranks are told with ``EPL_LAUNCH_TERMINAL``,
+see :func:`terminal_environment`), cleared before other lines and drawn again after them.
+Elsewhere (a pipe, a file) only whole lines are written, a redrawn line in its last state.
+"""
 
 from __future__ import annotations
 
 import collections
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -10,15 +18,38 @@ from typing import IO
 
 #: Lines of each rank's output kept in memory (to tell a failure's cause from its consequences).
 RECENT_LINES = 50
+#: Bytes read from a rank's output at a time (whatever is there, up to this).
+READ_BYTES = 65536
+#: Tells a rank that its output reaches a terminal through the launcher (read by ``epl.Progress``).
+TERMINAL_VARIABLE = "EPL_LAUNCH_TERMINAL"
+#: Moves to the start of the line and clears it.
+CLEAR_LINE = "\r\x1b[K"
+
+
+def prefix(rank: int) -> str:
+    """What starts every line of ``rank``'s output."""
+    return f"[rank {rank}] "
+
+
+def terminal_environment(rank: int) -> dict[str, str]:
+    """What a rank needs to draw a bar through the launcher: nothing unless the launcher writes to a terminal;
+    then ``EPL_LAUNCH_TERMINAL=1`` and ``COLUMNS``, the terminal's width less the rank prefix."""
+    if not sys.stdout.isatty():
+        return {}
+    width = shutil.get_terminal_size().columns - len(prefix(rank))
+    return {TERMINAL_VARIABLE: "1", "COLUMNS": str(max(width, 20))}
 
 
 class RankOutput:
     """Writes lines to the terminal (prefixed) and to per-rank log files; one lock for the terminal."""
 
-    def __init__(self, log_dir: Path | None, ranks: range) -> None:
+    def __init__(self, log_dir: Path | None, ranks: range, terminal: bool | None = None) -> None:
         self.log_dir = log_dir
+        self.terminal = sys.stdout.isatty() if terminal is None else terminal
         self._lock = threading.Lock()
         self._logs: dict[int, IO[bytes]] = {}
+        self._status = ""  # the status line on screen (with its prefix), or ""
+        self._status_rank: int | None = None
         self.recent: dict[int, collections.deque[str]] = {
             rank: collections.deque(maxlen=RECENT_LINES) for rank in ranks
         }
@@ -32,26 +63,46 @@ class RankOutput:
         return self.log_dir / f"rank_{rank}.log" if self.log_dir is not None else None
 
     def line(self, rank: int, data: bytes) -> None:
-        """One line (with its newline) that rank ``rank`` wrote."""
+        """One line (with its newline) that rank ``rank`` wrote; a line redrawn with ``\\r`` counts in its last
+        state."""
         log = self._logs.get(rank)
+        text = data.decode(errors="replace").rstrip("\n").rsplit("\r", 1)[-1]
         if log is not None:
-            log.write(data)
+            log.write(text.encode() + b"\n")
             log.flush()
-        text = data.decode(errors="replace")
         if rank in self.recent:
-            self.recent[rank].append(text)
-        if not text.endswith("\n"):
-            text += "\n"
+            self.recent[rank].append(text + "\n")
         with self._lock:
-            sys.stdout.write(f"[rank {rank}] {text}")
+            clear = CLEAR_LINE if self._status else ""
+            if rank == self._status_rank:  # the rank's own line replaces its redrawn one
+                self._status, self._status_rank = "", None
+            sys.stdout.write(f"{clear}{prefix(rank)}{text}\n{self._status}")
+            sys.stdout.flush()
+
+    def status(self, rank: int, text: str) -> None:
+        """Rank ``rank`` redrew its current line as ``text``: show it in place (on a terminal only)."""
+        if not self.terminal or not text:
+            return
+        with self._lock:
+            self._status, self._status_rank = f"{prefix(rank)}{text}", rank
+            sys.stdout.write(CLEAR_LINE + self._status)
             sys.stdout.flush()
 
     def follow(self, rank: int, stream: IO[bytes]) -> threading.Thread:
-        """Copy ``stream`` line by line in a background thread until it closes."""
+        """Copy ``stream`` in a background thread until it closes: whole lines, and redraws as the status line."""
 
         def copy() -> None:
-            for data in iter(stream.readline, b""):
-                self.line(rank, data)
+            pending = b""
+            read = getattr(stream, "read1", stream.read)
+            for chunk in iter(lambda: read(READ_BYTES), b""):
+                *lines, pending = (pending + chunk).split(b"\n")
+                for data in lines:
+                    self.line(rank, data + b"\n")
+                if b"\r" in pending:
+                    pending = b"\r" + pending.rsplit(b"\r", 1)[-1]  # only the latest redraw matters
+                    self.status(rank, pending[1:].decode(errors="replace"))
+            if pending:
+                self.line(rank, pending)
             stream.close()
 
         thread = threading.Thread(target=copy, name=f"epl-launch-output-{rank}", daemon=True)

@@ -41,6 +41,21 @@ def batch_size(batch: Any) -> int | None:
     return sizes.pop() if sizes else None
 
 
+def samples_and_tokens(batch: Any) -> tuple[int | None, int | None]:
+    """How many samples and tokens ``batch`` holds, for throughput: (samples, tokens), None where unknown.
+
+    Samples: dimension 0 of its first tensor. Tokens: the elements of its token ids, which are a dict's
+    ``input_ids``, else its first integer tensor of two or more dimensions (batch x sequence).
+    """
+    tensors = [t for t in tensors_in(batch) if t.dim() > 0]
+    if not tensors:
+        return None, None
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if not isinstance(ids, torch.Tensor):
+        ids = next((t for t in tensors if t.dim() >= 2 and not t.is_floating_point() and not t.is_complex()), None)
+    return tensors[0].shape[0], None if ids is None or ids.dtype == torch.bool else ids.numel()
+
+
 def split_batch(batch: Any, parts: int, *, what: str) -> list[Any]:
     """Split every tensor of ``batch`` into ``parts`` equal pieces along dimension 0.
 

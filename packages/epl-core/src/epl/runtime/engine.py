@@ -11,7 +11,7 @@ from torch import nn
 
 from epl.placement.plan import Plan
 from epl.plugins.context import LossScaler, ParallelContext, StepRunner
-from epl.runtime.batch import call_model, tensors_in, to_device
+from epl.runtime.batch import call_model, samples_and_tokens, tensors_in, to_device
 from epl.runtime.memory import MemoryReport
 
 if TYPE_CHECKING:
@@ -34,6 +34,8 @@ class Engine:
         self.runner = runner
         self.global_step = 0
         self._lr_scheduler: LRScheduler | None = None
+        #: Samples and tokens of the last step's replica batch (see :attr:`last_step_samples`).
+        self._last_batch: tuple[int | None, int | None] = (None, None)
 
     # -- training --------------------------------------------------------------------
     def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
@@ -46,6 +48,7 @@ class Engine:
         skipped_before = self._skipped_updates()
         loss = self.runner.step(inputs, targets)
         self.global_step += 1
+        self._last_batch = samples_and_tokens(inputs)
         scheduler = self._lr_scheduler
         if scheduler is not None and self._skipped_updates() == skipped_before and not _needs_metric(scheduler):
             scheduler.step()
@@ -74,6 +77,21 @@ class Engine:
                 "epl.parallelize, or build it over engine.optimizer."
             )
         self._lr_scheduler = scheduler
+
+    @property
+    def last_step_samples(self) -> int | None:
+        """Samples the last step trained on, over every replica (None before the first step, or when its
+        inputs held no tensor): the replica batch's dimension 0 times :attr:`num_replicas`."""
+        samples = self._last_batch[0]
+        return None if samples is None else samples * self.num_replicas
+
+    @property
+    def last_step_tokens(self) -> int | None:
+        """Tokens the last step trained on, over every replica: the elements of its token ids (a dict batch's
+        ``input_ids``, else its first integer tensor of two or more dimensions) times :attr:`num_replicas`;
+        None when the batch has none."""
+        tokens = self._last_batch[1]
+        return None if tokens is None else tokens * self.num_replicas
 
     @property
     def lr(self) -> float | None:
