@@ -19,7 +19,11 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--strategy", default="PreferBackward", help="PreferForward, PreferBackward or ZeroBubble")
-parser.add_argument("--timeline", help="write the last step's measured timeline to TIMELINE.json and TIMELINE.png")
+parser.add_argument(
+    "--timeline",
+    help="write the last step's measured timeline to TIMELINE.json (Perfetto) and TIMELINE.png "
+    "(matplotlib: pip install 'epl-pipeline[plot]')",
+)
 args = parser.parse_args()
 
 epl.init(epl.Config({"pipeline.num_micro_batch": 4, "pipeline.strategy": args.strategy}))

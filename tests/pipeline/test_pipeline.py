@@ -118,6 +118,7 @@ def train_by_hand(out: str) -> dict[str, Any]:
 
     events = gather_timeline(engine)
     bubble = save_timeline(engine, Path(out) / "timeline")
+    assert save_timeline(engine, Path(out) / "svg" / "timeline", picture=".svg") == bubble
     return {
         "losses": losses,
         "state": {k: v.clone() for k, v in engine.model.state_dict().items()},
@@ -145,6 +146,10 @@ def test_four_stages_of_the_by_hand_model_and_its_recorded_timeline(tmp_path: Pa
         assert result["bubble"] == ranks[0]["bubble"]
     assert json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
     assert (tmp_path / "timeline.png").read_bytes().startswith(b"\x89PNG")
+    svg = (tmp_path / "svg" / "timeline.svg").read_text()  # the same picture, with its text kept as text
+    assert "measured step" in svg and f"measured bubble {ranks[0]['bubble']:.1%}" in svg
+    assert "time since the step's start (ms)" in svg and all(f"stage {s}" in svg for s in range(4))
+    assert not (tmp_path / "svg" / "timeline.png").exists()
 
 
 def bert_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:

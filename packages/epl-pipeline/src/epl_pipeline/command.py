@@ -22,7 +22,13 @@ import click
 )
 @click.option("--backward-cost", type=float, default=2.0, show_default=True, help="Cost of a backward, forward = 1.")
 @click.option("--trace", type=click.Path(dir_okay=False, path_type=Path), help="Write a Chrome trace (Perfetto).")
-@click.option("--png", "png_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG drawing.")
+@click.option(
+    "--picture",
+    "--png",
+    "picture",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write a picture (matplotlib: the plot extra) in the format its suffix names: .png, .svg, .pdf, ...",
+)
 def schedule_command(
     stages: int,
     micro_batches: int,
@@ -30,15 +36,21 @@ def schedule_command(
     stages_per_rank: int,
     backward_cost: float,
     trace: Path | None,
-    png_path: Path | None,
+    picture: Path | None,
 ) -> None:
     """Show the timeline of a pipeline schedule and its bubble fraction (simulated, no processes).
 
     Costs are per rank's share of the model: with several stages per rank each stage's action costs 1/v of them.
     """
-    from epl.plugin_api import get_plugin_manager
-    from epl_pipeline import drawing
+    from epl.plugin_api import EplError, get_plugin_manager
+    from epl_pipeline import drawing, plot
     from epl_pipeline.schedules import bubble, build, timeline
+
+    if picture is not None:
+        try:
+            plot.picture_format(picture)
+        except EplError as error:
+            raise click.BadParameter(str(error), param_hint="--picture") from None
 
     registered = get_plugin_manager().pipeline_schedules()
     try:
@@ -53,9 +65,9 @@ def schedule_command(
     if trace is not None:
         trace.write_text(drawing.chrome_trace(events, lanes))
         click.echo(f"trace: {trace}")
-    if png_path is not None:
-        drawing.png(events, lanes, png_path)
-        click.echo(f"png: {png_path}")
+    if picture is not None:
+        plot.write_picture(events, lanes, picture, f"{strategy} schedule (planned)")
+        click.echo(f"picture: {picture}")
 
 
 def _summary(strategy: str, stages: int, lanes: int, micro: int, makespan: float, idle: float) -> str:

@@ -1,27 +1,16 @@
-"""Drawings of a schedule's timeline: text, Chrome trace JSON (Perfetto) and PNG (no dependencies).
+"""Drawings of a schedule's timeline with no dependencies: text and Chrome trace JSON (Perfetto).
 
 Each draws a row per lane (pipeline rank): stage ``s`` runs on lane ``s % lanes``. With one
-stage per rank a lane is a stage; with several, the labels name the stage too.
+stage per rank a lane is a stage; with several, the labels name the stage too. The picture
+(matplotlib, the ``plot`` extra) is ``epl_pipeline.plot``.
 """
 
 from __future__ import annotations
 
 import json
-import struct
-import zlib
-from pathlib import Path
 
-from epl.plugin_api import Action, ActionKind
+from epl.plugin_api import Action
 from epl_pipeline.schedules import Event
-
-#: RGB per action kind in the PNG.
-COLOURS = {
-    ActionKind.FORWARD: (66, 133, 244),
-    ActionKind.BACKWARD: (52, 168, 83),
-    ActionKind.BACKWARD_INPUT: (52, 168, 83),
-    ActionKind.BACKWARD_WEIGHT: (251, 188, 5),
-}
-IDLE = (235, 235, 235)
 
 
 def stages_per_lane(events: list[Event], lanes: int) -> int:
@@ -75,28 +64,3 @@ def chrome_trace(events: list[Event], lanes: int | None = None, unit_seconds: fl
         for e in events
     ]
     return json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"})
-
-
-def png(events: list[Event], lanes: int, path: Path, width: int = 960, row_height: int = 24) -> None:
-    """Write the timeline as a PNG ``width`` pixels wide: a row per lane (stage ``s`` on row ``s % lanes``),
-    blue forwards, green backwards (or input gradients), yellow weight gradients, grey bubbles."""
-    begin = min(e.start for e in events)
-    scale = width / (max(e.end for e in events) - begin)
-    height = lanes * row_height
-    image = [[IDLE] * width for _ in range(height)]
-    for e in events:
-        colour = COLOURS[e.action.kind]
-        x0, x1 = round((e.start - begin) * scale), round((e.end - begin) * scale)
-        y0 = e.action.stage % lanes * row_height
-        for y in range(y0 + 2, y0 + row_height - 2):
-            for x in range(x0 + 1, min(width, max(x0 + 2, x1 - 1))):
-                image[y][x] = colour
-    raw = b"".join(b"\x00" + bytes(v for pixel in row for v in pixel) for row in image)
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    path.write_bytes(
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
-    )

@@ -6,7 +6,9 @@
 
 Every rank of the replica must call it (it gathers over the replica's stages); the first
 rank of each replica writes the files. Times are wall-clock, so stages on different
-machines line up as well as their clocks do.
+machines line up as well as their clocks do. The picture is drawn with matplotlib (the
+``plot`` extra, ``pip install 'epl-pipeline[plot]'``); without it, ask for the JSON alone
+(``picture=None``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any
 import torch
 
 from epl.plugin_api import Action, ActionKind, EplError
-from epl_pipeline.drawing import chrome_trace, png
+from epl_pipeline.drawing import chrome_trace
+from epl_pipeline.plot import picture_format, write_picture
 from epl_pipeline.runner import PipelineStepRunner
 from epl_pipeline.schedules import Event, bubble
 
@@ -59,15 +62,25 @@ def gather_timeline(engine: Any) -> list[Event]:
     return events
 
 
-def save_timeline(engine: Any, prefix: str | Path) -> float:
-    """Write ``PREFIX.json`` (Chrome trace) and ``PREFIX.png`` of the last step; return its measured bubble."""
+def save_timeline(engine: Any, prefix: str | Path, picture: str | None = ".png") -> float:
+    """Write ``PREFIX.json`` (Chrome trace, for Perfetto) and ``PREFIX.png`` of the last step; return its
+    measured bubble.
+
+    ``picture``: the picture's suffix (``.svg``, ``.pdf``, ... any matplotlib writes), or None for
+    the JSON alone. A picture without matplotlib, or of an unknown suffix, raises an EplError on
+    every rank before anything is gathered or written.
+    """
+    prefix = Path(prefix)
+    picture_path = None if picture is None else prefix.with_suffix("." + picture.lstrip("."))
+    if picture_path is not None:
+        picture_format(picture_path)
     runner = _runner(engine)
     events = gather_timeline(engine)
     lanes = runner.lanes
     _, idle = bubble(events, lanes)
     if runner.replica.rank == 0:
-        prefix = Path(prefix)
         prefix.parent.mkdir(parents=True, exist_ok=True)
         prefix.with_suffix(".json").write_text(chrome_trace(events, lanes, unit_seconds=1.0))
-        png(events, lanes, prefix.with_suffix(".png"))
+        if picture_path is not None:
+            write_picture(events, lanes, picture_path, "measured step", measured=True)
     return idle
