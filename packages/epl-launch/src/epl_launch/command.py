@@ -10,8 +10,9 @@ import click
 
 from epl.plugin_api import free_port, slurm_step
 from epl_launch.config import LaunchConfig, LaunchError, default_nproc_per_node, machine_from_list
-from epl_launch.local import LocalJob, report
+from epl_launch.local import LocalJob, Outcome, report
 from epl_launch.mpi import run_mpi
+from epl_launch.restarts import run_with_restarts
 
 
 def _option(*names: str, env: str, **kwargs: object):  # type: ignore[no-untyped-def]
@@ -107,6 +108,17 @@ def _option(*names: str, env: str, **kwargs: object):  # type: ignore[no-untyped
     "--standalone, it refuses the options of several machines).",
 )
 @_option(
+    "--max-restarts",
+    "--max_restarts",
+    "max_restarts",
+    env="MAX_RESTARTS",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Start the whole job again after a rank fails, at most this many times (as torchrun); the script "
+    "resumes from its last checkpoint. EPL_RESTART_COUNT tells it which start it is.",
+)
+@_option(
     "--grace-period",
     "--grace_period",
     "grace_period",
@@ -129,6 +141,7 @@ def launch_command(
     mpi: bool,
     module: bool,
     standalone: bool,
+    max_restarts: int,
     grace_period: float,
     target: str,
     target_args: tuple[str, ...],
@@ -144,6 +157,7 @@ def launch_command(
     Examples:
       epl launch --nproc-per-node 4 train.py --lr 3e-4
       epl launch --standalone --nproc-per-node 2 -m mypackage.train --epochs 3
+      epl launch --nproc-per-node 4 --max-restarts 3 train.py   # resumes from its checkpoint
       epl launch --num_workers 1 --gpu_per_worker 2 run.sh
       epl launch --num-workers 2 --machine-rank 1 --master-addr 10.0.0.1 --master-port 29500 train.py
     """
@@ -173,6 +187,7 @@ def launch_command(
             log_dir=log_dir,
             mpi=mpi,
             module=module,
+            max_restarts=max_restarts,
             grace_period=grace_period,
             target=target,
             target_args=target_args,
@@ -181,7 +196,11 @@ def launch_command(
         port = config.master_port or free_port(config.master_addr)
     except (LaunchError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
-    outcome = run_mpi(config, port) if config.mpi else LocalJob(config, port).run()
+
+    def start(restart: int, port: int) -> Outcome:
+        return run_mpi(config, port, restart) if config.mpi else LocalJob(config, port, restart).run()
+
+    outcome = run_with_restarts(config, port, start)
     sys.exit(report(outcome))
 
 

@@ -37,6 +37,8 @@ class LaunchConfig:
     grace_period: float = 5.0
     #: Run ``target`` as a Python module (``python -m target``), as ``torchrun -m`` does.
     module: bool = False
+    #: Times the whole job is started again after a rank fails (torchrun's ``--max-restarts``).
+    max_restarts: int = 0
     target: str
     target_args: tuple[str, ...] = ()
 
@@ -52,6 +54,8 @@ class LaunchConfig:
                 f"{self.num_workers} machines must agree on the rendezvous: give every launcher the same "
                 "--master-addr (machine 0's address) and --master-port."
             )
+        if self.max_restarts < 0:
+            raise LaunchError(f"--max-restarts must be 0 or more, got {self.max_restarts}.")
         if self.mpi and self.num_workers > 1:
             raise LaunchError(
                 "--mpi starts every process from this launcher; give mpiexec's host file instead of --num-workers."

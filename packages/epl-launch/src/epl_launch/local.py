@@ -33,13 +33,25 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 @dataclass(frozen=True)
 class Outcome:
-    """How the job ended: the exit code for the launcher, and a message for the user (or None)."""
+    """How the job ended: the exit code for the launcher, a message for the user (or None), and whether a
+    signal ended it (then it is not restarted)."""
 
     exit_code: int
     message: str | None = None
+    interrupted: bool = False
 
 
-def worker_environment(config: LaunchConfig, local_rank: int, master_port: int) -> dict[str, str]:
+def restart_environment(config: LaunchConfig, restart: int) -> dict[str, str]:
+    """How a worker tells which start of the job it is in: ``EPL_RESTART_COUNT`` (0 the first time), and
+    torchrun's names for it and for ``--max-restarts``."""
+    return {
+        "EPL_RESTART_COUNT": str(restart),
+        "TORCHELASTIC_RESTART_COUNT": str(restart),
+        "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
+    }
+
+
+def worker_environment(config: LaunchConfig, local_rank: int, master_port: int, restart: int = 0) -> dict[str, str]:
     """What one worker finds in its environment: everything ``epl.init`` (or torch) needs."""
     env = dict(os.environ)
     env.update(
@@ -57,17 +69,19 @@ def worker_environment(config: LaunchConfig, local_rank: int, master_port: int) 
     )
     env.setdefault("OMP_NUM_THREADS", default_omp_threads(config.nproc_per_node))
     env.update(terminal_environment(config.global_rank(local_rank)))
+    env.update(restart_environment(config, restart))
     return env
 
 
 class LocalJob:
     """This machine's ``nproc_per_node`` workers, each in its own process group."""
 
-    def __init__(self, config: LaunchConfig, master_port: int) -> None:
+    def __init__(self, config: LaunchConfig, master_port: int, restart: int = 0) -> None:
         self.config = config
         self.master_port = master_port
+        self.restart = restart
         first = config.global_rank(0)
-        self.output = RankOutput(config.log_dir, range(first, first + config.nproc_per_node))
+        self.output = RankOutput(config.log_dir, range(first, first + config.nproc_per_node), restart=restart)
         self.workers: list[subprocess.Popen[bytes]] = []
         self._readers: list[threading.Thread] = []
         self._interrupted: int | None = None
@@ -92,7 +106,7 @@ class LocalJob:
             try:
                 worker = subprocess.Popen(
                     self.config.command(),
-                    env=worker_environment(self.config, local_rank, self.master_port),
+                    env=worker_environment(self.config, local_rank, self.master_port, self.restart),
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
@@ -113,7 +127,9 @@ class LocalJob:
         while True:
             if self._interrupted is not None:
                 name = signal.Signals(self._interrupted).name
-                return Outcome(128 + self._interrupted, f"epl launch: {name} received; stopped every rank.")
+                return Outcome(
+                    128 + self._interrupted, f"epl launch: {name} received; stopped every rank.", interrupted=True
+                )
             codes = [worker.poll() for worker in self.workers]
             if any(code not in (None, 0) for code in codes):
                 return self._failure()

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from epl_launch.config import GROUPS_DIR_VARIABLE, LaunchConfig, LaunchError, default_omp_threads
-from epl_launch.local import POLL_SECONDS, STOP_SIGNALS, Outcome
+from epl_launch.local import POLL_SECONDS, STOP_SIGNALS, Outcome, restart_environment
 from epl_launch.output import RankOutput
 from epl_launch.processes import signal_group
 
@@ -50,17 +50,18 @@ def mpi_command(config: LaunchConfig, mpiexec: str) -> list[str]:
     return [mpiexec, "-n", str(config.world_size), *worker, *config.command()]
 
 
-def run_mpi(config: LaunchConfig, master_port: int) -> Outcome:
+def run_mpi(config: LaunchConfig, master_port: int, restart: int = 0) -> Outcome:
     """Run the job under mpiexec: MPI places and numbers the processes, the rendezvous comes from here."""
     mpiexec = find_mpiexec()
     env = dict(os.environ)
     env.update(MASTER_ADDR=config.master_addr, MASTER_PORT=str(master_port), PYTHONUNBUFFERED="1")
+    env.update(restart_environment(config, restart))
     env.setdefault("OMP_NUM_THREADS", default_omp_threads(config.world_size))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)  # MPI gives each process its own
     groups = Path(tempfile.mkdtemp(prefix="epl-launch-"))
     env[GROUPS_DIR_VARIABLE] = str(groups)
-    output = RankOutput(config.log_dir, range(config.world_size))
+    output = RankOutput(config.log_dir, range(config.world_size), restart=restart)
     stop: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum)) for sig in STOP_SIGNALS}
     job = subprocess.Popen(
@@ -78,7 +79,7 @@ def run_mpi(config: LaunchConfig, master_port: int) -> Outcome:
         if stop:
             _stop(job, config.grace_period)
             name = signal.Signals(stop[0]).name
-            return Outcome(128 + stop[0], f"epl launch: {name} received; mpiexec stopped every rank.")
+            return Outcome(128 + stop[0], f"epl launch: {name} received; mpiexec stopped every rank.", interrupted=True)
         reader.join(timeout=5)
         return _mpi_outcome(job.returncode, groups, output)
     finally:

@@ -43,7 +43,7 @@ def terminal_environment(rank: int) -> dict[str, str]:
 class RankOutput:
     """Writes lines to the terminal (prefixed) and to per-rank log files; one lock for the terminal."""
 
-    def __init__(self, log_dir: Path | None, ranks: range, terminal: bool | None = None) -> None:
+    def __init__(self, log_dir: Path | None, ranks: range, terminal: bool | None = None, restart: int = 0) -> None:
         self.log_dir = log_dir
         self.terminal = sys.stdout.isatty() if terminal is None else terminal
         self._lock = threading.Lock()
@@ -55,8 +55,10 @@ class RankOutput:
         }
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
-            for rank in ranks:  # a fresh, existing log per rank, even for a rank that prints nothing
-                self._logs[rank] = open(log_dir / f"rank_{rank}.log", "wb")  # noqa: SIM115 - closed in close()
+            for rank in ranks:  # a fresh, existing log per rank, even for a rank that prints nothing; a restart adds
+                self._logs[rank] = open(log_dir / f"rank_{rank}.log", "ab" if restart else "wb")  # noqa: SIM115
+                if restart:
+                    self._logs[rank].write(f"== epl launch: restart {restart} ==\n".encode())
 
     def log_path(self, rank: int) -> Path | None:
         """Where rank ``rank``'s full output is kept."""
