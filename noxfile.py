@@ -1,8 +1,9 @@
 """Sessions for development and CI: tests, lint, bench, demo.
 
-``nox -t ci`` is what CI runs (.ci/run): lint, the tests, and the benchmarks in
-short mode. Each session installs the packages of packages/ in editable mode
-with the pins of constraints.txt (torch==2.13.0, the CPU build).
+``nox -t ci`` is what CI runs (.ci/run): lint, the tests, every subset of the packages
+installed alone, the docs site, and the benchmarks in short mode. Each session installs
+the packages of packages/ in editable mode (``subsets``: as a user would, only some) with
+the pins of constraints.txt (torch==2.13.0, the CPU build).
 """
 
 from __future__ import annotations
@@ -16,10 +17,22 @@ PACKAGES = sorted(str(p.parent) for p in (ROOT / "packages").glob("*/pyproject.t
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 #: The example plugin of docs/plugins.md, installed (editable) for tests/examples/test_plugin_package.py.
 EXAMPLE_PLUGINS = ("-e", str(ROOT / "examples" / "plugin"))
-TEST_TOOLS = ("pytest", "pytest-timeout", "pytest-benchmark", "numpy", "mpi4py", "mpich", "transformers")
-#: benchmarks/report.py draws its plots with matplotlib: a dependency of the benchmarks only (and of
-#: tests/benchmarks, which render the report), in no package.
+#: tensorboard: epl.Progress's optional scalars (tests/core/test_progress.py).
+TEST_TOOLS = (
+    "pytest", "pytest-timeout", "pytest-benchmark", "numpy", "mpi4py", "mpich", "transformers", "tensorboard",
+)  # fmt: skip
+#: benchmarks/report.py draws its plots with matplotlib (also epl-pipeline's ``plot`` extra, for timeline pictures).
 BENCH_TOOLS = ("matplotlib",)
+#: The documentation site's tools; ruff lays out the long signatures in the API reference.
+DOCS_TOOLS = ("mkdocs", "mkdocstrings[python]", "ruff", "pytest", "pytest-timeout")
+#: Subsets of the packages a user may install alone (tests/subsets/check_subset.py runs each one's features).
+SUBSETS = {
+    "core": ("epl-core",),
+    "comm": ("epl-core", "epl-comm"),
+    "launch": ("epl-core", "epl-comm", "epl-launch"),
+    "pipeline": ("epl-core", "epl-comm", "epl-pipeline"),
+    "memory": ("epl-core", "epl-memory"),
+}
 SINGLE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 nox.options.sessions = ["lint", "tests"]
@@ -45,6 +58,26 @@ def tests(session: nox.Session) -> None:
     """The test suite (multi-process tests included); extra arguments go to pytest."""
     install_packages(session, *TEST_TOOLS, *BENCH_TOOLS, *EXAMPLE_PLUGINS)
     session.run("pytest", "tests", *session.posargs, env=SINGLE_THREAD)
+
+
+@nox.session(tags=["ci"])
+@nox.parametrize("subset", list(SUBSETS))
+def subsets(session: nox.Session, subset: str) -> None:
+    """One subset of the packages in a fresh environment, installed as a user would (not editable, nothing
+    else): train, save and load on the launchers it has; the missing packages' features name what to install."""
+    session.install(*CONSTRAINTS, *(str(ROOT / "packages" / name) for name in SUBSETS[subset]))
+    session.run("python", "tests/subsets/check_subset.py", *SUBSETS[subset], env=SINGLE_THREAD)
+
+
+@nox.session(tags=["ci"])
+def docs(session: nox.Session) -> None:
+    """The documentation site (mkdocs.yml), built with --strict into the session's temporary folder: a broken
+    link, a page left out of the nav or a docstring that griffe cannot read fails it. Then tests/docs checks that
+    the API reference names every public name, and what the built pages hold."""
+    install_packages(session, *DOCS_TOOLS)
+    site = Path(session.create_tmp()) / "site"
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(site))
+    session.run("pytest", "tests/docs", *session.posargs, env=SINGLE_THREAD)
 
 
 @nox.session

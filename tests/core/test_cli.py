@@ -308,3 +308,19 @@ def test_plan_of_split_stages_shows_the_grid_and_each_stages_shards(tmp_path: Pa
     rows = {" ".join(line.split()) for line in text.splitlines()}
     assert "0.2.weight [8, 8] of [8, 16]" in rows  # the first stage's pair: row parallel
     assert "1.weight [2, 8] of [4, 8]" in rows  # the second stage's lone Linear: column parallel
+
+
+def test_a_command_of_a_missing_package_names_the_package() -> None:
+    from click.testing import CliRunner
+
+    from epl.cli import make_cli
+    from epl.plugins import EplPluginManager
+
+    core_only = EplPluginManager(load_entry_points=False)
+    result = CliRunner().invoke(make_cli(core_only), ["launch", "train.py"])
+    assert result.exit_code == 2
+    assert "epl launch is provided by the package epl-launch, which is not installed: pip install epl-launch" in (
+        result.output
+    )
+    result = CliRunner().invoke(make_cli(core_only), ["lanch"])
+    assert result.exit_code == 2 and "No such command 'lanch'" in result.output
