@@ -37,9 +37,7 @@ parser.add_argument("--vocab", type=int, default=1000)
 parser.add_argument("--samples", type=int, default=1024, help="size of the synthetic data set")
 args = parser.parse_args()
 
-epl.init(
-    epl.Config({"pipeline.num_micro_batch": args.micro_batches, "pipeline.strategy": args.strategy, "io.slicing": True})
-)
+epl.init(epl.Config({"pipeline.num_micro_batch": args.micro_batches, "pipeline.strategy": args.strategy}))
 
 
 class Embeddings(nn.Module):

@@ -31,7 +31,7 @@ parser.add_argument("--micro-batches", type=int, default=4, help="pipeline.num_m
 parser.add_argument("--samples", type=int, default=1024, help="size of the synthetic training set")
 args = parser.parse_args()
 
-epl.init(epl.Config({"pipeline.num_micro_batch": args.micro_batches, "io.slicing": True}))
+epl.init(epl.Config({"pipeline.num_micro_batch": args.micro_batches}))
 
 WIDTHS = (12, 256, 128, 64, 8, 64, 128, 256, 12)  # layer k maps WIDTHS[k-1] features to WIDTHS[k]
 

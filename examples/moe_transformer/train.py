@@ -38,7 +38,7 @@ parser.add_argument("--vocab", type=int, default=512)
 parser.add_argument("--samples", type=int, default=1024, help="size of the synthetic data set")
 args = parser.parse_args()
 
-env = epl.init(epl.Config({"cluster.colocate_split_and_replicate": True, "io.slicing": True}))
+env = epl.init(epl.Config({"cluster.colocate_split_and_replicate": True}))
 devices = env.cluster.total_gpu_num  # 1 in a local run
 
 

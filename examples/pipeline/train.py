@@ -35,20 +35,22 @@ with epl.replicate(device_count=1, name="stage_1"):
 model = nn.Sequential(stage0, stage1)
 
 engine = epl.parallelize(model, optimizer=lambda params: torch.optim.Adam(params, lr=1e-3), loss_fn=nn.MSELoss())
-print(f"replica {engine.replica_index} of {engine.num_replicas}; {engine.plan.num_stages} stage(s) on this run")
+rank0 = epl.Env.get().cluster.rank == 0  # one process prints
+if rank0:
+    print(f"{engine.num_replicas} replica(s) x {engine.plan.num_stages} stage(s), {args.strategy}")
 
 target = nn.Linear(12, 12)  # the function to learn
 generator = torch.Generator().manual_seed(engine.replica_index)
-for step in range(args.steps):
-    x = torch.randn(args.batch, 12, generator=generator)
-    with torch.no_grad():
-        y = target(x)
-    loss = engine.step(x, y)
-    if step % 5 == 4 or step == 0:
-        print(f"step {step + 1:3d}  loss {loss.item():.5f}")
+with epl.Progress(engine, total=args.steps, log_every=5) as progress:  # rank 0: a bar, or a line every 5 steps
+    for _ in range(args.steps):
+        x = torch.randn(args.batch, 12, generator=generator)
+        with torch.no_grad():
+            y = target(x)
+        progress.update(engine.step(x, y))  # the replica's mean loss, the same on every stage
 
 if args.timeline and engine.plan.num_stages > 1:
     from epl_pipeline.recording import save_timeline
 
-    bubble = save_timeline(engine, args.timeline)
-    print(f"measured bubble of the last step: {bubble:.3f}; timeline in {args.timeline}.png and .json")
+    bubble = save_timeline(engine, args.timeline)  # every rank takes part; the first of each replica writes
+    if rank0:
+        print(f"measured bubble of the last step: {bubble:.3f}; timeline in {args.timeline}.png and .json")

@@ -11,7 +11,7 @@ from torch import nn
 
 import epl
 
-epl.init(epl.Config({"io.slicing": True}))  # each replica reads its own share of the data
+epl.init()
 epl.set_default_strategy(epl.replicate(1))
 
 torch.manual_seed(0)
@@ -24,10 +24,13 @@ engine = epl.parallelize(
     optimizer=lambda params: torch.optim.SGD(params, lr=0.001, momentum=0.9),
     loss_fn=nn.CrossEntropyLoss(),
 )
-mine = torch.tensor(epl.io.shard(range(len(features)), engine=engine))
+mine = torch.tensor(epl.io.shard(range(len(features)), engine=engine))  # each replica reads its own share
+rank0 = epl.Env.get().cluster.rank == 0  # one process prints
 batch = 10
 for step in range(10):
     rows = mine[step * batch : (step + 1) * batch]
-    loss = engine.step(features[rows], labels[rows])
-    print(f"[replica {engine.replica_index}/{engine.num_replicas}] Iteration {step + 1} , Loss: {loss.item():.4f} .")
-print("Train Finished.")
+    loss = engine.step(features[rows], labels[rows])  # the mean loss of replica 0's batch on rank 0
+    if rank0:
+        print(f"[{engine.num_replicas} replica(s)] Iteration {step + 1} , Loss: {loss.item():.4f} .")
+if rank0:
+    print("Train Finished.")

@@ -33,7 +33,7 @@ parser.add_argument("--zero", choices=["v0", "v1", "v2"], help="zero.level")
 parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation (pipeline.num_micro_batch)")
 args = parser.parse_args()
 
-config = {"io.slicing": True, "pipeline.num_micro_batch": args.micro_batches}
+config = {"pipeline.num_micro_batch": args.micro_batches}
 if args.checkpointing:
     config["gradient_checkpoint.type"] = "auto"
 if args.amp:

@@ -60,7 +60,7 @@ def _check(done: subprocess.CompletedProcess[str], name: str) -> str:
 def test_every_example_has_a_readme_with_its_launch_command_and_a_tiny_run() -> None:
     found = sorted(p.parent.name for p in EXAMPLES.glob("*/train.py"))
     assert set(TINY) <= set(found)
-    for name in TINY:
+    for name in found:
         readme = (EXAMPLES / name / "README.md").read_text()
         assert f"epl launch --nproc-per-node 2 examples/{name}/train.py" in readme
         assert f"python examples/{name}/train.py" in readme
@@ -98,3 +98,19 @@ def test_example_in_one_process(name: str) -> None:
     stdout = _check(done, name)
     assert "layout:     1 process runs every TaskGraph" in stdout
     assert len(re.findall(r"^step 3/3 \(100%\)  loss [\d.]+ .*samples/s [\d.]+k? .*elapsed ", stdout, re.M)) == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("name", "last_line"), [("quickstart", "Train Finished."), ("pipeline", "step 20/20 (100%)")])
+def test_the_manual_examples_print_from_rank_0_only(name: str, last_line: str) -> None:
+    done = subprocess.run(
+        [EPL, "launch", "--nproc-per-node", "2", str(EXAMPLES / name / "train.py")],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=_env(),
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert last_line in done.stdout
+    assert {line.split("]")[0] for line in done.stdout.splitlines()} == {"[rank 0"}
