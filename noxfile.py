@@ -30,7 +30,6 @@ DOCS_TOOLS = ("mkdocs", "mkdocstrings[python]", "ruff", "pytest", "pytest-timeou
 #: Subsets of the packages a user may install alone (tests/subsets/check_subset.py runs each one's features).
 SUBSETS = {
     "core": ("epl-core",),
-    "comm": ("epl-core", "epl-comm"),
     "launch": ("epl-core", "epl-comm", "epl-launch"),
     "pipeline": ("epl-core", "epl-comm", "epl-pipeline"),
     "memory": ("epl-core", "epl-memory"),
