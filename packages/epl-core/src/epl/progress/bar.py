@@ -203,8 +203,10 @@ class Progress:
     def _print(self, text: str) -> None:
         if self._bar is not None:
             self._bar.write(text, file=self._file or sys.stderr)
-        else:
-            print(text, file=self._file or sys.stdout, flush=True)
+        else:  # one write with its newline: other processes writing to the same pipe cannot split the line
+            stream = self._file or sys.stdout
+            stream.write(text + "\n")
+            stream.flush()
 
 
 def on_terminal(stream: IO[str]) -> bool:
