@@ -50,6 +50,7 @@ def test_plain_lines_show_loss_lr_norm_throughput_and_eta_every_log_every_steps(
         shown[engine.global_step] = (float(loss), engine.lr, engine.grad_norm)
         progress.update(loss)
     progress.close()
+    assert progress.samples_per_second > 0 and progress.tokens_per_second is None  # float inputs: no tokens
     lines = out.getvalue().splitlines()
     assert [int(re.match(r"step (\d+)/8 ", line).group(1)) for line in lines] == [2, 4, 6, 8]
     for line in lines:

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
 from epl.progress.tensorboard import ScalarWriter, check_installed
@@ -73,11 +74,10 @@ class Progress:
         self.refresh_seconds = refresh_seconds
         self._first_step = engine.global_step
         self._started = self._window_started = self._last_shown = time.perf_counter()
-        self._window_samples = self._window_tokens = 0
-        self._counted_samples = self._counted_tokens = True
+        self._window = Counts()  # the steps since the last values: their samples and tokens
+        self._first, self._rest = Counts(), Counts()  # the first window (it warms up), and every later one
         #: The loss of the last step shown or logged (None before).
         self.loss: float | None = None
-        self._windows: list[tuple[float, int | None, int | None]] = []  # (seconds, samples, tokens) each
         self._bar: Any = None
         self._writer: ScalarWriter | None = None
         self._file = file
@@ -95,7 +95,7 @@ class Progress:
         if not self.shown:
             return
         step = self.engine.global_step
-        self._count(self.engine.last_step_samples, self.engine.last_step_tokens)
+        self._window.add(0.0, self.engine.last_step_samples, self.engine.last_step_tokens)
         now = time.perf_counter()
         last = self.total is not None and step >= self.total
         due_log = (step - self._first_step) % self.log_every == 0 or last
@@ -137,19 +137,14 @@ class Progress:
     def samples_per_second(self) -> float | None:
         """Samples per second over every replica across the run so far, leaving out the first stretch shown
         (its first step warms up) when there are more; None where the batches' samples are unknown."""
-        return self._rate(1)
+        run = self._rest if self._rest.parts else self._first
+        return run.rate(run.samples)
 
     @property
     def tokens_per_second(self) -> float | None:
         """Tokens per second, counted as :attr:`samples_per_second` (None without token ids in the batches)."""
-        return self._rate(2)
-
-    def _rate(self, column: int) -> float | None:
-        windows = self._windows[1:] or self._windows
-        counts = [window[column] for window in windows]
-        if not counts or any(count is None for count in counts):
-            return None
-        return sum(counts) / sum(window[0] for window in windows)  # type: ignore[arg-type]
+        run = self._rest if self._rest.parts else self._first
+        return run.rate(run.tokens)
 
     def __enter__(self) -> Progress:
         return self
@@ -158,13 +153,6 @@ class Progress:
         self.close()
 
     # -- what is shown ---------------------------------------------------------------
-    def _count(self, samples: int | None, tokens: int | None) -> None:
-        """Add one step's samples and tokens to the current window (unknown once: unknown for the window)."""
-        self._window_samples += samples or 0
-        self._window_tokens += tokens or 0
-        self._counted_samples &= samples is not None
-        self._counted_tokens &= tokens is not None
-
     def _values(self, loss: Any, metrics: Mapping[str, float]) -> dict[str, float]:
         """The metrics of this step, throughput over the window since the last values (then a new window)."""
         values: dict[str, float] = {}
@@ -176,16 +164,14 @@ class Progress:
         if self.engine.grad_norm is not None:
             values["grad_norm"] = self.engine.grad_norm
         seconds = max(now - self._window_started, 1e-9)
-        samples = self._window_samples if self._counted_samples and self._window_samples else None
-        tokens = self._window_tokens if self._counted_tokens and self._window_tokens else None
-        self._windows.append((seconds, samples, tokens))
+        samples, tokens = self._window.samples or None, self._window.tokens or None
+        (self._rest if self._first.parts else self._first).add(seconds, samples, tokens)
         if samples is not None:
             values["samples/s"] = samples / seconds
         if tokens is not None:
             values["tokens/s"] = tokens / seconds
         values.update({name: float(value) for name, value in metrics.items()})
-        self._window_started, self._window_samples, self._window_tokens = now, 0, 0
-        self._counted_samples = self._counted_tokens = True
+        self._window_started, self._window = now, Counts()
         return values
 
     def _line(self, step: int, values: Mapping[str, float], now: float) -> str:
@@ -207,6 +193,27 @@ class Progress:
             stream = self._file or sys.stdout
             stream.write(text + "\n")
             stream.flush()
+
+
+@dataclass
+class Counts:
+    """Seconds, samples and tokens added up over steps or windows; a count is None once one part's was unknown."""
+
+    seconds: float = 0.0
+    samples: int | None = 0
+    tokens: int | None = 0
+    parts: int = 0
+
+    def add(self, seconds: float, samples: int | None, tokens: int | None) -> None:
+        """Add one part (a step, or a window of steps)."""
+        self.seconds += seconds
+        self.samples = None if self.samples is None or samples is None else self.samples + samples
+        self.tokens = None if self.tokens is None or tokens is None else self.tokens + tokens
+        self.parts += 1
+
+    def rate(self, count: int | None) -> float | None:
+        """``count`` per second over these parts (None when unknown or zero)."""
+        return count / self.seconds if count and self.seconds > 0 else None
 
 
 def on_terminal(stream: IO[str]) -> bool:
