@@ -17,7 +17,8 @@ What is here, by what a plugin does with it:
   :func:`inside`, :func:`step_or_skip`, :func:`clip_grad_norm`);
 * communicate: :class:`Communicator` (the protocol a communicator implements), :class:`Work`,
   :class:`CompletedWork`, :class:`ReduceOp`, :func:`broadcast_tensors`, :func:`communicators_for`,
-  :class:`Cluster`, :func:`free_port`, :func:`slurm_step` (a Slurm task's place, for launchers);
+  :class:`Cluster`, :func:`free_port`, :func:`slurm_step` (a Slurm task's place, for launchers),
+  :data:`LAUNCH_TERMINAL_VARIABLE` (a launcher tells its ranks their output reaches a terminal);
 * the data: :func:`data_position` (where this rank's ``epl.io`` sampler is, for checks across ranks);
 * data parallelism over copies: :class:`Copies`, :func:`copies_of`, :func:`every_copy_group`;
 * pipelines: :class:`Action`, :class:`ActionKind`, :data:`Schedule`, :class:`ScheduleGenerator`,
@@ -81,6 +82,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
         StepRunner,
     )
     from epl.ports import free_port
+    from epl.progress.bar import LAUNCH_TERMINAL_VARIABLE
     from epl.runtime.batch import as_arguments, batch_size, call_model, micro_batches, split_batch, to_device
     from epl.runtime.loss import compute_loss
     from epl.sharding.dataflow import example_input, forked_rng, tensors_in
@@ -129,6 +131,7 @@ _EXPORTS: dict[str, str] = {
     "data_position": "epl.io",
     "free_port": "epl.ports",
     "slurm_step": "epl.interfaces.slurm",
+    "LAUNCH_TERMINAL_VARIABLE": "epl.progress.bar",
     # copies of tensors (data parallelism)
     "Copies": "epl.placement.copies",
     "copies_of": "epl.placement.copies",

@@ -16,12 +16,12 @@ import threading
 from pathlib import Path
 from typing import IO
 
+from epl.plugin_api import LAUNCH_TERMINAL_VARIABLE
+
 #: Lines of each rank's output kept in memory (to tell a failure's cause from its consequences).
 RECENT_LINES = 50
 #: Bytes read from a rank's output at a time (whatever is there, up to this).
 READ_BYTES = 65536
-#: Tells a rank that its output reaches a terminal through the launcher (read by ``epl.Progress``).
-TERMINAL_VARIABLE = "EPL_LAUNCH_TERMINAL"
 #: Moves to the start of the line and clears it.
 CLEAR_LINE = "\r\x1b[K"
 
@@ -37,7 +37,7 @@ def terminal_environment(rank: int) -> dict[str, str]:
     if not sys.stdout.isatty():
         return {}
     width = shutil.get_terminal_size().columns - len(prefix(rank))
-    return {TERMINAL_VARIABLE: "1", "COLUMNS": str(max(width, 20))}
+    return {LAUNCH_TERMINAL_VARIABLE: "1", "COLUMNS": str(max(width, 20))}
 
 
 class RankOutput:
