@@ -23,24 +23,22 @@ Start = Callable[[int, int], Outcome]
 
 def run_with_restarts(config: LaunchConfig, first_port: int, start: Start) -> Outcome:
     """Run ``start`` until it succeeds, a signal ends it, or ``config.max_restarts`` restarts are spent."""
-    port = first_port
-    for restart in range(config.max_restarts + 1):
+    restart, port = 0, first_port
+    while True:
         try:
             outcome = start(restart, port)
         except KeyboardInterrupt:  # between two starts, with the default handler back
             return Outcome(130, "epl launch: SIGINT received; stopped every rank.", interrupted=True)
-        if outcome.exit_code == 0 or outcome.interrupted or restart == config.max_restarts:
-            if restart and outcome.exit_code and not outcome.interrupted:
-                return Outcome(
-                    outcome.exit_code,
-                    f"{outcome.message} Gave up after {restart} restart(s) (--max-restarts {config.max_restarts}).",
-                )
+        if outcome.exit_code == 0 or outcome.interrupted or config.max_restarts == 0:
             return outcome
+        if restart == config.max_restarts:
+            gave_up = f"Gave up after {restart} restart(s) (--max-restarts {config.max_restarts})."
+            return Outcome(outcome.exit_code, f"{outcome.message} {gave_up}")
+        restart += 1
         print(
-            f"{outcome.message} Restarting every rank: restart {restart + 1} of {config.max_restarts}.",
+            f"{outcome.message} Restarting every rank: restart {restart} of {config.max_restarts}.",
             file=sys.stderr,
             flush=True,
         )
         if config.master_port is None:
             port = free_port(config.master_addr)
-    raise AssertionError("unreachable")

@@ -167,9 +167,9 @@ def _count(number: int, noun: str) -> str:
 
 def row_names(events: Sequence[Event], lanes: int) -> list[str]:
     """Per lane: ``stage s`` when it runs one stage, ``rank r (stages a, b)`` when several."""
-    stages = [sorted({e.action.stage for e in events if e.action.stage % lanes == lane}) for lane in range(lanes)]
     if stages_per_lane(list(events), lanes) == 1:
         return [f"stage {lane}" for lane in range(lanes)]
+    stages = [sorted({e.action.stage for e in events if e.action.stage % lanes == lane}) for lane in range(lanes)]
     return [f"rank {lane} (stages {', '.join(map(str, mine))})" for lane, mine in enumerate(stages)]
 
 
