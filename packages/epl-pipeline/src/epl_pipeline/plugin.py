@@ -268,9 +268,7 @@ def _check_clipping(context: ParallelContext) -> None:
 def _counted_elsewhere(context: ParallelContext, local: tuple[int, ...]) -> frozenset[int]:
     """ids of this rank's parameters whose first holding stage runs on another rank (tied weights: that rank
     counts them in the gradient norm)."""
-    from epl.plugin_api import holders_of
-
-    holders = holders_of(context.taskgraphs)
+    holders = context.tensor_holders()
     return frozenset(id(p) for p in context.model.parameters() if min(holders.get(id(p), {local[0]})) not in local)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from epl.annotations.taskgraph import TaskGraph
+from epl.annotations.taskgraph import TaskGraph, holders_of
 from epl.errors import AnnotationError, ConfigError
 from epl.interfaces.collectives import broadcast_tensors, communicators_for
 from epl.interfaces.phases import TransformPhase
@@ -132,6 +132,7 @@ class ShardSplitTaskGraphs:
         rank, replica = context.cluster.rank, context.replica_index
         mine = [tg for tg in split if tg.index in plan.taskgraphs_on(rank)]
         decisions = layout.decisions
+        holders = holders_of(context.taskgraphs)
         shards_of: dict[int, tuple[str, nn.Parameter]] = {}
         group_of: dict[str, ShardGroup] = {}
         for tg in mine:
@@ -154,6 +155,10 @@ class ShardSplitTaskGraphs:
                 originals = dict(target.module.named_parameters(recurse=not target.own_only))
                 shard = target.module if target.own_only else target.rule(target.module, shard_context)
                 _tie(shard, originals, shards_of, target.name)
+                made = dict(shard.named_parameters())
+                for key, original in originals.items():
+                    if len(holders.get(id(original), ())) > 1 and key in made:
+                        context.split_holders[id(made[key])] = holders[id(original)]
                 model = _replace(model, target.name, shard)
                 _lower_sizes(model, decision, group)
                 for tensor in own if target.own_only else itertools.chain(shard.parameters(), shard.buffers()):

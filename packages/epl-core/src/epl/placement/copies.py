@@ -41,13 +41,14 @@ def copies_of(plan: Plan, taskgraph: int, device: int, *, sharded: bool) -> Copi
     return Copies(devices, len(devices))
 
 
-def copies_of_shared(plan: Plan, taskgraphs: tuple[int, ...], device: int) -> Copies:
-    """The copies of a whole tensor that several TaskGraphs hold (tied weights across pipeline stages).
+def copies_of_shared(plan: Plan, taskgraphs: tuple[int, ...], device: int, *, sharded: bool = False) -> Copies:
+    """The copies of a tensor that several TaskGraphs hold (tied weights across pipeline stages).
 
     Every owner's copies count, at ``device``'s position in each owner: their gradients are
     summed over the owners (each holds part of the replica's gradient, as Megatron sums the
     tied embedding's between the first and last stage) and averaged over the replicas, in one
-    reduction. The divisor is one owner's.
+    reduction. The divisor is one owner's. ``sharded``: a split rule's shard (split stages of one
+    width shard the tied tensor alike, so the device at the same position holds the same shard).
     """
     replica, slot = plan.locate(device)
     own = next(tg for tg in taskgraphs if slot in plan.slots[tg])
@@ -55,8 +56,8 @@ def copies_of_shared(plan: Plan, taskgraphs: tuple[int, ...], device: int) -> Co
     devices: set[int] = set()
     for taskgraph in taskgraphs:
         peer = plan.device_of(replica, plan.slots[taskgraph][position])
-        devices.update(copies_of(plan, taskgraph, peer, sharded=False).devices)
-    return Copies(tuple(sorted(devices)), copies_of(plan, own, device, sharded=False).divisor)
+        devices.update(copies_of(plan, taskgraph, peer, sharded=sharded).devices)
+    return Copies(tuple(sorted(devices)), copies_of(plan, own, device, sharded=sharded).divisor)
 
 
 def every_copy_group(plan: Plan) -> list[tuple[int, ...]]:
@@ -68,5 +69,6 @@ def every_copy_group(plan: Plan) -> list[tuple[int, ...]]:
                 groups[copies_of(plan, spec.index, device, sharded=sharded).devices] = None
     for owners in plan.shared:
         for device in sorted({d for tg in owners for d in plan.devices(tg)}):
-            groups[copies_of_shared(plan, owners, device).devices] = None
+            for sharded in (False, True):
+                groups[copies_of_shared(plan, owners, device, sharded=sharded).devices] = None
     return list(groups)

@@ -89,6 +89,9 @@ class ParallelContext:
     shard_groups: dict[int, ShardGroup] = field(default_factory=dict)
     #: Tensors a split rule made: id -> (TaskGraph index, whether the tensor is a shard).
     split_tensors: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    #: Tensors a split rule made from a tensor several TaskGraphs hold (an embedding tied to the head of another
+    #: pipeline stage): id -> the indices of those TaskGraphs, so the shard's copies are every holder's.
+    split_holders: dict[int, set[int]] = field(default_factory=dict)
     #: Parameters whose reduced gradient only one of their copies keeps: id -> that copy's rank in the
     #: communicator over the parameter's copies. Written by whoever partitions the update over the copies
     #: (epl-memory's ZeRO v1/v2); gradient reducers leave the other copies' gradient at None. Empty: every
@@ -128,18 +131,26 @@ class ParallelContext:
         plan, rank = self.plan, self.cluster.rank
         owner = {id(t): (tg.index, False) for tg in self.taskgraphs for t in tg.tensors}
         owner.update(self.split_tensors)
-        holders = holders_of(self.taskgraphs)
+        holders = self.tensor_holders()
         default = (plan.taskgraphs_on(rank)[0], False)
         grouped: dict[Copies, list[torch.Tensor]] = {}
         for tensor in tensors:
             owners = tuple(sorted(holders.get(id(tensor), ())))
-            if owners in plan.shared and id(tensor) not in self.split_tensors:
-                copies = copies_of_shared(plan, owners, rank)
+            taskgraph, sharded = owner.get(id(tensor), default)
+            if owners in plan.shared:
+                copies = copies_of_shared(plan, owners, rank, sharded=sharded)
             else:
-                taskgraph, sharded = owner.get(id(tensor), default)
                 copies = copies_of(plan, taskgraph, rank, sharded=sharded)
             grouped.setdefault(copies, []).append(tensor)
         return grouped
+
+    def tensor_holders(self) -> dict[int, set[int]]:
+        """``id`` of each tensor of the TaskGraphs, and of each shard a split rule made -> the TaskGraphs holding
+        it (several for tied weights a pipeline partition cut apart, sharded or whole)."""
+        holders = holders_of(self.taskgraphs)
+        holders.update({key: {taskgraph} for key, (taskgraph, _) in self.split_tensors.items()})
+        holders.update(self.split_holders)
+        return holders
 
     @property
     def replica_index(self) -> int:

@@ -33,7 +33,7 @@ def total_grad_norm(
     A collective over every shard group of ``parameters``: every device of a group must
     call it with the same parameters (it takes part even where a shard has no gradient).
     ``stages``: the devices of every pipeline stage of the same replica, whose squares are added;
-    ``counted_elsewhere``: ids of whole parameters another stage also holds and counts (tied weights);
+    ``counted_elsewhere``: ids of parameters (whole or shards) another stage also holds and counts (tied weights);
     ``stage_copies``: how many members of ``stages`` hold this device's stage (its shards, or copies of it):
     each adds that share of its squares.
     """
@@ -46,10 +46,11 @@ def total_grad_norm(
             if param.grad is not None and id(param) not in counted_elsewhere:
                 whole.append(param.grad)
             continue
-        # Keyed by communicator: split TaskGraphs on the same devices share one all-reduce.
+        # Keyed by communicator: split TaskGraphs on the same devices share one all-reduce (which this device
+        # joins even when another stage counts its shard: the shard of an embedding tied to the last stage's head).
         communicator = spec.group.communicator
         _, _, grads = shards.setdefault(id(communicator), (communicator, param.device, []))
-        if param.grad is not None:
+        if param.grad is not None and id(param) not in counted_elsewhere:
             grads.append(param.grad)
     device = whole[0].device if whole else next((d for _, d, _ in shards.values()), None)
     total = _sum_of_squares(whole, device)
