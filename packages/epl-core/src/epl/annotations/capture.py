@@ -1,9 +1,17 @@
-"""Capture of annotations through PyTorch's global parameter/buffer registration hooks.
+"""Capture of annotations through PyTorch's global parameter/buffer/module registration hooks.
 
 While EPL is initialised and not yet parallelized, every parameter or buffer slot a
 module registers (module, name) is recorded into the TaskGraph of the innermost
 annotation: the open ``with`` scope, else the current default strategy, else an
 implicit ``replicate(1)`` TaskGraph that starts where the unannotated code starts.
+
+A module registered as another's child inside a scope (or under a default strategy)
+takes the unannotated slots of its subtree into that TaskGraph: those of an implicit
+TaskGraph and those recorded nowhere (made before ``epl.init``). So
+``nn.Sequential(*layers)`` built in ``epl.replicate(1, name="stage_0")`` holds its layers
+in stage_0 wherever they were built; an implicit TaskGraph emptied so is no longer listed.
+Annotated slots never move: a container of stage_1 holding a module of stage_0 leaves it
+in stage_0.
 
 Slots, not tensor objects, carry the membership, so ``.half()``, ``to_empty`` or
 ``load_state_dict(assign=True)``, which put new tensors into the same slots, keep it.
@@ -53,6 +61,7 @@ class AnnotationRecorder:
             self._handles = [
                 module_hooks.register_module_parameter_registration_hook(self._on_register),
                 module_hooks.register_module_buffer_registration_hook(self._on_register),
+                module_hooks.register_module_module_registration_hook(self._on_register_module),
             ]
 
     def remove(self) -> None:
@@ -75,6 +84,31 @@ class AnnotationRecorder:
             self._tensors[id(tensor)] = (weakref.ref(tensor), owner)
         slots[name] = owner
         self._recorded[owner.index] = self._recorded.get(owner.index, 0) + 1
+
+    def _on_register_module(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
+        """Inside a scope or under a default strategy, take ``child``'s unannotated slots into its TaskGraph."""
+        target = self._scope or self._default
+        if child is None or target is None:
+            return
+        # Decide on the state before the move, so that every slot of a tensor shared within
+        # the subtree moves with it.
+        unannotated: list[tuple[dict[str, TaskGraph], str, torch.Tensor]] = []
+        for module in child.modules():
+            slots = self._slots.get(module, {})
+            for slot, tensor in [*module._parameters.items(), *module._buffers.items()]:
+                if tensor is None:
+                    continue
+                owner = self._owner_of(tensor) or slots.get(slot)
+                if owner is None or owner.implicit:
+                    unannotated.append((self._slots.setdefault(module, slots), slot, tensor))
+        for slots, slot, tensor in unannotated:
+            self._tensors[id(tensor)] = (weakref.ref(tensor), target)
+            previous = slots.get(slot)
+            if previous is not target:
+                if previous is not None:
+                    self._recorded[previous.index] -= 1
+                slots[slot] = target
+                self._recorded[target.index] = self._recorded.get(target.index, 0) + 1
 
     def _owner_of(self, tensor: torch.Tensor) -> TaskGraph | None:
         entry = self._tensors.get(id(tensor))

@@ -24,7 +24,8 @@ from epl.sharding.linear import ColumnParallelLinear, shard_linear
 from epl.sharding.logits import ShardedLogitsLoss
 from epl.sharding.parameters import is_sharded, shard_spec
 from epl.sharding.random import RegionRandom
-from epl.sharding.rules import fallback_rule, keep_whole, rule_for, shard_linear_like
+from epl.sharding.rules import fallback_rule, keep_whole, registered_class, rule_for, shard_linear_like
+from epl.sharding.subclass import overrides_forward, with_own_forward
 
 
 @dataclass(frozen=True)
@@ -32,13 +33,16 @@ class SplitTarget:
     """A module of a split TaskGraph that owns tensors, with its name in the model and the rule that shards it.
 
     ``own_only``: the module is kept whole for the tensors it holds itself (vectors,
-    buffers), and its children are targets of their own.
+    buffers), and its children are targets of their own. ``base``: the class the rule is
+    registered for, when the module's own class is a subclass of it that adds to ``forward``
+    (its shard keeps what the subclass adds: :mod:`epl.sharding.subclass`).
     """
 
     name: str
     module: nn.Module
     rule: SplitRule
     own_only: bool = False
+    base: type[nn.Module] | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """The parameters and buffers this target covers."""
@@ -89,7 +93,9 @@ def layout_of(model: nn.Module, targets: list[SplitTarget], loss_fn: LossFn | No
     """The layout of ``targets`` (split together on the same devices): their linear-like modules and embeddings,
     from one example forward of ``model`` (on ``example``, or inputs guessed from the model); ``loss_fn``: the
     loss that reads the model's output, if any."""
-    linears = {t.name for t in targets if t.rule in LINEAR_RULES}
+    # A linear subclass with a forward of its own is looked through: what it adds around the product may not be
+    # elementwise, so it stays out of regions and its shard gives whole outputs.
+    linears = {t.name for t in targets if t.rule in LINEAR_RULES and t.base is None}
     embeddings = {t.name for t in targets if isinstance(t.module, nn.Embedding)}
     # Exactly nn.CrossEntropyLoss: a subclass may compute something else from the logits.
     cross_entropy = type(loss_fn) is nn.CrossEntropyLoss
@@ -154,6 +160,8 @@ class ShardSplitTaskGraphs:
                 )
                 originals = dict(target.module.named_parameters(recurse=not target.own_only))
                 shard = target.module if target.own_only else target.rule(target.module, shard_context)
+                if target.base is not None and shard is not target.module:
+                    shard = with_own_forward(target.module, shard, target.base)
                 _tie(shard, originals, shards_of, target.name)
                 made = dict(shard.named_parameters())
                 for key, original in originals.items():
@@ -275,7 +283,9 @@ def find_targets(
                 found.append(SplitTarget(name, module, rule, own_only=True))
                 rule = None
         if rule is not None:
-            found.append(SplitTarget(name, module, rule))
+            base = registered_class(module, rules)
+            subclassed = base is not None and overrides_forward(module, base)
+            found.append(SplitTarget(name, module, rule, base=base if subclassed else None))
             return
         for child_name, child in module.named_children():
             visit(f"{name}.{child_name}" if name else child_name, child)

@@ -47,10 +47,13 @@ BUILTIN_RULES: dict[type[nn.Module], SplitRule] = {
 
 def rule_for(module: nn.Module, rules: dict[type[nn.Module], SplitRule]) -> SplitRule | None:
     """The rule registered for the most specific class of ``module``, or None."""
-    for cls in type(module).__mro__:
-        if cls in rules:
-            return rules[cls]
-    return None
+    base = registered_class(module, rules)
+    return None if base is None else rules[base]
+
+
+def registered_class(module: nn.Module, rules: dict[type[nn.Module], SplitRule]) -> type[nn.Module] | None:
+    """The most specific class of ``module`` that ``rules`` name, or None."""
+    return next((cls for cls in type(module).__mro__ if cls in rules), None)
 
 
 def fallback_rule(module: nn.Module) -> SplitRule | None:
