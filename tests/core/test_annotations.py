@@ -130,6 +130,83 @@ def test_tied_parameter_stays_with_its_first_taskgraph() -> None:
     assert id(embed.weight) in owned(first) and not second.tensors
 
 
+def test_container_in_a_scope_takes_the_layers_built_outside_any_scope() -> None:
+    # Issue 27: layers built outside any scope belong to the stage whose container holds them.
+    epl.init(epl.Config({"pipeline.num_micro_batch": 2}))
+    layers = [nn.Linear(8, 8) for _ in range(16)]
+    with epl.replicate(1, name="stage_0"):
+        a = nn.Sequential(*layers[:8])
+    with epl.replicate(1, name="stage_1"):
+        b = nn.Sequential(*layers[8:])
+    model = nn.Sequential(a, b)
+    assert summary(model) == [("stage_0", "replicate", 1, False), ("stage_1", "replicate", 1, False)]
+    stage0, stage1 = taskgraphs(model)
+    assert owned(stage0) == {id(p) for p in a.parameters()} and len(stage0.tensors) == 16
+    assert owned(stage1) == {id(p) for p in b.parameters()} and len(stage1.tensors) == 16
+    plan = epl.plan(model, world_size=2)
+    assert (plan.num_replicas, plan.devices_per_replica, plan.num_stages) == (1, 2, 2)
+    assert [tg.name for tg in plan.taskgraphs] == ["stage_0", "stage_1"]
+    assert plan.devices(0) == (0,) and plan.devices(1) == (1,)
+
+
+def test_container_in_a_scope_leaves_annotated_modules_where_they_were_built() -> None:
+    epl.init()
+    with epl.replicate(1, name="stage_0"):
+        embed = nn.Embedding(10, 4)
+    loose = nn.Linear(4, 4)
+    with epl.replicate(1, name="stage_1"):
+        head = nn.Linear(4, 10, bias=False)
+        head.weight = embed.weight  # tied: stays in stage_0
+        container = nn.Sequential(embed, loose, head)
+    stage0, stage1 = taskgraphs(container)
+    assert (stage0.name, stage1.name) == ("stage_0", "stage_1")
+    assert owned(stage0) == {id(embed.weight)}
+    assert owned(stage1) == {id(p) for p in loose.parameters()}
+
+
+def test_container_in_a_scope_takes_modules_built_before_init() -> None:
+    before = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    epl.init()
+    with epl.split(2, name="tp"):
+        container = nn.Sequential(before, nn.Linear(3, 3))
+    (tp,) = taskgraphs(container)
+    assert tp.name == "tp" and not tp.implicit
+    assert owned(tp) == {id(t) for t in [*container.parameters(), *container.buffers()]}
+    container.half()  # new tensors in the same slots keep the membership
+    assert [tg.name for tg in taskgraphs(container)] == ["tp"]
+
+
+def test_container_under_a_default_strategy_takes_unannotated_modules() -> None:
+    epl.init()
+    early = nn.Linear(3, 3)
+    with epl.replicate(1, name="scoped"):
+        scoped = nn.Linear(3, 3)
+    epl.set_default_strategy(epl.replicate(2, name="default"))
+    model = nn.Sequential(early, scoped, nn.Linear(3, 3))
+    scoped_tg, default = taskgraphs(model)
+    assert (scoped_tg.name, default.name) == ("scoped", "default")
+    assert owned(scoped_tg) == {id(p) for p in scoped.parameters()}
+    assert owned(default) == {id(p) for p in [*early.parameters(), *model[2].parameters()]}
+
+
+def test_container_outside_any_annotation_changes_nothing() -> None:
+    before = nn.Linear(3, 3)
+    epl.init()
+    early = nn.Linear(3, 3)
+    with epl.replicate(1, name="middle"):
+        middle = nn.Linear(3, 3)
+    model = nn.Sequential(before, early, middle)
+    model.append(nn.Sequential(nn.Linear(3, 3)))
+    assert summary(model) == [
+        ("implicit_0", "replicate", 1, True),
+        ("middle", "replicate", 1, False),
+        ("implicit_2", "replicate", 1, True),
+    ]
+    first, _, last = taskgraphs(model)
+    assert owned(first) == {id(p) for p in [*before.parameters(), *early.parameters()]}
+    assert owned(last) == {id(p) for p in model[3].parameters()}
+
+
 def test_nesting_is_an_error() -> None:
     epl.init()
     with (
@@ -187,6 +264,7 @@ def test_hooks_are_installed_by_init_and_removed_by_parallelize() -> None:
     epl.parallelize(model, optimizer=lambda p: __import__("torch").optim.SGD(p, lr=0.1))
     assert len(module_hooks._global_parameter_registration_hooks) == before
     assert len(module_hooks._global_buffer_registration_hooks) == 0
+    assert len(module_hooks._global_module_registration_hooks) == 0
     with pytest.raises(epl.AnnotationError, match="after epl.parallelize"):
         with epl.replicate(1):
             pass

@@ -17,7 +17,9 @@ class Strategy:
 
     Use it as a context manager (``with epl.replicate(1): ...``) or pass it to
     :func:`set_default_strategy`. Every ``with`` block and every
-    ``set_default_strategy`` call opens one TaskGraph.
+    ``set_default_strategy`` call opens one TaskGraph. A module built there also takes
+    the unannotated modules it holds (built outside any annotation, or before
+    ``epl.init``) into that TaskGraph; modules of another annotation stay in theirs.
     """
 
     kind: StrategyKind
