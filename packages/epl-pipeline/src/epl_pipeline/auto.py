@@ -36,9 +36,10 @@ def partition(model: nn.Module, taskgraphs: list[TaskGraph], num_stages: int, ex
     forward's call order with, when fx cannot trace it (default: guessed from the model).
     """
     stage_strategy = _stage_strategy(model, taskgraphs)
-    blocks = _in_call_order(model, _blocks(model, num_stages), example)
+    every = _blocks(model, num_stages)
+    blocks = _in_call_order(model, every, example)
     cuts = balanced_cuts([_cost(module) for _, module in blocks], num_stages)
-    return _stages(model, blocks, cuts, stage_strategy)
+    return _stages(model, blocks, cuts, stage_strategy, aliases=[b for b in every if b not in blocks])
 
 
 def partition_at(
@@ -56,7 +57,8 @@ def partition_at(
             f"pipeline.split_points names modules of the model by qualified name; {unknown[:3]} is not one "
             f"(some are: {[name for name in names if name][:5]})."
         )
-    blocks = _in_call_order(model, _blocks_at(model, points), example)
+    every = _blocks_at(model, points)
+    blocks = _in_call_order(model, every, example)
     starts = {name: index for index, (name, _) in enumerate(blocks)}
     cuts = [starts[point] for point in points]
     if cuts != sorted(set(cuts)) or cuts[0] == 0:
@@ -65,7 +67,7 @@ def partition_at(
             f"pipeline.split_points must name modules in the order forward calls them, after its first module; "
             f"forward calls them as {order} and first calls {blocks[0][0]!r}."
         )
-    return _stages(model, blocks, cuts, stage_strategy)
+    return _stages(model, blocks, cuts, stage_strategy, aliases=[b for b in every if b not in blocks])
 
 
 def _blocks_at(model: nn.Module, points: list[str]) -> list[tuple[str, nn.Module]]:
@@ -87,9 +89,14 @@ def _blocks_at(model: nn.Module, points: list[str]) -> list[tuple[str, nn.Module
 
 
 def _stages(
-    model: nn.Module, blocks: list[tuple[str, nn.Module]], cuts: list[int], stage_strategy: Callable[[str], Strategy]
+    model: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    cuts: list[int],
+    stage_strategy: Callable[[str], Strategy],
+    aliases: list[tuple[str, nn.Module]] = (),  # type: ignore[assignment]
 ) -> list[TaskGraph]:
-    """One TaskGraph per run of ``blocks`` between ``cuts``; every tensor of the model must be placed."""
+    """One TaskGraph per run of ``blocks`` between ``cuts``; every tensor of the model must be placed. Each of
+    ``aliases`` (blocks never called, whose tensors called blocks hold) is listed by the first stage holding them."""
     stages = []
     for index, (begin, end) in enumerate(zip([0, *cuts], [*cuts, len(blocks)], strict=True)):
         members = blocks[begin:end]
@@ -98,8 +105,18 @@ def _stages(
         stage = TaskGraph(index=index, strategy=stage_strategy(f"stage_{index}"), tensors=tensors)
         stage.modules = [name for name, _ in members]
         stages.append(stage)
+    for name, module in aliases:
+        tensors = {id(t) for t in [*module.parameters(), *module.buffers()]}
+        next(s for s in stages if tensors <= {id(t) for t in s.tensors}).modules.append(name)
     placed = {id(t) for stage in stages for t in stage.tensors}
-    loose = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if id(t) not in placed]
+    # A buffer outside every block (BART's final_logits_bias, read by the model's own forward between blocks) is a
+    # constant every stage keeps.
+    for _, buffer in model.named_buffers():
+        if id(buffer) not in placed:
+            for stage in stages:
+                stage.tensors.append(buffer)
+    placed |= {id(t) for _, t in model.named_buffers()}
+    loose = [name for name, t in model.named_parameters() if id(t) not in placed]
     if loose:
         raise PlacementError(
             f"auto.auto_parallel places whole submodules on stages, but {loose[:3]} belong to no block that "
@@ -209,6 +226,18 @@ def _open(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
     return blocks
 
 
+def _without_aliases(blocks: list[tuple[str, nn.Module]], called: Collection[str]) -> list[tuple[str, nn.Module]]:
+    """``blocks`` less those never called whose every tensor a called block holds too: another name of a module
+    the model calls under its own names (T5's and BART's ``shared`` embedding, which the encoder and the decoder
+    call as ``embed_tokens``). Their tensors go with the blocks that call them."""
+    held = {id(t) for name, block in blocks if name in called for t in [*block.parameters(), *block.buffers()]}
+    return [
+        (name, block)
+        for name, block in blocks
+        if name in called or not all(id(t) in held for t in [*block.parameters(), *block.buffers()])
+    ]
+
+
 def _in_call_order(model: nn.Module, blocks: list[tuple[str, nn.Module]], example: Any) -> list[tuple[str, nn.Module]]:
     """``blocks`` in the order ``forward`` first calls them (blocks never called are errors): from a torch.fx
     trace, or when fx cannot trace the forward, from a run on ``example`` (or inputs guessed from the model)."""
@@ -228,6 +257,7 @@ def _in_call_order(model: nn.Module, blocks: list[tuple[str, nn.Module]], exampl
     else:
         called = [str(n.target) for n in graph.nodes if n.op == "call_module"]
     order = {name: called.index(name) for name, _ in blocks if name in called}
+    blocks = _without_aliases(blocks, order)
     missing = [name for name, _ in blocks if name not in order]
     if missing:
         raise PlacementError(f"auto.auto_parallel: forward never calls {missing}; remove them or annotate by hand.")

@@ -52,19 +52,25 @@ def stage_roots(model: nn.Module, taskgraphs: list[TaskGraph]) -> dict[str, int]
     holders = holders_of(taskgraphs)
     listed = {name: tg.index for tg in taskgraphs for name in tg.modules}
     roots: dict[str, int] = {}
+    every = {tg.index for tg in taskgraphs}
+
+    def stage_bound(tensor: torch.Tensor) -> bool:
+        return len(every) == 1 or holders.get(id(tensor), set()) != every
 
     def visit(name: str, module: nn.Module) -> None:
         held = [holders[id(t)] for t in [*module.parameters(), *module.buffers()] if id(t) in holders]
         if not held:
             return
         stages = set.union(*held)
-        if len(stages) == 1 and name:
+        # A ModuleList or ModuleDict is never called (the model iterates it): its items are the roots.
+        if len(stages) == 1 and name and not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             roots[name] = stages.pop()
             return
         if name in listed and listed[name] in set.intersection(*held):
             roots[name] = listed[name]
             return
-        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        # Buffers every stage keeps (constants the code between blocks reads) belong to no stage in particular.
+        own = [*module.parameters(recurse=False), *(b for b in module.buffers(recurse=False) if stage_bound(b))]
         if own:
             raise PlacementError(
                 f"Module {name or type(module).__name__!r} holds tensors of several pipeline stages directly; "

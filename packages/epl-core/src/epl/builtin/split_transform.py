@@ -19,7 +19,7 @@ from epl.interfaces.split_rule import ShardContext, SplitRule
 from epl.plugins.context import LossFn, ParallelContext
 from epl.sharding.collectives import sum_gradient_over_shards
 from epl.sharding.cross_entropy import ShardedCrossEntropyLoss
-from epl.sharding.layout import Decision, Layout, decide_layout
+from epl.sharding.layout import Decision, Layout, decide_layout, unify_tied
 from epl.sharding.linear import ColumnParallelLinear, shard_linear
 from epl.sharding.logits import ShardedLogitsLoss
 from epl.sharding.parameters import is_sharded, shard_spec
@@ -99,9 +99,21 @@ def layout_of(model: nn.Module, targets: list[SplitTarget], loss_fn: LossFn | No
     embeddings = {t.name for t in targets if isinstance(t.module, nn.Embedding)}
     # Exactly nn.CrossEntropyLoss: a subclass may compute something else from the logits.
     cross_entropy = type(loss_fn) is nn.CrossEntropyLoss
-    return decide_layout(
+    layout = decide_layout(
         model, linears, embeddings, loss_is_cross_entropy=cross_entropy, has_loss=loss_fn is not None, example=example
     )
+    return unify_tied(layout, _tied_groups(targets))
+
+
+def _tied_groups(targets: list[SplitTarget]) -> list[set[str]]:
+    """The names of the targets that hold one tensor together (an embedding tied to a head, T5's and BART's
+    ``shared`` embedding under the encoder's and the decoder's ``embed_tokens``), one set per tensor."""
+    holders: dict[int, set[str]] = {}
+    for target in targets:
+        if not target.own_only:
+            for param in target.module.parameters():
+                holders.setdefault(id(param), set()).add(target.name)
+    return [names for names in holders.values() if len(names) > 1]
 
 
 class ShardSplitTaskGraphs:

@@ -20,7 +20,7 @@ import collections
 import logging
 import operator
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -86,6 +86,28 @@ def decide_layout(
             return Layout(_from_pairing(pairing, linears, embeddings, has_loss), dict(pairing.partial_gradients))
     roles = assign_roles(model, linears, loss_is_cross_entropy=loss_is_cross_entropy)
     return Layout({name: Decision(role) for name, role in roles.items()})
+
+
+def unify_tied(layout: Layout, groups: list[set[str]]) -> Layout:
+    """``layout`` with one cut for each group of modules that hold a tensor together.
+
+    A module kept whole only because the example run did not shard it (never called, as
+    T5's and BART's ``shared`` embedding, which the model calls under the encoder's and
+    the decoder's names; or an embedding fed by something other than the model's input)
+    takes the standalone cut when another holder of the tensor is sharded: an embedding
+    is then vocabulary parallel and a linear layer column parallel with whole outputs,
+    both correct whatever feeds them, and both cut the rows as the sharded holder does.
+    Cuts that still differ (a tied weight in a head-sharded region) are refused when the
+    shards are tied (``_tie`` in the split transform).
+    """
+    decisions = dict(layout.decisions)
+    for names in groups:
+        roles = {decisions.get(name, Decision()).role for name in names}
+        if "whole" in roles and roles != {"whole"}:
+            for name in names:
+                if decisions.get(name, Decision()).role == "whole":
+                    decisions[name] = replace(decisions[name], role="alone")
+    return replace(layout, decisions=decisions)
 
 
 def _from_pairing(pairing: Pairing, linears: set[str], embeddings: set[str], has_loss: bool) -> dict[str, Decision]:
