@@ -39,6 +39,7 @@ with epl.replicate(1, name="stage_1"):
 engine = epl.parallelize(nn.Sequential(first, second), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                          loss_fn=nn.MSELoss())
 for step in range(5):
+    torch.manual_seed(step)  # every rank of the replica is given the same batch
     engine.step(torch.randn(4, 4), torch.randn(4, 4))
 """
 

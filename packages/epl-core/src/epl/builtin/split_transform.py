@@ -93,14 +93,20 @@ def layout_of(model: nn.Module, targets: list[SplitTarget], loss_fn: LossFn | No
     """The layout of ``targets`` (split together on the same devices): their linear-like modules and embeddings,
     from one example forward of ``model`` (on ``example``, or inputs guessed from the model); ``loss_fn``: the
     loss that reads the model's output, if any."""
-    # A linear subclass with a forward of its own is looked through: what it adds around the product may not be
-    # elementwise, so it stays out of regions and its shard gives whole outputs.
-    linears = {t.name for t in targets if t.rule in LINEAR_RULES and t.base is None}
+    linears = {t.name for t in targets if t.rule in LINEAR_RULES}
+    # A linear subclass with a forward of its own joins regions only if the example run shows a plain product.
+    subclassed = frozenset(t.name for t in targets if t.rule in LINEAR_RULES and t.base is not None)
     embeddings = {t.name for t in targets if isinstance(t.module, nn.Embedding)}
     # Exactly nn.CrossEntropyLoss: a subclass may compute something else from the logits.
     cross_entropy = type(loss_fn) is nn.CrossEntropyLoss
     layout = decide_layout(
-        model, linears, embeddings, loss_is_cross_entropy=cross_entropy, has_loss=loss_fn is not None, example=example
+        model,
+        linears,
+        embeddings,
+        loss_is_cross_entropy=cross_entropy,
+        has_loss=loss_fn is not None,
+        example=example,
+        subclassed=subclassed,
     )
     return unify_tied(layout, _tied_groups(targets))
 

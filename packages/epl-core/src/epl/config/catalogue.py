@@ -94,6 +94,14 @@ CORE_KEYS: tuple[ConfigKey, ...] = (
         "datasets are always shared out.",
     ),
     ConfigKey(
+        name="io.check_batches",
+        types=(bool,),
+        default=True,
+        doc="Check every step that the ranks of one replica (split, pipeline stages), which must all pass the "
+        "replica's batch to engine.step, were given the same one (a fingerprint gathered over the replica): a "
+        "difference, such as a sampler keyed by the global rank, is an error naming the ranks.",
+    ),
+    ConfigKey(
         name="io.unbalanced_io_slicing",
         types=(bool,),
         default=False,

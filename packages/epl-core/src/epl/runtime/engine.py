@@ -17,6 +17,8 @@ from epl.runtime.memory import MemoryReport
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
+    from epl.runtime.batch_check import BatchCheck
+
 #: Version of the layout of ``Engine.state_dict``.
 STATE_VERSION = 1
 
@@ -36,6 +38,8 @@ class Engine:
         self._lr_scheduler: LRScheduler | None = None
         #: Samples and tokens of the last step's replica batch (see :attr:`last_step_samples`).
         self._last_batch: tuple[int | None, int | None] = (None, None)
+        #: Compares each step's batch over the ranks of this replica (``io.check_batches``; None: not checked).
+        self.batch_check: BatchCheck | None = None
 
     # -- training --------------------------------------------------------------------
     def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
@@ -46,6 +50,8 @@ class Engine:
         yourself (``engine.lr_scheduler.step(validation_loss)``).
         """
         skipped_before = self._skipped_updates()
+        if self.batch_check is not None:
+            self.batch_check(inputs, targets, self.global_step + 1)
         loss = self.runner.step(inputs, targets)
         self.global_step += 1
         self._last_batch = samples_and_tokens(inputs)

@@ -17,6 +17,7 @@ from epl.placement.plan import Plan, TaskGraphSpec
 from epl.placement.request import PlanReady, current_request
 from epl.plugins.context import LossFn, ParallelContext
 from epl.runtime.batch import to_device
+from epl.runtime.batch_check import batch_check
 from epl.runtime.engine import Engine
 from epl.runtime.env import Env
 
@@ -90,6 +91,7 @@ def parallelize(
     context.loss_scaler = env.plugins.make_loss_scaler(context)
     context.step_runner = env.plugins.make_step_runner(context)
     engine = Engine(context, context.step_runner)
+    engine.batch_check = batch_check(plan, env.communicator, env.cluster.rank, bool(env.config["io.check_batches"]))
     if lr_scheduler is not None:
         if context.optimizer is None:
             raise EplError("epl.parallelize got lr_scheduler=... but no optimizer=... for it to schedule.")

@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 WeightLayout = Literal["out_in", "in_out"]
 
 _MATMULS: set[Callable[..., Any]] = {torch.addmm, torch.matmul, torch.mm, torch.Tensor.__matmul__, torch.Tensor.matmul}
+_TRANSPOSES: set[Callable[..., Any]] = {torch.Tensor.T.__get__, torch.Tensor.t, torch.t}  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -48,6 +49,8 @@ class ModuleCall:
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
     weight_layout: WeightLayout | None = None
+    #: The torch calls its forward made (by name), to tell a plain product from a subclass's extra work.
+    inner: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -85,32 +88,41 @@ class _Recorder(TorchFunctionMode):
         self.names = names
         self.stack: list[nn.Module] = []
         self.open: list[tuple[ModuleCall, nn.Module]] = []
+        #: The transpose of the open candidate's weight, when its forward made one.
+        self.transposed: torch.Tensor | None = None
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         if self.open:
-            self._note_weight_use(func, args, kwargs)
+            self._note_weight_use(func, args, kwargs, result)
         elif any(True for _ in tensors_in((args, kwargs))):
             inner = self.names.get(self.stack[-1], "") if self.stack else ""
             self.flow.events.append(Op(func, args, dict(kwargs), result, inner))
         return result
 
-    def _note_weight_use(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _note_weight_use(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
         call, module = self.open[0]
+        call.inner.append(getattr(func, "__name__", str(func)))
         weight = getattr(module, "weight", None)
         if weight is None or call.weight_layout is not None:
             return
-        if func is F.linear and len(args) > 1 and args[1] is weight:
+        if func in _TRANSPOSES and args and args[0] is weight:  # ``x @ self.weight.T`` (Falcon's FalconLinear)
+            self.transposed = result
+        elif func is F.linear and len(args) > 1 and args[1] is weight:
             call.weight_layout = "out_in"
         elif func in _MATMULS and args and args[-1] is weight:
             call.weight_layout = "in_out"
+        elif func in _MATMULS and args and self.transposed is not None and args[-1] is self.transposed:
+            call.weight_layout = "out_in"
 
     def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.stack.append(module)
         if module in self.candidates:
             # A candidate inside another is part of the outer one's call.
             name = "" if self.open else self.candidates[module]
+            if not self.open:
+                self.transposed = None
             self.open.append((ModuleCall(name, list(tensors_in((args, kwargs))), []), module))
 
     def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epl.interfaces.split_rule import ShardRole, WeightLayout
-from epl.sharding.dataflow import example_input, record_dataflow
+from epl.sharding.dataflow import ModuleCall, example_input, record_dataflow
 from epl.sharding.regions import Pairing, find_pairs
 
 _log = logging.getLogger(__name__)
@@ -66,26 +66,43 @@ def decide_layout(
     loss_is_cross_entropy: bool,
     has_loss: bool,
     example: Any = None,
+    subclassed: frozenset[str] = frozenset(),
 ) -> Layout:
     """The decision for each linear-like module in ``linears`` and each embedding in ``embeddings``.
 
     ``has_loss``: a loss function reads the model's output (so an output layer may keep
     its logits sharded: see :mod:`epl.sharding.logits`); ``loss_is_cross_entropy``: it is
     exactly ``nn.CrossEntropyLoss`` (what the tracing fallback requires for the ``logits`` role);
-    ``example``: the inputs of the example run (default: guessed by :func:`~epl.sharding.dataflow.example_input`).
+    ``example``: the inputs of the example run (default: guessed by :func:`~epl.sharding.dataflow.example_input`);
+    ``subclassed``: those of ``linears`` whose class adds a ``forward`` of its own to a linear layer's (Falcon's
+    ``FalconLinear``): they join regions only when the example run shows a plain product with the weight (and
+    the bias), and keep whole outputs otherwise.
     """
     if example is None:
         example = example_input(model)
     if example is not None and linears:
         try:
             flow = record_dataflow(model, linears | embeddings, example)
+            impure = {name for name in subclassed if any(not _plain_product(c) for c in flow.calls_of(name))}
+            if impure:  # looked through instead: what they add to the product may not keep a shard a shard
+                linears = linears - impure
+                flow = record_dataflow(model, linears | embeddings, example)
         except Exception as error:  # noqa: BLE001 - any failure falls back to tracing
             _log.info("epl.split: the example run of the model failed (%s); tracing it instead", error)
         else:
             pairing = find_pairs(flow)
             return Layout(_from_pairing(pairing, linears, embeddings, has_loss), dict(pairing.partial_gradients))
-    roles = assign_roles(model, linears, loss_is_cross_entropy=loss_is_cross_entropy)
+    roles = assign_roles(model, linears - subclassed, loss_is_cross_entropy=loss_is_cross_entropy)
     return Layout({name: Decision(role) for name, role in roles.items()})
+
+
+#: The torch calls a linear layer's own forward may make and still be a plain product (plus bias).
+_PRODUCT_CALLS = {"linear", "matmul", "__matmul__", "addmm", "mm", "t", "T", "add", "__add__", "__radd__", "__get__"}
+
+
+def _plain_product(call: ModuleCall) -> bool:
+    """Whether a call of a linear-like module computed only its product with the weight (and the bias)."""
+    return call.weight_layout is not None and set(call.inner) <= _PRODUCT_CALLS
 
 
 def unify_tied(layout: Layout, groups: list[set[str]]) -> Layout:

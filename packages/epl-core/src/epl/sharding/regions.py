@@ -294,7 +294,7 @@ def _propagate(
         return [(outputs[0], (order.index(dim), granule))]
     if name == "movedim":
         return [(outputs[0], (_moved(first.dim(), op, dim), granule))]
-    if name in ("unsqueeze", "squeeze", "expand", "expand_as", "__getitem__", "narrow", "select"):
+    if name in ("unsqueeze", "squeeze", "expand", "expand_as", "broadcast_to", "__getitem__", "narrow", "select"):
         return [(outputs[0], (_aligned_by_shape(op, first, outputs[0], dim), granule))]
     if name in ("split", "chunk", "tensor_split", "unbind", "split_with_sizes"):
         return _split(op, here, first, outputs, facts)
@@ -365,7 +365,7 @@ def _aligned_by_shape(op: Op, first: torch.Tensor, out: torch.Tensor, dim: int) 
     if name == "unsqueeze":
         at = int(op.args[1] if len(op.args) > 1 else op.kwargs["dim"]) % out.dim()
         return dim + 1 if at <= dim else dim
-    if name in ("expand", "expand_as"):
+    if name in ("expand", "expand_as", "broadcast_to"):
         moved = dim + out.dim() - first.dim()
         if out.shape[moved] != first.shape[dim]:
             raise _Rejected("expand of the sharded dimension")
@@ -384,10 +384,16 @@ def _aligned_by_shape(op: Op, first: torch.Tensor, out: torch.Tensor, dim: int) 
 
 
 def _indexed(index: Any, first: torch.Tensor, dim: int) -> int:
-    """The sharded dim after ``first[index]`` (basic indexing only; slicing the sharded dim is rejected)."""
+    """The sharded dim after ``first[index]`` (slicing the sharded dim is rejected).
+
+    Basic indexing, and one list (or 1-D integer tensor) of positions in another dimension, which
+    keeps that dimension where it is (Falcon's ``qkv[:, :, :, [-2]]`` picks the key of each group).
+    """
     items = list(index) if isinstance(index, tuple) else [index]
-    if any(isinstance(item, torch.Tensor) or isinstance(item, list) for item in items):
+    advanced = [i for i, item in enumerate(items) if isinstance(item, (torch.Tensor, list))]
+    if len(advanced) > 1 or any(not _positions(items[i]) for i in advanced):
         raise _Rejected("advanced indexing")
+    items = [slice(0, 0) if i in advanced else item for i, item in enumerate(items)]
     used = sum(1 for item in items if item is not None and item is not Ellipsis)
     expanded: list[Any] = []
     for item in items:
@@ -409,6 +415,13 @@ def _indexed(index: Any, first: torch.Tensor, dim: int) -> int:
         if not isinstance(item, int):
             out += 1
     raise _Rejected("index lost the sharded dimension")
+
+
+def _positions(item: Any) -> bool:
+    """Whether ``item`` is a 1-D list of integer positions (a list of ints, or an integer tensor of one dim)."""
+    if isinstance(item, list):
+        return all(type(value) is int for value in item)
+    return item.dim() == 1 and not item.dtype.is_floating_point and item.dtype != torch.bool
 
 
 def _split(
