@@ -103,6 +103,17 @@ def bench_short(session: nox.Session) -> None:
 
 
 @nox.session
+def zoo(session: nox.Session) -> None:
+    """The model-zoo conformance run: every architecture of tests/zoo/architectures.py's full matrix under every
+    layout (data parallel, split, pipeline, 3D, ZeRO v1, clipping) and every other causal-LM and seq2seq
+    architecture under split(2), each against one process; writes docs/models.md (about 1-2 hours on 2 cores).
+    CI runs a slice of it (tests/zoo/test_zoo.py)."""
+    install_packages(session, *TEST_TOOLS)
+    out = ROOT / "docs" / "models.md"
+    session.run("python", "-m", "tests.zoo.conformance", "--out", str(out), *session.posargs, env=SINGLE_THREAD)
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
     """The demo job: the quick start data parallel and the two-stage pipeline on 2 processes
     (epl launch), the other examples (ResNet data parallel with checkpointing and ZeRO, BERT

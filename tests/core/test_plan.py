@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 import pytest
+import torch
 from torch import nn
 
 import epl
@@ -170,6 +171,35 @@ def test_tied_weights_show_once_with_their_other_name() -> None:
     plan = epl.plan(model, world_size=2)
     assert "    1.weight (tied to 0.weight)  [5, 4]  of [10, 4]\n" in str(plan)
     assert [m.parameter_bytes for m in plan.memory] == [4 * 20, 4 * 20]
+
+
+class _Projection(nn.Module):
+    """Linear-like (a 2-D weight and a bias), of a type no rule names: sharded only inside a column/row pair."""
+
+    def __init__(self, features: int, out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(features, out))
+        self.bias = nn.Parameter(torch.zeros(out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + self.bias
+
+
+def test_a_split_that_keeps_most_parameters_whole_is_noted_with_the_reasons() -> None:
+    epl.init()
+    with epl.split(2):
+        model = nn.Sequential(_Projection(16, 64), nn.LayerNorm(64), _Projection(64, 16))
+    plan = epl.plan(model, world_size=2)
+    text = str(plan)
+    assert "    note: this device keeps 100% of the elements whole. Largest: 0.weight (1,024 elements: " in text
+    assert "a linear-like layer in no column/row pair" in text or "in no pair the fx trace" in text
+    rows = {row.name: row for row in plan.taskgraphs[0].shards[0]}
+    assert rows["1.weight"].why == "vectors and buffers only: every device needs them whole"
+    assert Plan.from_dict(__import__("json").loads(plan.to_json())) == plan
+    # A Megatron MLP shards nearly everything: no note.
+    with epl.split(2):
+        mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+    assert "note: this device keeps" not in str(epl.plan(mlp, world_size=2))
 
 
 def test_shard_rows_count_the_layers_alike() -> None:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from epl.errors import (
         AnnotationError,
         BatchError,
+        BatchMismatchError,
         ClusterError,
         ConfigError,
         EplError,
@@ -61,6 +62,7 @@ _EXPORTS = {
     "init": "epl.runtime.env",
     "AnnotationError": "epl.errors",
     "BatchError": "epl.errors",
+    "BatchMismatchError": "epl.errors",
     "ClusterError": "epl.errors",
     "ConfigError": "epl.errors",
     "EplError": "epl.errors",
@@ -82,6 +84,7 @@ _EXPORTS = {
 __all__ = [
     "AnnotationError",
     "BatchError",
+    "BatchMismatchError",
     "Cluster",
     "ClusterError",
     "Communicator",

@@ -37,3 +37,7 @@ class NotInitializedError(EplError, RuntimeError):
 
 class BatchError(EplError, ValueError):
     """A batch cannot be split as the plan requires (micro-batches, replicate(k))."""
+
+
+class BatchMismatchError(EplError):
+    """The ranks of one replica were given different batches (``io.check_batches``)."""

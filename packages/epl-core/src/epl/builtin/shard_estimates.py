@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 from epl.annotations.taskgraph import TaskGraph
-from epl.builtin.split_transform import LINEAR_RULES, find_targets, layout_of
+from epl.builtin.split_transform import LINEAR_RULES, find_targets, layout_of, whole_because
 from epl.interfaces.shard_group import ShardGroup
 from epl.interfaces.split_rule import ShardContext, SplitRule
 from epl.placement.memory_estimate import ShardPieces
 from epl.placement.plan import Plan
-from epl.sharding.layout import Decision
+from epl.sharding.layout import Decision, Layout
 from epl.sharding.parameters import is_sharded
 
 
@@ -46,14 +46,19 @@ class RuleShardShapes:
         self.taskgraphs = {tg.index: tg for tg in taskgraphs}
         self._targets = {tg.index: find_targets(model, tg, rules) for tg in taskgraphs}
         self._decisions: dict[str, Decision] = {}
+        #: Module name -> why it keeps its parameters whole (shown by ``epl plan`` when most of a TaskGraph is).
+        self.whole_because: dict[str, str] = {}
         if plan.local:
             return
         # As the run decides it: over the split TaskGraphs a device runs (one pipeline stage, or all of them).
         together = [list(self._targets)] if plan.num_stages == 1 else [[index] for index in self._targets]
         for indices in together:
             targets = [t for index in indices for t in self._targets[index]]
+            layout = Layout({})
             if any(t.rule in LINEAR_RULES for t in targets):
-                self._decisions.update(layout_of(model, targets, loss_fn=None).decisions)
+                layout = layout_of(model, targets, loss_fn=None)
+                self._decisions.update(layout.decisions)
+            self.whole_because.update({t.name: whole_because(t, layout) for t in targets})
 
     def pieces(self, taskgraph: int, position: int) -> dict[int, tuple[int, ShardPieces]]:
         """``id(model parameter)`` -> (its module's index, the shard's parameters) at ``position``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,8 @@ from epl.sharding.parameters import is_sharded, shard_spec
 from epl.sharding.random import RegionRandom
 from epl.sharding.rules import fallback_rule, keep_whole, registered_class, rule_for, shard_linear_like
 from epl.sharding.subclass import overrides_forward, with_own_forward
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,7 @@ class ShardSplitTaskGraphs:
             group.random = RegionRandom(torch.initial_seed(), group.index, context.cluster.device)
             context.shard_groups[tg.index] = group
             replaced: set[int] = set()
+            kept_whole: dict[str, tuple[int, str]] = {}
             for target in targets[tg.index]:
                 group_of[target.name] = group
                 own = target.tensors()
@@ -189,8 +193,11 @@ class ShardSplitTaskGraphs:
                 _lower_sizes(model, decision, group)
                 for tensor in own if target.own_only else itertools.chain(shard.parameters(), shard.buffers()):
                     context.split_tensors[id(tensor)] = (tg.index, is_sharded(tensor))
+                whole = [p for p in (shard.parameters(recurse=not target.own_only)) if not is_sharded(p)]
+                kept_whole[target.name] = (sum(p.numel() for p in whole), whole_because(target, layout))
                 if decision.role == "logits" and isinstance(shard, ColumnParallelLinear):
                     context.loss_fn = _parallel_loss(context.loss_fn, group, shard)
+            _warn_if_mostly_whole(tg, kept_whole, [t for t in tg.tensors if isinstance(t, nn.Parameter)])
             # Forget the whole tensors, so that only the shards stay in memory.
             tg.tensors[:] = [t for t in tg.tensors if id(t) not in replaced or id(t) in context.split_tensors]
         for name, columns in layout.partial_gradients.items():
@@ -199,6 +206,47 @@ class ShardSplitTaskGraphs:
             if len(groups) == 1 and not (group := next(iter(groups.values()))).batch_split:
                 sum_gradient_over_shards(model.get_parameter(name), group)
         return model
+
+
+#: A split TaskGraph whose devices each keep more than this share of its parameters whole is reported.
+MOSTLY_WHOLE = 0.5
+
+
+def _warn_if_mostly_whole(
+    taskgraph: TaskGraph, kept_whole: dict[str, tuple[int, str]], originals: list[torch.Tensor]
+) -> None:
+    """Log a warning when the split of ``taskgraph`` left most of its parameters whole on every device, naming
+    the largest modules kept whole and why (``kept_whole``: module -> (elements it keeps whole, why))."""
+    total = sum(t.numel() for t in originals)
+    whole = sum(n for n, _ in kept_whole.values())
+    if not total or whole <= MOSTLY_WHOLE * total:
+        return
+    largest = sorted(((n, name, why) for name, (n, why) in kept_whole.items() if n), reverse=True)[:5]
+    named = "; ".join(f"{name or 'the model'} ({n:,} elements: {why})" for n, name, why in largest)
+    _log.warning(
+        "epl.split: %s (%s) keeps %.0f%% of its parameters whole on every device, so each device holds nearly the "
+        "whole of it. Largest kept whole: %s. A linear layer is sharded when its output reaches exactly one other "
+        "linear layer through operations that keep the shard (docs/split.md); register a split rule for a "
+        "module to shard it your way.",
+        taskgraph.name,
+        taskgraph.strategy,
+        100 * whole / total,
+        named,
+    )
+
+
+def whole_because(target: SplitTarget, layout: Layout) -> str:
+    """Why ``target`` keeps (some of) its parameters whole (for the warning at ``parallelize`` and ``epl plan``)."""
+    if target.name in layout.reasons:
+        return layout.reasons[target.name]
+    role = layout.decisions.get(target.name, Decision()).role
+    if target.rule in LINEAR_RULES:
+        if role == "whole":
+            return "never computed as a linear layer in the example run"
+        return "a linear-like layer in no column/row pair"
+    if role == "whole":
+        return "an embedding not read by the model's input (positions), kept whole as Megatron does"
+    return "vectors and buffers only: every device needs them whole"
 
 
 def _parallel_loss(loss_fn: LossFn | None, group: ShardGroup, head: ColumnParallelLinear) -> LossFn:

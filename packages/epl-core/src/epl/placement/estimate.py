@@ -393,8 +393,22 @@ class _Holdings:
         from dataclasses import replace
 
         unknown = ShardRow(name="", module="", shape=(), whole=None, sharded=False)
+        because: dict[str, str] = getattr(self._shapes, "whole_because", None) or {}
+
+        def why(name: str) -> str:
+            module = name.rpartition(".")[0]
+            while module not in because and module:
+                module = module.rpartition(".")[0]
+            return because.get(module, "")
+
         return summarise(
-            replace(self.wholes.get(name, unknown), name=name, shape=tuple(piece.shape), sharded=sharded)
+            replace(
+                self.wholes.get(name, unknown),
+                name=name,
+                shape=tuple(piece.shape),
+                sharded=sharded,
+                why="" if sharded else why(name),
+            )
             for name, piece, sharded in pieces
         )
 

@@ -24,7 +24,7 @@ from torch.nn.parameter import is_lazy
 
 from epl.placement.memory_estimate import MemoryEstimate, distinct_notes
 from epl.placement.render import count, format_bytes, format_devices, table
-from epl.placement.shards import ShardRow, same_positions
+from epl.placement.shards import ShardRow, kept_whole_note, same_positions
 
 if TYPE_CHECKING:
     from epl.annotations.taskgraph import TaskGraph
@@ -380,6 +380,9 @@ def render_shards(plan: Plan, tg: TaskGraphSpec) -> list[str]:
         held = [devices[p] for p in positions]
         lines.append(f"  device {held[0]}:" if len(held) == 1 else f"  each of devices {format_devices(held)}:")
         lines += ["  " + line for line in table([row.cells() for row in rows])] if rows else ["    nothing"]
+        note = kept_whole_note(rows)
+        if note:
+            lines.append(f"    note: {note}")
     return lines
 
 

@@ -7,6 +7,7 @@ shard and whole shapes) make one row with a count, so a 32-layer model takes a f
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -30,6 +31,8 @@ class ShardRow:
     tied: tuple[str, ...] = ()
     #: How many parameters the row stands for.
     count: int = 1
+    #: Why a parameter of a split TaskGraph is held whole ("" when sharded, or when no estimate says).
+    why: str = ""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ShardRow:
@@ -74,3 +77,20 @@ def same_positions(rows: Sequence[tuple[ShardRow, ...]]) -> list[tuple[list[int]
 
 def _shape(shape: Sequence[int]) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
+
+
+#: A device holding more than this share of a split TaskGraph's elements whole gets a note in ``epl plan``.
+MOSTLY_WHOLE = 0.5
+
+
+def kept_whole_note(rows: Sequence[ShardRow]) -> str | None:
+    """A note naming the largest parameters kept whole and why, when ``rows`` (one device's) hold most of their
+    elements whole; None otherwise."""
+    whole = [(math.prod(r.shape) * r.count, r) for r in rows if not r.sharded]
+    total = sum(math.prod(r.whole or r.shape) * r.count for r in rows)
+    kept = sum(n for n, _ in whole)
+    if not total or kept <= MOSTLY_WHOLE * total:
+        return None
+    largest = sorted(whole, key=lambda item: -item[0])[:5]
+    named = "; ".join(f"{r.name} ({n:,} elements{': ' + r.why if r.why else ''})" for n, r in largest)
+    return f"this device keeps {100 * kept / total:.0f}% of the elements whole. Largest: {named}"

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from epl.errors import EplError
+from epl.errors import BatchMismatchError
 from epl.interfaces.collectives import communicators_for
 from epl.interfaces.communicator import Communicator
 from epl.placement.plan import Plan
@@ -31,10 +31,6 @@ from epl.runtime.batch import tensors_in
 
 #: At most this many elements of each tensor enter the fingerprint (evenly strided over it).
 SAMPLED = 4096
-
-
-class BatchMismatchError(EplError):
-    """Ranks of one replica were given different batches."""
 
 
 class BatchCheck:

@@ -56,6 +56,8 @@ class Layout:
     #: Parameter name -> the column modules of the regions it is used in whole (on sharded activations, as a
     #: per-head norm's weight): each device's gradient covers its shard only and is summed over the devices.
     partial_gradients: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: Module name -> why its region ended before a row-parallel partner (the operation that stopped it).
+    reasons: dict[str, str] = field(default_factory=dict)
 
 
 def decide_layout(
@@ -91,9 +93,13 @@ def decide_layout(
             _log.info("epl.split: the example run of the model failed (%s); tracing it instead", error)
         else:
             pairing = find_pairs(flow)
-            return Layout(_from_pairing(pairing, linears, embeddings, has_loss), dict(pairing.partial_gradients))
+            decisions = _from_pairing(pairing, linears, embeddings, has_loss)
+            reasons = {**dict.fromkeys(subclassed - linears, "its forward adds work to the product"), **pairing.reasons}
+            return Layout(decisions, dict(pairing.partial_gradients), reasons)
     roles = assign_roles(model, linears - subclassed, loss_is_cross_entropy=loss_is_cross_entropy)
-    return Layout({name: Decision(role) for name, role in roles.items()})
+    unpaired = "in no pair the fx trace of the model found (no example run: pass example_inputs= to epl.parallelize)"
+    reasons = {name: unpaired for name, role in roles.items() if role == "alone"} if example is None else {}
+    return Layout({name: Decision(role) for name, role in roles.items()}, reasons=reasons)
 
 
 #: The torch calls a linear layer's own forward may make and still be a plain product (plus bias).

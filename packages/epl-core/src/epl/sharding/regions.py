@@ -145,7 +145,10 @@ class _Analysis:
             self.feeds[call.name] |= found.sources
             for source in found.sources:
                 self.fed_rows[source].add(call.name)
-            if found.dim != tensor.dim() - 1 or found.granule != 1 or len(call.inputs) != 1:
+            # The row layer's input features are this device's in order: one per column feature (granule 1), or
+            # fewer, when the region dropped some of each whole unit (Falcon's fused q/k/v: the keys and values of
+            # each group leave, its queries reach the output projection). Duplicated features (granule < 1) are not.
+            if found.dim != tensor.dim() - 1 or found.granule < 1 or len(call.inputs) != 1:
                 self.bad |= found.sources
         for tensor in call.outputs:
             self.layout[id(tensor)] = Sharded(frozenset({call.name}), tensor.dim() - 1)

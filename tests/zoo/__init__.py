@@ -1,0 +1,1 @@
+"""Model zoo: transformers' architectures from tiny configs, for conformance tests."""

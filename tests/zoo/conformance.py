@@ -1,0 +1,334 @@
+"""The model-zoo conformance run: transformers' architectures under every layout, each against one process.
+
+A *cell* is one architecture (:mod:`tests.zoo.architectures`) under one layout (:data:`LAYOUTS`): the
+same script trained :data:`STEPS` AdamW steps on real processes (gloo) and in one process, same seed,
+same batches. Its result is one of
+
+- ``ok``: losses and every parameter (gathered whole) equal the one-process run within the
+  architecture's tolerance (:func:`tolerance`), and each rank holds only its share;
+- ``refused``: every rank raised one ``EplError`` before the first step (the message is kept);
+- ``wrong``: it trained, to a different model. The suite's goal is that none exists;
+- ``error``: anything else (a crash, a timeout): a bug to look at;
+- ``whole``: right, but a split rank holds more than :data:`MOSTLY_WHOLE` of the parameters.
+
+Every layout runs all of its architectures in one launch of its processes, one after another, and the
+one-process references are computed once per (architecture, replicas, micro-batches, clipping), so
+process start-up and imports are paid once per layout. ``python -m tests.zoo.conformance`` runs the
+whole matrix (``nox -s zoo``) and writes ``docs/models.md``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import argparse
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.helpers.distributed import DistributedTestError, run_ranks
+from tests.zoo import architectures as zoo
+
+STEPS = 3
+LEARNING_RATE = 1e-3
+MAX_NORM = 0.5
+#: A split rank holding more than this share of the parameters is reported (``whole``).
+MOSTLY_WHOLE = 0.8
+#: Seconds a collective may wait in a cell before it fails (a cell that hangs must not stop the others).
+COLLECTIVE_TIMEOUT = 60
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout: its processes, annotation and config, and how the reference trains."""
+
+    name: str
+    world: int
+    split: int = 1
+    replicas: int = 1
+    micro_batches: int = 1
+    clip: bool = False
+    config: tuple[tuple[str, Any], ...] = ()
+
+    def epl_config(self) -> dict[str, Any]:
+        """The ``epl.Config`` of the cell."""
+        config = {"communication.timeout": COLLECTIVE_TIMEOUT, **dict(self.config)}
+        if self.micro_batches > 1:
+            config["pipeline.num_micro_batch"] = self.micro_batches
+        if self.clip:
+            config.update({"optimizer.max_grad_norm": MAX_NORM, "communication.clip_after_allreduce": True})
+        return config
+
+
+PIPELINE = (("auto.auto_parallel", True), ("pipeline.num_stages", 2))
+LAYOUTS: dict[str, Layout] = {
+    layout.name: layout
+    for layout in (
+        Layout("data parallel 2", world=2, replicas=2),
+        Layout("split(2)", world=2, split=2),
+        Layout("pipeline 2 stages", world=2, micro_batches=2, config=PIPELINE),
+        Layout("3D split(2) x 2 stages", world=4, split=2, micro_batches=2, config=PIPELINE),
+        Layout("ZeRO v1 x 2", world=2, replicas=2, config=(("zero.level", "v1"),)),
+        Layout("split(2) + clipping", world=2, split=2, clip=True),
+    )
+}
+
+
+@dataclass
+class Cell:
+    """The result of one architecture under one layout."""
+
+    architecture: str
+    layout: str
+    status: str
+    message: str = ""
+    difference: float = 0.0
+    held: float = 0.0
+
+
+def tolerance(name: str) -> float:
+    """Relative and absolute tolerance of a cell: float64 rounding, or float32 rounding for the models that run
+    (or compute parts, such as their norms) in float32."""
+    return 1e-4 if name in zoo.FLOAT32 or name in LOOSE else 1e-8
+
+
+#: Architectures that cast to float32 inside a float64 model (Gemma's norms: ``x.float()``), so a split or a
+#: pipeline that sums in another order differs from one process by float32 rounding.
+LOOSE = {"gemma", "gemma2", "gemma3_text", "vaultgemma", "t5gemma", "recurrent_gemma", "cohere", "cohere2"}
+
+
+def rows(inputs: dict[str, torch.Tensor], part: int, parts: int) -> dict[str, torch.Tensor]:
+    """Replica ``part``'s rows of a batch of ``parts`` replicas."""
+    return {key: value.chunk(parts)[part] for key, value in inputs.items()}
+
+
+def model_inputs(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the model takes: the batch less its ``labels`` (the loss reads them)."""
+    return {key: value for key, value in inputs.items() if key != "labels"}
+
+
+def reference(name: str, replicas: int, micro_batches: int, clip: bool) -> dict[str, Any]:
+    """The one-process run: per step, each replica's rows in micro-batches, gradients averaged, clipped if asked,
+    one AdamW step. Each replica's mean micro-batch losses, and the final state."""
+    model = zoo.build(name)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    losses: list[list[float]] = [[] for _ in range(replicas)]
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for replica in range(replicas):
+            part = rows(zoo.batch(name, step), replica, replicas)
+            values = []
+            for micro in range(micro_batches):
+                piece = rows(part, micro, micro_batches)
+                value = zoo.loss(zoo.forward(model, piece), piece)
+                (value / (micro_batches * replicas)).backward()
+                values.append(float(value))
+            losses[replica].append(sum(values) / micro_batches)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def train_cells(layout_name: str, names: list[str]) -> dict[str, dict[str, Any]]:
+    """On each rank: every architecture of ``names`` under the layout, one after another."""
+    import epl
+
+    layout = LAYOUTS[layout_name]
+    results: dict[str, dict[str, Any]] = {}
+    for name in names:
+        results[name] = _train_cell(epl, layout, name)
+        if epl.Env._current is not None:
+            epl.Env._current.close()
+    return results
+
+
+def _train_cell(epl: Any, layout: Layout, name: str) -> dict[str, Any]:
+    try:
+        epl.init(epl.Config(layout.epl_config()))
+        if layout.split > 1:
+            with epl.split(layout.split):
+                model = zoo.build(name)
+        else:
+            model = zoo.build(name)
+        engine = epl.parallelize(
+            model,
+            optimizer=lambda params: torch.optim.AdamW(params, lr=LEARNING_RATE),
+            loss_fn=zoo.loss,
+            example_inputs=model_inputs(rows(zoo.batch(name, 0), 0, 2 * layout.micro_batches)),
+        )
+    except epl.EplError as error:
+        return {"refused": f"{type(error).__name__}: {error}"}
+    except Exception as error:  # noqa: BLE001 - a cell's crash is its result, the next cell still runs
+        return {"error": f"{type(error).__name__}: {error}"}
+    try:
+        losses = []
+        for step in range(STEPS):
+            inputs = zoo.batch(name, step)
+            if layout.replicas > 1:
+                inputs = rows(inputs, engine.replica_index, engine.num_replicas)
+            losses.append(float(engine.step(model_inputs(inputs), inputs)))
+        state = {k: v.detach().clone() for k, v in engine.state_dict(full=True)["model"].items()}
+        held = sum(p.numel() for p in engine.parameters())
+        total = zoo.parameter_count(name)
+        return {"losses": losses, "state": state, "held": held / total, "replica": engine.replica_index}
+    except Exception as error:  # noqa: BLE001 - reported as the cell's result
+        return {"error": f"during training: {type(error).__name__}: {error}"}
+
+
+def judge(name: str, layout: Layout, ranks: list[dict[str, Any]], expected: dict[str, Any]) -> Cell:
+    """The cell's result from every rank's report and the reference."""
+    refused = [r["refused"] for r in ranks if "refused" in r]
+    errors = [r["error"] for r in ranks if "error" in r]
+    if refused and len(refused) == len(ranks):
+        return Cell(name, layout.name, "refused", _short(refused[0]))
+    if refused or errors:
+        return Cell(name, layout.name, "error", _short((errors or refused)[0]))
+    worst = 0.0
+    for result in ranks:
+        want = expected["losses"][result["replica"]]
+        worst = max(worst, _difference(torch.tensor(result["losses"]), torch.tensor(want)))
+        for key, value in result["state"].items():
+            if key in expected["state"]:
+                worst = max(worst, _difference(value, expected["state"][key]))
+    held = max(r["held"] for r in ranks)
+    if worst > tolerance(name):
+        return Cell(name, layout.name, "wrong", f"differs by {worst:.1e}", worst, held)
+    if layout.split > 1 and held > MOSTLY_WHOLE:
+        return Cell(name, layout.name, "whole", f"a rank holds {held:.0%}", worst, held)
+    return Cell(name, layout.name, "ok", "", worst, held)
+
+
+def _difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest difference relative to ``1 + |expected|`` (relative and absolute in one number)."""
+    actual, expected = actual.double(), expected.double()
+    if actual.shape != expected.shape:
+        return float("inf")
+    return float(((actual - expected).abs() / (1 + expected.abs())).max()) if actual.numel() else 0.0
+
+
+def _short(message: str) -> str:
+    return " ".join(message.split())[:300]
+
+
+def run_layout(layout_name: str, names: list[str], references: dict[tuple[Any, ...], Any]) -> list[Cell]:
+    """Every architecture of ``names`` under one layout (one launch of its processes)."""
+    layout = LAYOUTS[layout_name]
+    try:
+        reports = run_ranks(train_cells, layout.world, layout_name, names, timeout=120 + 90 * len(names))
+    except DistributedTestError as failure:
+        return [Cell(name, layout_name, "error", _short(f"the job failed: {failure}")) for name in names]
+    cells = []
+    for name in names:
+        key = (name, layout.replicas, layout.micro_batches, layout.clip)
+        if key not in references:
+            references[key] = reference(name, layout.replicas, layout.micro_batches, layout.clip)
+        cells.append(judge(name, layout, [report[name] for report in reports], references[key]))
+    return cells
+
+
+def run(matrix: Iterable[str], sweep: Iterable[str], layouts: Iterable[str] = LAYOUTS) -> list[Cell]:
+    """The cells of ``matrix`` under ``layouts`` and of ``sweep`` under split(2), printed as they finish."""
+    references: dict[tuple[Any, ...], Any] = {}
+    cells: list[Cell] = []
+    plan = [(layout, list(matrix)) for layout in layouts]
+    if sweep:
+        plan.append(("split(2)", list(sweep)))
+    for layout, names in plan:
+        for chunk in _chunks(names, 8):
+            began = time.perf_counter()
+            done = run_layout(layout, chunk, references)
+            cells += done
+            for cell in done:
+                print(f"{cell.layout:24s} {cell.architecture:22s} {cell.status:8s} {cell.message}", flush=True)
+            print(f"  ({len(chunk)} cells in {time.perf_counter() - began:.0f}s)", flush=True)
+    return cells
+
+
+def _chunks(names: list[str], size: int) -> Iterable[list[str]]:
+    for start in range(0, len(names), size):
+        yield names[start : start + size]
+
+
+def write_report(cells: list[Cell], path: Path, seconds: float) -> None:
+    """``docs/models.md``: architecture x layout, with each refusal's and gap's message."""
+    import transformers
+
+    layouts = list(dict.fromkeys(cell.layout for cell in cells))
+    by_key = {(cell.architecture, cell.layout): cell for cell in cells}
+    names = list(dict.fromkeys(cell.architecture for cell in cells))
+    counts = {status: sum(1 for c in cells if c.status == status) for status in STATUSES}
+    lines = [
+        "# Models: transformers' architectures under every layout",
+        "",
+        "Written by `nox -s zoo` (`python -m tests.zoo.conformance`); do not edit by hand. Each cell trains the",
+        f"architecture from a tiny config with random weights ({STEPS} AdamW steps, float64 unless noted) on real",
+        "processes and compares losses and every parameter with the same script in one process",
+        "(`tests/zoo/conformance.py`). transformers "
+        f"{transformers.__version__}, torch {torch.__version__}; {len(cells)} cells in {seconds / 60:.0f} min.",
+        "",
+        "| result | cells | meaning |",
+        "|---|---|---|",
+        *(f"| {status} | {counts[status]} | {STATUSES[status]} |" for status in STATUSES),
+        "",
+        "| architecture | " + " | ".join(layouts) + " |",
+        "|---|" + "---|" * len(layouts),
+    ]
+    notes = []
+    for name in names:
+        row = []
+        for layout in layouts:
+            cell = by_key.get((name, layout))
+            if cell is None:
+                row.append("")
+                continue
+            row.append(cell.status if not cell.message else f"{cell.status} [{len(notes) + 1}]")
+            if cell.message:
+                notes.append(f"{len(notes) + 1}. {name}, {layout}: {cell.message}")
+        suffix = " (float32)" if name in zoo.FLOAT32 else ""
+        lines.append(f"| {name}{suffix} | " + " | ".join(row) + " |")
+    lines += ["", "## Notes", "", *notes, "", "## Not built", ""]
+    lines += [f"- {name}: {reason}" for name, reason in sorted(zoo.SKIPPED.items())]
+    path.write_text("\n".join(lines) + "\n")
+
+
+STATUSES = {
+    "ok": "equals one process; each rank holds only its share",
+    "whole": "equals one process, but a split rank holds most of the parameters (kept whole, reason in the note)",
+    "refused": "one clear EplError before the first step",
+    "wrong": "trained to a different model (the goal: none)",
+    "error": "crashed or hung: a bug",
+}
+
+
+def main() -> int:
+    """``python -m tests.zoo.conformance [--layouts ...] [--only NAME ...] [--no-sweep] [--out docs/models.md]``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="architectures (default: every one of the full matrix)")
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--no-sweep", action="store_true", help="leave out the split(2) sweep of the others")
+    parser.add_argument("--out", type=Path, help="write the report (docs/models.md) here")
+    parser.add_argument("--json", type=Path, help="write every cell as JSON here")
+    args = parser.parse_args()
+    began = time.perf_counter()
+    matrix = args.only or list(zoo.FULL_MATRIX)
+    sweep = [] if args.no_sweep or args.only else list(zoo.SWEEP)
+    cells = run(matrix, sweep, args.layouts)
+    if args.out:
+        write_report(cells, args.out, time.perf_counter() - began)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(cell) for cell in cells], indent=1))
+    bad = [cell for cell in cells if cell.status in ("wrong", "error")]
+    print(f"{len(cells)} cells: " + ", ".join(f"{s} {sum(1 for c in cells if c.status == s)}" for s in STATUSES))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
