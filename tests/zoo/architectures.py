@@ -6,18 +6,22 @@ decoder layers for sequence-to-sequence models), 4 attention heads over 2 key/va
 4 experts (2 per token) for mixtures of experts, every dropout 0.0, and the rest of each
 architecture's defaults (tied embeddings, norms, biases, rotary variants, sliding windows).
 
+The shrinker sets the ``GENERIC`` attribute names wherever the default config has them; ``FAMILY``
+holds the few per-model_type overrides where those names do not fit (or the defaults do not build).
+
 ``FULL_MATRIX``
     The families behind the most used open models, each to be trained under every parallel
     layout: llama (and ``llama-tied``), mistral, mixtral, qwen2/qwen3 (and their MoE), gemma
-    1/2/3 (norms with offsets), phi, falcon and gpt_neox (fused interleaved q/k/v), gpt2, t5,
-    bart (encoder-decoder), bert and roberta (masked LM), ...
+    1/2/3 (norms with offsets), phi, falcon and gpt_neox (fused interleaved q/k/v), gpt2,
+    deepseek (latent attention), t5 and bart (encoder-decoder), bert and roberta (masked LM), ...
 ``SWEEP``
     Every other text-only causal-LM and sequence-to-sequence model type in transformers' auto
-    mappings that builds from the tiny config; those that cannot are in ``SKIPPED``, each with
-    its reason.
+    mappings (computed from them); those left out are in ``SKIPPED``, each with its reason.
 ``FLOAT32``
     The architectures that cannot run in float64, with the reason; every other one runs in
     float64.
+``SEES_AHEAD``
+    Causal entries whose model attends to later tokens as well.
 
 The interface is uniform: :func:`build` a model (seeded, train mode), :func:`batch` the inputs
 of one step, :func:`forward` and :func:`loss`. ``python -m tests.zoo.architectures [NAME ...]``
@@ -26,18 +30,21 @@ trains each architecture 2 AdamW steps in one process and prints one line per ar
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import importlib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+# Nothing is downloaded: transformers is imported later, by the functions below.
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 Kind = Literal["causal", "seq2seq", "masked"]
 
@@ -54,9 +61,11 @@ EXPERTS = 4
 EXPERTS_PER_TOKEN = 2
 #: Sliding attention windows shorter than ``SEQUENCE``, so that the window masks something.
 WINDOW = 4
+#: Special token ids. The decoder starts from EOS (as BART's does), not from PAD, which some models mask.
 PAD, BOS, EOS, DECODER_START = 0, 1, 2, 2
 #: Token ids of the batches are drawn from ``FIRST_TOKEN .. VOCABULARY - 1``, above the special ones.
 FIRST_TOKEN = 3
+#: What masked-LM batches put in place of the masked tokens.
 MASK = FIRST_TOKEN
 BATCH, SEQUENCE = 4, 8
 SEED = 0
@@ -218,10 +227,15 @@ FAMILY: dict[str, dict[str, Any]] = {
     # Sizes under names of one family.
     "mamba2": {"num_heads": 8},  # 8 heads of 8 over the expanded 2 x hidden
     "longcat_flash": {"zero_expert_num": 2},  # identity ("zero") experts besides the 4
-    "roc_bert": {"pronunciation_embed_dim": HIDDEN, "shape_embed_dim": HIDDEN}
-    | {"pronunciation_vocab_size": VOCABULARY, "shape_vocab_size": VOCABULARY},
+    "roc_bert": {
+        "pronunciation_embed_dim": HIDDEN,
+        "shape_embed_dim": HIDDEN,
+        "pronunciation_vocab_size": VOCABULARY,
+        "shape_vocab_size": VOCABULARY,
+    },
     "cpmant": {"prompt_length": 2, "position_bias_num_buckets": 32},
     "xmod": {"default_language": "en_XX"},  # its adapters need a language
+    "xlm": {"causal": True},  # else XLMWithLMHeadModel attends both ways
     "zaya": {"num_experts_per_tok": 1, "router_hidden_size": 16},  # ZAYA routes each token to one expert
     # Wider heads in the full-attention layers (popped by the config's __post_init__).
     **dict.fromkeys(["gemma4_text", "gemma4_unified_text"], {"global_head_dim": 2 * HEAD_DIM}),
@@ -229,19 +243,32 @@ FAMILY: dict[str, dict[str, Any]] = {
     "gemma3n_text": {"num_kv_shared_layers": 0},
     # Its sliding-window layers take latent-attention sizes of their own from swa_* arguments.
     "dots3_note_text": {
-        f"swa_{name}": value
-        for name, value in {"num_attention_heads": HEADS, "num_key_value_heads": HEADS, "head_dim": 12}.items()
-        | {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "v_head_dim": 8}.items()
+        "swa_num_attention_heads": HEADS,
+        "swa_num_key_value_heads": HEADS,
+        "swa_head_dim": 12,
+        "swa_q_lora_rank": 16,
+        "swa_kv_lora_rank": 16,
+        "swa_qk_nope_head_dim": 8,
+        "swa_v_head_dim": 8,
     },
     "blt": {"encoder_hash_byte_group_vocab": VOCABULARY},  # hashed n-gram embeddings of 500002 rows
     "led": {"attention_window": WINDOW},  # the encoder pads its inputs to a multiple of the window
     # Axial positions: factors of the training sequence length, their widths summing to hidden;
     # attention in chunks of WINDOW; seeded hashing, so that the hashed buckets are reproducible.
-    "reformer": {"axial_pos_shape": [2, SEQUENCE // 2], "axial_pos_embds_dim": [HIDDEN // 2, HIDDEN // 2]}
-    | {"local_attn_chunk_length": WINDOW, "lsh_attn_chunk_length": WINDOW, "num_buckets": 2, "hash_seed": SEED},
+    "reformer": {
+        "axial_pos_shape": [2, SEQUENCE // 2],
+        "axial_pos_embds_dim": [HIDDEN // 2, HIDDEN // 2],
+        "local_attn_chunk_length": WINDOW,
+        "lsh_attn_chunk_length": WINDOW,
+        "num_buckets": 2,
+        "hash_seed": SEED,
+    },
     # Attention over the concatenated 2 x hidden; its shared block needs two hybrid layers to tie.
-    "zamba": {"attention_hidden_size": 2 * HIDDEN, "attention_head_dim": 2 * HIDDEN // HEADS}
-    | {"layers_block_type": ["hybrid", "hybrid"]},
+    "zamba": {
+        "attention_hidden_size": 2 * HIDDEN,
+        "attention_head_dim": 2 * HIDDEN // HEADS,
+        "layers_block_type": ["hybrid", "hybrid"],
+    },
 }
 
 #: Multi-head latent attention: as many key/value heads as heads; ``head_dim`` is the rotary part.
@@ -256,27 +283,29 @@ def _is_dropout(name: str) -> bool:
     return any(word in name for word in ("dropout", "pdrop", "layerdrop", "drop_path"))
 
 
-def _per_layer(pattern: list[Any], layers: int = LAYERS) -> list[Any]:
-    """A per-layer list for ``layers`` layers: its distinct entries in order of first appearance."""
-    distinct = list(dict.fromkeys(map(_hashable, pattern)))
-    kinds = [pattern[[_hashable(p) for p in pattern].index(d)] for d in distinct]
-    return [kinds[min(i, len(kinds) - 1)] for i in range(layers)]
+def _per_layer(pattern: list[Any]) -> list[Any]:
+    """A list with one entry per layer, for ``LAYERS`` layers: its distinct entries, first first.
 
-
-def _hashable(value: Any) -> Any:
-    return repr(value) if isinstance(value, (list, dict)) else value
+    ["sliding", "sliding", "full", ...] -> ["sliding", "full"]; ["dense", "sparse", ...] -> ["dense", "sparse"].
+    """
+    kinds: list[Any] = []
+    for entry in pattern:
+        if entry not in kinds:
+            kinds.append(entry)
+    return [kinds[min(i, len(kinds) - 1)] for i in range(LAYERS)]
 
 
 def tiny_config(
-    config_class: type, model_class: type | None = None, **overrides: Any
-) -> Any:  # -> transformers.PretrainedConfig
-    """``config_class`` with its defaults, shrunk: see the module docstring.
+    config_class: type[PretrainedConfig], model_class: type | None = None, **overrides: Any
+) -> PretrainedConfig:
+    """``config_class`` with its defaults, shrunk (see the module docstring).
 
-    ``model_class`` (default: the base model of the config's model_type) decides between the
-    "sdpa" and "eager" attention; ``overrides`` are applied last.
+    In order: the ``GENERIC`` names, the special tokens, dropouts, sliding windows, the lists with
+    one entry per layer, the sub-configs (shrunk the same way), then ``FAMILY[model_type]`` and
+    ``overrides``. Only attributes the default config has are set. ``model_class`` (default: the
+    base model of the config's model_type) decides between "sdpa" and "eager" attention.
     """
-    defaults = config_class()
-    present = defaults.to_dict()
+    present = config_class().to_dict()
     changes: dict[str, Any] = {}
     for name, value in present.items():
         if value is None and name in OPTIONAL:
@@ -301,8 +330,7 @@ def tiny_config(
     for name, sub_class in getattr(config_class, "sub_configs", {}).items():
         if sub_class.__name__ != "AutoConfig" and isinstance(present.get(name), dict):
             changes[name] = tiny_config(sub_class).to_dict()
-    if "experts_implementation" not in overrides:
-        changes["experts_implementation"] = "eager"
+    changes["experts_implementation"] = "eager"  # a loop over experts: float64 works, unlike grouped_mm
     changes["attn_implementation"] = _attention(config_class, model_class)
     if "kv_lora_rank" in changes:  # latent attention: every head has its keys, the rotary part is a head's
         changes.update({k: v for k, v in _LATENT.items() if k in present})
@@ -373,6 +401,7 @@ FULL_MATRIX: dict[str, Architecture] = {
     "internlm3": _causal("internlm3", "LlamaForCausalLM"),
     "glm": _causal("glm", "GlmForCausalLM"),
     "glm4": _causal("glm4", "Glm4ForCausalLM"),
+    "llama4_text": _causal("llama4_text", "Llama4ForCausalLM"),
     "smollm3": _causal("smollm3", "SmolLM3ForCausalLM"),
     "helium": _causal("helium", "HeliumForCausalLM"),
     "exaone4": _causal("exaone4", "Exaone4ForCausalLM"),
@@ -388,6 +417,7 @@ FULL_MATRIX: dict[str, Architecture] = {
     "gemma3_text": _causal("gemma3_text", "Gemma3ForCausalLM"),
     # Fused interleaved q/k/v, parallel attention and MLP.
     "falcon": _causal("falcon", "FalconForCausalLM"),
+    "falcon-40b": _causal("falcon", "FalconForCausalLM", new_decoder_architecture=True),  # grouped q/k/v
     "gpt_neox": _causal("gpt_neox", "GPTNeoXForCausalLM"),
     # GPT-2 lineage: Conv1D, learned positions, tied LM head.
     "gpt2": _causal("gpt2", "GPT2LMHeadModel"),
@@ -410,6 +440,9 @@ FULL_MATRIX: dict[str, Architecture] = {
     "gpt_oss": _causal("gpt_oss", "GptOssForCausalLM"),
     "deepseek_v2": _causal("deepseek_v2", "DeepseekV2ForCausalLM"),
     "deepseek_v3": _causal("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "glm4_moe": _causal("glm4_moe", "Glm4MoeForCausalLM"),
+    # Hybrid: gated delta-net linear attention and full attention, mixture of experts.
+    "qwen3_next": _causal("qwen3_next", "Qwen3NextForCausalLM"),
     # Encoder-decoder.
     "t5": _seq2seq("t5", "T5ForConditionalGeneration"),
     "mt5": _seq2seq("mt5", "MT5ForConditionalGeneration"),
@@ -480,6 +513,13 @@ SKIPPED: dict[str, str] = {
     ),
 }
 
+#: Causal entries that attend to later tokens too, so that the next-token loss sees its targets (the
+#: comparison with one process holds all the same).
+SEES_AHEAD: dict[str, str] = {
+    "xlnet": "a permutation LM: XLNetLMHeadModel is causal only under a perm_mask and target_mapping",
+    "cpmant": "CpmAntForCausalLM marks every given token as context, which attends both ways",
+}
+
 #: Architectures that cannot run in float64 -> why; they run in float32.
 FLOAT32: dict[str, str] = {
     "xglm": "its eager attention clamps with torch.full((), finfo(float64).min) in the default float32: overflow",
@@ -516,7 +556,7 @@ ALL: dict[str, Architecture] = {**FULL_MATRIX, **SWEEP}
 # --------------------------------------------------------------------------------------------
 
 
-def config(name: str) -> Any:
+def config(name: str) -> PretrainedConfig:
     """The tiny config of an entry of ``ALL``."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -624,7 +664,7 @@ def _main(names: list[str]) -> int:
         try:
             losses, count = train(name)
             result = f"ok  {ALL[name].kind:7s} {dtype(name)} losses {losses[0]:.4f} {losses[1]:.4f}"
-        except Exception as error:  # noqa: BLE001 - reported, one line per architecture
+        except Exception as error:  # reported: one line per architecture
             failures += 1
             count = 0
             message = " ".join(str(error).split())[:240]
