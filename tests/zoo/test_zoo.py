@@ -4,8 +4,8 @@ The slice: a Llama with tied embeddings (tied weights across split stages), Gemm
 embedding subclass, norms with offsets, soft-capping), T5 and BART (encoder-decoder, a shared
 embedding called under other names), Falcon (fused grouped q/k/v, a linear subclass) and
 Qwen2-MoE (fused experts, a shared expert). No cell may train to a different model than one
-process, crash, or keep most of its parameters whole under split; a refusal must be one clear EplError. ``nox -s zoo`` runs the whole matrix
-(docs/models.md).
+process, crash, or keep most of its parameters whole under split; a refusal must be one clear
+EplError. ``nox -s zoo`` runs the whole matrix (docs/models.md).
 """
 
 from __future__ import annotations
