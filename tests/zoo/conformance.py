@@ -129,7 +129,7 @@ def reference(name: str, replicas: int, micro_batches: int, clip: bool) -> dict[
                 piece = rows(part, micro, micro_batches)
                 value = zoo.loss(zoo.forward(model, piece), piece)
                 (value / (micro_batches * replicas)).backward()
-                values.append(float(value))
+                values.append(float(value.detach()))
             losses[replica].append(sum(values) / micro_batches)
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -190,7 +190,9 @@ def judge(name: str, layout: Layout, ranks: list[dict[str, Any]], expected: dict
     if refused and len(refused) == len(ranks):
         return Cell(name, layout.name, "refused", _short(refused[0]))
     if refused or errors:
-        return Cell(name, layout.name, "error", _short((errors or refused)[0]))
+        # A rank that lost its peer reports the connection; the peer's own error says what happened.
+        first = sorted(errors + refused, key=lambda message: any(word in message for word in _ECHOES))[0]
+        return Cell(name, layout.name, "error", _short(first))
     worst = 0.0
     for result in ranks:
         want = expected["losses"][result["replica"]]
@@ -204,6 +206,9 @@ def judge(name: str, layout: Layout, ranks: list[dict[str, Any]], expected: dict
     if layout.split > 1 and held > MOSTLY_WHOLE:
         return Cell(name, layout.name, "whole", f"a rank holds {held:.0%}", worst, held)
     return Cell(name, layout.name, "ok", "", worst, held)
+
+
+_ECHOES = ("Connection closed", "went away", "PeerLost", "did not arrive")
 
 
 def _difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -224,13 +229,18 @@ def run_layout(layout_name: str, names: list[str], references: dict[tuple[Any, .
     try:
         reports = run_ranks(train_cells, layout.world, layout_name, names, timeout=120 + 90 * len(names))
     except DistributedTestError as failure:
-        return [Cell(name, layout_name, "error", _short(f"the job failed: {failure}")) for name in names]
+        if len(names) > 1:  # find the one that failed the job: each alone
+            return [cell for name in names for cell in run_layout(layout_name, [name], references)]
+        return [Cell(names[0], layout_name, "error", _short(f"the job failed: {failure}"))]
     cells = []
     for name in names:
         key = (name, layout.replicas, layout.micro_batches, layout.clip)
         if key not in references:
             references[key] = reference(name, layout.replicas, layout.micro_batches, layout.clip)
         cells.append(judge(name, layout, [report[name] for report in reports], references[key]))
+    failed = next((i for i, cell in enumerate(cells) if cell.status == "error"), len(cells))
+    if failed < len(cells) - 1:  # a crash can leave the ranks out of step: the cells after it run again
+        cells[failed + 1 :] = run_layout(layout_name, names[failed + 1 :], references)
     return cells
 
 

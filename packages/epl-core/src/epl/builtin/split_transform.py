@@ -160,6 +160,7 @@ class ShardSplitTaskGraphs:
         mine = [tg for tg in split if tg.index in plan.taskgraphs_on(rank)]
         decisions = layout.decisions
         holders = holders_of(context.taskgraphs)
+        kept_own: list[tuple[nn.Module, dict[str, nn.Parameter]]] = []
         shards_of: dict[int, tuple[str, nn.Parameter]] = {}
         group_of: dict[str, ShardGroup] = {}
         for tg in mine:
@@ -182,9 +183,12 @@ class ShardSplitTaskGraphs:
                 )
                 originals = dict(target.module.named_parameters(recurse=not target.own_only))
                 shard = target.module if target.own_only else target.rule(target.module, shard_context)
-                if target.base is not None and shard is not target.module:
+                if target.base is not None and shard is not target.module and target.name not in layout.plain:
                     shard = with_own_forward(target.module, shard, target.base)
-                _tie(shard, originals, shards_of, target.name)
+                if target.own_only:  # its own tensors stay whole, unless a sharded module holds them too (below)
+                    kept_own.append((target.module, originals))
+                else:
+                    _tie(shard, originals, shards_of, target.name)
                 made = dict(shard.named_parameters())
                 for key, original in originals.items():
                     if len(holders.get(id(original), ())) > 1 and key in made:
@@ -200,6 +204,13 @@ class ShardSplitTaskGraphs:
             _warn_if_mostly_whole(tg, kept_whole, [t for t in tg.tensors if isinstance(t, nn.Parameter)])
             # Forget the whole tensors, so that only the shards stay in memory.
             tg.tensors[:] = [t for t in tg.tensors if id(t) not in replaced or id(t) in context.split_tensors]
+        # A module kept whole for its own tensors that holds one a sharded module holds too (BERT's LM head keeps
+        # the bias of its decoder, the logits layer) holds that shard.
+        for module, originals in kept_own:
+            for key, original in originals.items():
+                if id(original) in shards_of:
+                    owner, _, attr = key.rpartition(".")
+                    setattr(module.get_submodule(owner) if owner else module, attr, shards_of[id(original)][1])
         for name, columns in layout.partial_gradients.items():
             groups = {id(group_of[c]): group_of[c] for c in columns if c in group_of}
             # With the batch split over the devices, the gradient reduction averages it over them already.

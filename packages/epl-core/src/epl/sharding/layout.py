@@ -58,6 +58,9 @@ class Layout:
     partial_gradients: dict[str, frozenset[str]] = field(default_factory=dict)
     #: Module name -> why its region ended before a row-parallel partner (the operation that stopped it).
     reasons: dict[str, str] = field(default_factory=dict)
+    #: Linear subclasses with a forward of their own that the example run showed to be the plain product with
+    #: their weight (and bias): their shards are the parallel layers as they are (Falcon's ``FalconLinear``).
+    plain: frozenset[str] = frozenset()
 
 
 def decide_layout(
@@ -95,7 +98,7 @@ def decide_layout(
             pairing = find_pairs(flow)
             decisions = _from_pairing(pairing, linears, embeddings, has_loss)
             reasons = {**dict.fromkeys(subclassed - linears, "its forward adds work to the product"), **pairing.reasons}
-            return Layout(decisions, dict(pairing.partial_gradients), reasons)
+            return Layout(decisions, dict(pairing.partial_gradients), reasons, frozenset(subclassed & linears))
     roles = assign_roles(model, linears - subclassed, loss_is_cross_entropy=loss_is_cross_entropy)
     unpaired = "in no pair the fx trace of the model found (no example run: pass example_inputs= to epl.parallelize)"
     reasons = {name: unpaired for name, role in roles.items() if role == "alone"} if example is None else {}

@@ -287,7 +287,11 @@ def _propagate(
             raise _Rejected(f"{name} of the sharded dimension")
         return [(outputs[0], (dim, granule))]
     if name in _VIEWS:
-        return [(out, _reshaped(first.shape, out.shape, dim, granule)) for out in outputs]
+        moved = [(out, _reshaped(first.shape, out.shape, dim, granule)) for out in outputs]
+        if name in ("view", "reshape") and any(_names_size(op, out_dim) for _, (out_dim, _) in moved):
+            # ``x.view(batch, self.num_heads, ...)``: the module's own count, which a shard no longer matches.
+            raise _Rejected("a view names the size of the sharded dimension (a count the module keeps, as num_heads)")
+        return moved
     if name in _TRANSPOSES:
         a, b = (_dim_arg(op, i, first.dim()) for i in (1, 2))
         return [(outputs[0], ({a: b, b: a}.get(dim, dim), granule))]
@@ -307,6 +311,16 @@ def _propagate(
             raise _Rejected(f"{name} over the sharded dimension")
         return [(out, (_after_reduction(first, out, dim, dims), granule)) for out in outputs if out.is_floating_point()]
     return _broadcast(op, layout, outputs)
+
+
+def _names_size(op: Op, dim: int) -> bool:
+    """Whether the shape ``op`` (a view or reshape) was given holds a number, not -1, at output dimension ``dim``."""
+    given = op.args[1:] if len(op.args) > 1 else (op.kwargs.get("shape") or op.kwargs.get("size") or ())
+    if len(given) == 1 and isinstance(given[0], (list, tuple, torch.Size)):
+        given = tuple(given[0])
+    if not given or not all(isinstance(size, int) for size in given) or dim >= len(given):
+        return False  # view(dtype), view_as: no sizes of its own
+    return given[dim] != -1
 
 
 def _int_list(values: Sequence[Any]) -> list[int]:

@@ -36,7 +36,7 @@ def with_own_forward(original: nn.Module, shard: nn.Module, base: type[nn.Module
     Raises AnnotationError when ``original`` holds parameters the parallel layer does not replace.
     """
     subclass, parallel = type(original), type(shard)
-    extra = sorted(set(original._parameters) - set(shard._parameters))
+    extra = sorted({k for k, v in original._parameters.items() if v is not None} - set(shard._parameters))
     if extra:
         raise AnnotationError(
             f"{subclass.__qualname__} adds the parameters {extra} to {base.__qualname__}, so EPL cannot tell how "
