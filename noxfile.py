@@ -1,4 +1,4 @@
-"""Sessions for development and CI: tests, lint, bench, demo.
+"""Sessions for development and CI: tests, lint, bench, demo, zoo.
 
 ``nox -t ci`` is what CI runs (.ci/run): lint, the tests, every subset of the packages
 installed alone, the docs site, and the benchmarks in short mode. Each session installs

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import linecache
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -39,6 +40,11 @@ class Op:
     result: Any
     #: The innermost module whose forward made the call ('' for the model itself).
     module: str
+    #: For views and reshapes: the source line that made the call, and the integer attributes of the object whose
+    #: method made it (``self``): whether the sizes it names are counts the module keeps (``self.num_heads``) or
+    #: come from tensors' shapes. Empty otherwise.
+    line: str = ""
+    counts: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -98,7 +104,8 @@ class _Recorder(TorchFunctionMode):
             self._note_weight_use(func, args, kwargs, result)
         elif any(True for _ in tensors_in((args, kwargs))):
             inner = self.names.get(self.stack[-1], "") if self.stack else ""
-            self.flow.events.append(Op(func, args, dict(kwargs), result, inner))
+            line, counts = _caller() if getattr(func, "__name__", "") in ("view", "reshape") else ("", frozenset())
+            self.flow.events.append(Op(func, args, dict(kwargs), result, inner, line, counts))
         return result
 
     def _note_weight_use(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
@@ -132,6 +139,20 @@ class _Recorder(TorchFunctionMode):
             if not self.open:
                 call.outputs = list(tensors_in(output))
                 self.flow.events.append(call)
+
+
+def _caller() -> tuple[str, frozenset[int]]:
+    """The source line of the model's code that made the torch call being recorded, and the integer attributes
+    of its ``self`` (none outside a method)."""
+    frame = inspect.currentframe()
+    while frame is not None and (frame.f_code.co_filename == __file__ or "/torch/" in frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return "", frozenset()
+    owner = frame.f_locals.get("self")
+    fields = vars(owner) if hasattr(owner, "__dict__") else {}
+    counts = frozenset(v for v in fields.values() if type(v) is int)
+    return linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip(), counts
 
 
 def record_dataflow(model: nn.Module, candidates: set[str], example: Any) -> Dataflow:

@@ -289,7 +289,7 @@ def _propagate(
     if name in _VIEWS:
         moved = [(out, _reshaped(first.shape, out.shape, dim, granule)) for out in outputs]
         if name in ("view", "reshape") and any(_names_size(op, out_dim) for _, (out_dim, _) in moved):
-            # ``x.view(batch, self.num_heads, ...)``: the module's own count, which a shard no longer matches.
+            # ``x.view(batch, self.num_heads, -1, ...)``: a count the module keeps, which a shard no longer matches.
             raise _Rejected("a view names the size of the sharded dimension (a count the module keeps, as num_heads)")
         return moved
     if name in _TRANSPOSES:
@@ -314,13 +314,20 @@ def _propagate(
 
 
 def _names_size(op: Op, dim: int) -> bool:
-    """Whether the shape ``op`` (a view or reshape) was given holds a number, not -1, at output dimension ``dim``."""
+    """Whether a view or reshape gives output dimension ``dim`` (the sharded one) a size a shard may not match.
+
+    A number there is safe when it comes from tensors' shapes (``reshape(batch, kv_heads * n_rep, ...)`` in
+    ``repeat_kv``, ``x.reshape(*x.shape[:-1], -1, 2)``): it shrinks with the shard. One the module keeps
+    (``self.num_heads``) does not, and a -1 elsewhere would absorb the difference silently. So a number at the
+    sharded dimension is refused when the line that made the call reads an attribute (``self.``), or when it
+    equals an integer attribute of the object whose method made the call (``h = self.num_heads``).
+    """
     given = op.args[1:] if len(op.args) > 1 else (op.kwargs.get("shape") or op.kwargs.get("size") or ())
     if len(given) == 1 and isinstance(given[0], (list, tuple, torch.Size)):
         given = tuple(given[0])
-    if not given or not all(isinstance(size, int) for size in given) or dim >= len(given):
-        return False  # view(dtype), view_as: no sizes of its own
-    return given[dim] != -1
+    if not given or not all(isinstance(size, int) for size in given) or dim >= len(given) or given[dim] == -1:
+        return False  # view(dtype), view_as, or -1 there: no size of its own
+    return "self." in op.line or given[dim] in op.counts
 
 
 def _int_list(values: Sequence[Any]) -> list[int]:
