@@ -250,6 +250,7 @@ def test_plan_of_a_split_script_shows_each_devices_shards(tmp_path: Path) -> Non
         "sharded": True,
         "tied": [],
         "count": 4,
+        "why": "",
     }
 
 

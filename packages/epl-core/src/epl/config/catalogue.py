@@ -97,9 +97,18 @@ CORE_KEYS: tuple[ConfigKey, ...] = (
         name="io.check_batches",
         types=(bool,),
         default=True,
-        doc="Check every step that the ranks of one replica (split, pipeline stages), which must all pass the "
-        "replica's batch to engine.step, were given the same one (a fingerprint gathered over the replica): a "
-        "difference, such as a sampler keyed by the global rank, is an error naming the ranks.",
+        doc="Check that the ranks of one replica (split, pipeline stages), which must all pass the replica's "
+        "batch to engine.step, were given the same one (a fingerprint all-gathered over the replica, read before "
+        "the update): a difference, such as a sampler keyed by the global rank, is an error naming the ranks. "
+        "Each of the first 10 steps is checked, then every io.check_batches_every-th.",
+    ),
+    ConfigKey(
+        name="io.check_batches_every",
+        types=(int,),
+        default=50,
+        minimum=1,
+        doc="After the first 10 steps, check the batch every this many steps (1: every step; the check costs one "
+        "all-gather of a few numbers, docs/benchmarks.md).",
     ),
     ConfigKey(
         name="io.unbalanced_io_slicing",

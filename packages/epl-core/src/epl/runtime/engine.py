@@ -50,9 +50,19 @@ class Engine:
         yourself (``engine.lr_scheduler.step(validation_loss)``).
         """
         skipped_before = self._skipped_updates()
-        if self.batch_check is not None:
-            self.batch_check(inputs, targets, self.global_step + 1)
-        loss = self.runner.step(inputs, targets)
+        check = (
+            self.batch_check if self.batch_check is not None and self.batch_check.due(self.global_step + 1) else None
+        )
+        if check is not None:
+            check.start(inputs, targets, self.global_step + 1)  # read before the update: an optimizer pre-hook
+        try:
+            loss = self.runner.step(inputs, targets)
+        except Exception:
+            if check is not None:
+                _explain_with(check)
+            raise
+        if check is not None:
+            check.finish()
         self.global_step += 1
         self._last_batch = samples_and_tokens(inputs)
         scheduler = self._lr_scheduler
@@ -338,3 +348,16 @@ def _to_shards(
 def _needs_metric(scheduler: Any) -> bool:
     """Whether ``scheduler`` steps on a metric the script gives it (``ReduceLROnPlateau``)."""
     return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def _explain_with(check: BatchCheck) -> None:
+    """After a failed step: raise the batch check's error when the ranks were given different batches (which
+    explains the failure better than what it led to); anything else the check meets stays unsaid."""
+    from epl.errors import BatchMismatchError
+
+    try:
+        check.finish()
+    except BatchMismatchError:
+        raise
+    except Exception:  # noqa: BLE001, S110 - the step's own error is the one to report
+        pass

@@ -91,7 +91,12 @@ def parallelize(
     context.loss_scaler = env.plugins.make_loss_scaler(context)
     context.step_runner = env.plugins.make_step_runner(context)
     engine = Engine(context, context.step_runner)
-    engine.batch_check = batch_check(plan, env.communicator, env.cluster.rank, bool(env.config["io.check_batches"]))
+    config = env.config
+    engine.batch_check = batch_check(
+        plan, env.communicator, env.cluster.rank, bool(config["io.check_batches"]), config["io.check_batches_every"]
+    )
+    if engine.batch_check is not None and context.optimizer is not None:
+        context.optimizer.register_step_pre_hook(engine.batch_check.hook)
     if lr_scheduler is not None:
         if context.optimizer is None:
             raise EplError("epl.parallelize got lr_scheduler=... but no optimizer=... for it to schedule.")
