@@ -38,8 +38,11 @@ def partition(model: nn.Module, taskgraphs: list[TaskGraph], num_stages: int, ex
     stage_strategy = _stage_strategy(model, taskgraphs)
     every = _blocks(model, num_stages)
     blocks = _in_call_order(model, every, example)
+    opened = _blocks(model, num_stages, list(blocks))  # a block opened for the call order may still be too large
+    if opened != blocks:
+        blocks = _in_call_order(model, opened, example)
     cuts = balanced_cuts([_cost(module) for _, module in blocks], num_stages)
-    return _stages(model, blocks, cuts, stage_strategy, aliases=[b for b in every if b not in blocks])
+    return _stages(model, blocks, cuts, stage_strategy, aliases=_aliases(every, blocks))
 
 
 def partition_at(
@@ -67,7 +70,14 @@ def partition_at(
             f"pipeline.split_points must name modules in the order forward calls them, after its first module; "
             f"forward calls them as {order} and first calls {blocks[0][0]!r}."
         )
-    return _stages(model, blocks, cuts, stage_strategy, aliases=[b for b in every if b not in blocks])
+    return _stages(model, blocks, cuts, stage_strategy, aliases=_aliases(every, blocks))
+
+
+def _aliases(every: list[tuple[str, nn.Module]], blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The blocks of ``every`` the call order left out as never called (other names of called modules), not
+    those it opened into parts."""
+    kept = [name for name, _ in blocks]
+    return [(n, m) for n, m in every if n not in kept and not any(k.startswith(f"{n}.") for k in kept)]
 
 
 def _blocks_at(model: nn.Module, points: list[str]) -> list[tuple[str, nn.Module]]:
@@ -181,10 +191,13 @@ def _cost(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _blocks(model: nn.Module, num_stages: int) -> list[tuple[str, nn.Module]]:
+def _blocks(
+    model: nn.Module, num_stages: int, blocks: list[tuple[str, nn.Module]] | None = None
+) -> list[tuple[str, nn.Module]]:
     """Parameter-holding submodules to cut between: containers opened, then the largest blocks while there are
-    fewer blocks than stages or a block costs more than a stage's even share (a transformers model's decoder)."""
-    blocks = _open(model, "")
+    fewer blocks than stages or a block costs more than a stage's even share (a transformers model's decoder).
+    ``blocks``: where to start (default: the model's children)."""
+    blocks = _open(model, "") if blocks is None else blocks
     share = _cost(model) / num_stages
     while True:
         openable = [(i, b) for i, b in enumerate(blocks) if _openable(b[1])]
@@ -203,6 +216,11 @@ def _blocks(model: nn.Module, num_stages: int) -> list[tuple[str, nn.Module]]:
 
 def _holds_tensors(module: nn.Module) -> bool:
     return _cost(module) > 0 or any(True for _ in module.buffers())
+
+
+def _has_parts(module: nn.Module) -> bool:
+    """Whether ``module`` holds no tensors of its own and has children that do."""
+    return not [*module.parameters(recurse=False), *module.buffers(recurse=False)] and bool(_open(module, ""))
 
 
 def _openable(module: nn.Module) -> bool:
@@ -259,6 +277,13 @@ def _in_call_order(model: nn.Module, blocks: list[tuple[str, nn.Module]], exampl
     order = {name: called.index(name) for name, _ in blocks if name in called}
     blocks = _without_aliases(blocks, order)
     missing = [name for name, _ in blocks if name not in order]
+    # A block the model never calls as a whole but whose parts it calls (OPT's ``model``: the causal LM calls
+    # ``model.decoder`` directly) is opened into its parts.
+    never = [(i, name, module) for i, (name, module) in enumerate(blocks) if name in missing]
+    if never and all(_has_parts(module) for _, _, module in never):
+        for i, name, module in reversed(never):
+            blocks[i : i + 1] = _open(module, name)
+        return _in_call_order(model, blocks, example)
     if missing:
         raise PlacementError(f"auto.auto_parallel: forward never calls {missing}; remove them or annotate by hand.")
     return sorted(blocks, key=lambda block: order[block[0]])

@@ -97,8 +97,8 @@ class KeepLocalStage:
         device = context.cluster.device
         for name, owner_stage in roots.items():
             if owner_stage not in local:
-                kind = type(model.get_submodule(name)).__name__
-                replace_module(model, name, RemoteStage(name, owner_stage, kind, device))
+                original = model.get_submodule(name)
+                replace_module(model, name, RemoteStage(name, owner_stage, type(original).__name__, device, original))
         return model
 
 

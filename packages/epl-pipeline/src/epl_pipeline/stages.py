@@ -8,6 +8,7 @@ under their original names.
 from __future__ import annotations
 
 import contextvars
+import copy
 from typing import Any
 
 import torch
@@ -96,9 +97,24 @@ class RemoteStage(nn.Module):
     at a later stage's module. Called otherwise, it is an error.
     """
 
-    def __init__(self, name: str, stage: int, kind: str, device: torch.device) -> None:
+    def __init__(
+        self, name: str, stage: int, kind: str, device: torch.device, original: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.name, self.stage, self.kind, self.device = name, stage, kind, device
+        # What the model's code between blocks may read of the module (``embed_tokens.weight.dtype``, a layer's
+        # ``attention_type``): a copy on the meta device, never registered, so it holds no memory and no tensor.
+        self.__dict__["_shadow"] = _meta_copy(original) if original is not None else None
+
+    def __getattr__(self, attribute: str) -> Any:
+        """An attribute of the replaced module (its tensors on the meta device) when this stand-in has none."""
+        try:
+            return super().__getattr__(attribute)
+        except AttributeError:
+            shadow = self.__dict__.get("_shadow")
+            if shadow is None or attribute.startswith("__"):
+                raise
+            return getattr(shadow, attribute)
 
     def forward(self, *args: object, **kwargs: object) -> Any:
         """The replayed value of this call; outside a replayed stage, an error."""
@@ -110,6 +126,15 @@ class RemoteStage(nn.Module):
     def extra_repr(self) -> str:
         """Shown by ``print(model)``."""
         return f"{self.kind}, stage={self.stage} (on another rank)"
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose parameters and buffers live on the ``meta`` device (nothing allocated)."""
+    memo: dict[int, Any] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
 
 
 def replace_module(model: nn.Module, qualified_name: str, replacement: nn.Module) -> None:

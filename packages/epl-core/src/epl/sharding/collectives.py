@@ -58,7 +58,8 @@ def _gather(tensor: torch.Tensor, group: ShardGroup, dim: int, sizes: list[int] 
     chunks = list(output.split(piece.shape[0]))
     if sizes:
         chunks = [chunk[:size] for chunk, size in zip(chunks, sizes, strict=True)]
-    return torch.cat(chunks).movedim(0, dim)
+    # Contiguous, as the whole layer's output was: code after it may view it (view_as_complex, .view()).
+    return torch.cat(chunks).movedim(0, dim).contiguous()
 
 
 def _reduce_scatter_rows(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:

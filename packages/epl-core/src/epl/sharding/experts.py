@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +129,12 @@ def _expert_parallel_class(cls: type[nn.Module]) -> type[nn.Module]:
     return type(f"ExpertParallel{cls.__name__}", (cls,), methods)
 
 
+def _positional(function: Callable[..., object]) -> list[str]:
+    """The names of the positional parameters of ``function`` after ``self``."""
+    parameters = list(inspect.signature(function).parameters.values())[1:]
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
 def shard_stacked_experts(module: nn.Module, shard: ShardContext) -> nn.Module:
     """The fallback rule for fused experts modules (transformers' Mixtral/Qwen-MoE style): expert parallel.
 
@@ -140,6 +148,13 @@ def shard_stacked_experts(module: nn.Module, shard: ShardContext) -> nn.Module:
     """
     count = stacked_experts_count(module)
     assert count is not None
+    if len(_positional(type(module).forward)) < 3:
+        raise AnnotationError(
+            f"{shard.name}: {type(module).__qualname__} holds {count} experts stacked in its weights, but its forward "
+            "takes no routing (EPL shards fused experts called as experts(tokens, top_k_index, top_k_weights), "
+            "as Mixtral's and Qwen-MoE's). Register a split rule for it (docs/split.md, 'Writing a rule'), or "
+            "create the experts outside the epl.split scope."
+        )
     if count % shard.count:
         raise AnnotationError(
             f"{shard.name}: {count} experts cannot be shared equally by {shard.count} devices. "
