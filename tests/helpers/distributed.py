@@ -74,6 +74,8 @@ def run_ranks(
     raises, exits non-zero, or the job exceeds ``timeout`` seconds.
     """
     context = multiprocessing.get_context("spawn")
+    # Sets of strings in the same order on every rank, as epl launch gives them (a forward looping over a set).
+    os.environ.setdefault("PYTHONHASHSEED", "0")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="epl-ranks-") as folder:
         workdir = Path(folder)

@@ -1,7 +1,8 @@
 """CI's slice of the model-zoo conformance run: one architecture per mechanism, under every layout.
 
 The slice: a Llama with tied embeddings (tied weights across split stages), Gemma 2 (a scaled
-embedding subclass, norms with offsets, soft-capping), T5 and BART (encoder-decoder, a shared
+embedding subclass, norms with offsets, soft-capping), Gemma 3 (a forward that loops over a set: the
+ranks' call orders agree), T5 and BART (encoder-decoder, a shared
 embedding called under other names), Falcon with its grouped layout (`falcon-40b`: fused q/k/v by
 key/value group, a linear subclass) and
 Qwen2-MoE (fused experts, a shared expert). Every cell must equal one process with each rank
@@ -19,7 +20,7 @@ from tests.zoo.conformance import LAYOUTS, run_layout
 
 pytestmark = pytest.mark.multiprocess
 
-SLICE = ["llama-tied", "gemma2", "t5", "bart", "falcon-40b", "qwen2_moe"]
+SLICE = ["llama-tied", "gemma2", "gemma3_text", "t5", "bart", "falcon-40b", "qwen2_moe"]
 _REFERENCES: dict[tuple[Any, ...], Any] = {}
 
 

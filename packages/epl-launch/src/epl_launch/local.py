@@ -68,6 +68,9 @@ def worker_environment(config: LaunchConfig, local_rank: int, master_port: int, 
         PYTHONUNBUFFERED="1",
     )
     env.setdefault("OMP_NUM_THREADS", default_omp_threads(config.nproc_per_node))
+    # Every rank orders sets of strings alike: a forward that loops over a set calls its modules in one order
+    # on every rank (transformers' Gemma 3 and OLMo 3 loop over set(config.layer_types)), as pipelines need.
+    env.setdefault("PYTHONHASHSEED", "0")
     env.update(terminal_environment(config.global_rank(local_rank)))
     env.update(restart_environment(config, restart))
     return env

@@ -91,6 +91,7 @@ class KeepLocalStage:
             )
         owner = {id(t): tg.index for tg in context.taskgraphs for t in tg.tensors}
         program = stage_program(model, roots, plan.num_stages, owner, context.example_inputs)
+        _check_same_call_order(program, context)
         context.pipeline_stages = local
         context.stage_modules = tuple(name for name, owner_stage in roots.items() if owner_stage in local)
         context.state(PipelineState).program = program
@@ -234,6 +235,38 @@ def _group(world: Communicator, groups: Sequence[Sequence[int]]) -> Communicator
     """This rank's communicator among ``groups`` (disjoint), every other rank alone (made by every rank)."""
     grouped = {rank for group in groups for rank in group}
     return world.split([*map(list, groups), *([rank] for rank in world.ranks if rank not in grouped)])
+
+
+def _check_same_call_order(program: Any, context: ParallelContext) -> None:
+    """Every rank's replayed stages call the stage modules in one order (a collective over the job).
+
+    Each rank records its own; a forward that loops over a set of strings orders it by the strings' hashes,
+    which differ between processes unless ``PYTHONHASHSEED`` is set, and the ranks would then pair one's
+    outputs with another's calls: a wrong model, silently. Refused instead.
+    """
+    import zlib
+
+    import torch
+
+    from epl.plugin_api import PlacementError
+
+    order = getattr(program, "call_order", None)
+    if order is None:
+        return  # a torch.fx program: one graph, the same on every rank
+    calls = order()
+    mine = torch.tensor([zlib.crc32("\n".join(calls).encode())], dtype=torch.int64)
+    world = context.communicator
+    every = torch.zeros(world.world_size, dtype=torch.int64)
+    world.all_gather(every, mine).wait()
+    if len(set(every.tolist())) > 1:
+        differ = [rank for rank, value in zip(world.ranks, every.tolist(), strict=True) if value != every[0]]
+        raise PlacementError(
+            f"The model's forward calls its pipeline stage modules in an order that differs between ranks "
+            f"(ranks {differ} differ from rank {world.ranks[0]}; this rank: {', '.join(calls[:6])}...). A forward "
+            "that loops over a set of strings does this (transformers' Gemma 3 and OLMo 3 loop over "
+            "set(config.layer_types)): Python orders such sets by string hashes, which differ between processes. "
+            "Set PYTHONHASHSEED=0 in every rank's environment (epl launch does)."
+        )
 
 
 def _check_clipping(context: ParallelContext) -> None:

@@ -50,6 +50,9 @@ class RootCall:
     stage: int
     #: The latest stage that reads this call's output (-1: none); the output is sent on until it.
     last_reader: int
+    #: The call's arguments other than tensors (Gemma 3's rotary embedding is called once per layer type): what
+    #: tells two calls of one module apart when the ranks compare their call orders.
+    key: str = ""
 
 
 class _StageEnd(BaseException):
@@ -65,6 +68,12 @@ class ReplayedStages:
 
     calls: list[RootCall]
     num_stages: int
+
+    def call_order(self) -> list[str]:
+        """The stage modules' calls in the example run, each as its module and arguments: the same on every rank,
+        or the ranks would pair one's outputs with another's calls."""
+        return [f"{call.module}{call.key}" for call in self.calls]
+
     _hooked: set[int] = field(default_factory=set, repr=False)
     _zeros: dict[tuple[ShapeOnly, torch.device], torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -238,7 +247,8 @@ def record_calls(model: nn.Module, roots: Mapping[str, int], num_stages: int, ex
         for handle in handles:
             handle.remove()
     calls = [
-        RootCall(name, stage, reader) for (name, stage), reader in zip(tracker.calls, tracker.last_reader, strict=True)
+        RootCall(name, stage, reader, key)
+        for (name, stage, key), reader in zip(tracker.calls, tracker.last_reader, strict=True)
     ]
     _check_order(model, calls, num_stages)
     return ReplayedStages(calls, num_stages)
@@ -265,7 +275,7 @@ class _Readers(TorchFunctionMode):
     def __init__(self, roots: Mapping[str, int]) -> None:
         super().__init__()
         self.roots = roots
-        self.calls: list[tuple[str, int]] = []
+        self.calls: list[tuple[str, int, str]] = []
         self.last_reader: list[int] = []
         self.sources: dict[int, frozenset[int]] = {}
         self._alive: list[torch.Tensor] = []  # tensors keep their ids while they are followed
@@ -285,7 +295,7 @@ class _Readers(TorchFunctionMode):
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             if not self._inside:
                 self.read_by((args, kwargs), self.roots[name])
-                self.calls.append((name, self.roots[name]))
+                self.calls.append((name, self.roots[name], _key((args, kwargs))))
                 self.last_reader.append(-1)
             self._inside += 1
 
@@ -305,6 +315,18 @@ class _Readers(TorchFunctionMode):
 
     def _sources_of(self, value: Any) -> frozenset[int]:
         return frozenset().union(*(self.sources.get(id(t), frozenset()) for t in tensors_in(value)))
+
+
+def _key(value: Any) -> str:
+    """The arguments of a call, numbers and strings as they are, anything else by its type (a tensor as ``T``):
+    what tells calls of one module apart, the same in every process."""
+
+    def plain(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return "T"
+        return leaf if leaf is None or isinstance(leaf, (str, int, float, bool)) else type(leaf).__name__
+
+    return repr(pytree.tree_map(plain, value))[:200]
 
 
 def _check_order(model: nn.Module, calls: list[RootCall], num_stages: int) -> None:
