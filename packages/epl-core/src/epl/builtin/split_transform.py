@@ -26,7 +26,7 @@ from epl.sharding.logits import ShardedLogitsLoss
 from epl.sharding.parameters import is_sharded, shard_spec
 from epl.sharding.random import RegionRandom
 from epl.sharding.rules import fallback_rule, keep_whole, registered_class, rule_for, shard_linear_like
-from epl.sharding.subclass import overrides_forward, with_own_forward
+from epl.sharding.subclass import calls_super_forward, overrides_forward, with_own_forward
 
 _log = logging.getLogger(__name__)
 
@@ -184,7 +184,10 @@ class ShardSplitTaskGraphs:
                 originals = dict(target.module.named_parameters(recurse=not target.own_only))
                 shard = target.module if target.own_only else target.rule(target.module, shard_context)
                 if target.base is not None and shard is not target.module and target.name not in layout.plain:
-                    shard = with_own_forward(target.module, shard, target.base)
+                    # A subclass whose forward computes with the weight itself (Whisper's positional embedding)
+                    # stays whole: its output is then whole, as its rule's would have been outside a region.
+                    own = calls_super_forward(target.module, target.base)
+                    shard = with_own_forward(target.module, shard, target.base) if own else target.module
                 if target.own_only:  # its own tensors stay whole, unless a sharded module holds them too (below)
                     kept_own.append((target.module, originals))
                 else:

@@ -7,7 +7,8 @@ the hidden size there). :func:`with_own_forward` gives the shard a class that ru
 subclass's ``forward`` with ``super().forward`` reaching the parallel layer's: the class
 order is the subclass, then the parallel layer, then the base. A subclass whose
 ``forward`` does not call ``super().forward`` (so it computes with the whole weight
-itself) is an error at its first call, never a silent wrong result.
+itself) is kept whole (:func:`calls_super_forward`), and one that names ``super`` without calling its
+``forward`` is an error at its first call, never a silent wrong result.
 """
 
 from __future__ import annotations
@@ -27,6 +28,18 @@ def overrides_forward(module: nn.Module, base: type[nn.Module]) -> bool:
         if "forward" in vars(cls):
             return True
     return False
+
+
+def calls_super_forward(module: nn.Module, base: type[nn.Module]) -> bool:
+    """Whether every ``forward`` a class between ``type(module)`` and ``base`` defines names ``super`` (it may
+    then reach the parallel layer's); one that does not computes with the weight itself."""
+    for cls in type(module).__mro__:
+        if cls is base:
+            return True
+        code = getattr(vars(cls).get("forward"), "__code__", None)
+        if code is not None and "super" not in code.co_names:
+            return False
+    return True
 
 
 def with_own_forward(original: nn.Module, shard: nn.Module, base: type[nn.Module]) -> nn.Module:
