@@ -196,8 +196,29 @@ def _train_cell(epl: Any, layout: Layout, name: str) -> dict[str, Any]:
         return {"error": f"during training: {type(error).__name__}: {error}"}
 
 
+#: Cells whose failure is understood but not fixed: (architecture, layout or "*") -> why. They are reported as
+#: ``gap`` with the reason, never hidden; a cell of these that passes is reported ``ok``.
+KNOWN_GAPS: dict[tuple[str, str], str] = {
+    ("nllb-moe", "*"): "its router runs in float32 by design (router_dtype) and routes each token to its top 2 "
+    "experts with a capacity: a rounding difference of the layout can send a token elsewhere, so no float64 "
+    "comparison holds",
+    ("afmoe", "*"): "under split its ranks run different collectives (a data-dependent loop over experts); the job "
+    "fails loudly (gloo: collective mismatch), it needs a split rule for its experts",
+    ("gemma3n_text", "*"): "under split a per-layer input projection fails on shard sizes at the first step (loud); it "
+    "needs its own analysis",
+}
+
+
 def judge(name: str, layout: Layout, ranks: list[dict[str, Any]], expected: dict[str, Any]) -> Cell:
-    """The cell's result from every rank's report and the reference."""
+    """The cell's result from every rank's report and the reference (a failure of ``KNOWN_GAPS``: ``gap``)."""
+    cell = _judge(name, layout, ranks, expected)
+    known = KNOWN_GAPS.get((name, layout.name)) or KNOWN_GAPS.get((name, "*"))
+    if known and cell.status in ("wrong", "error"):
+        return Cell(name, layout.name, "gap", f"{known} ({cell.status}: {cell.message[:120]})", cell.difference)
+    return cell
+
+
+def _judge(name: str, layout: Layout, ranks: list[dict[str, Any]], expected: dict[str, Any]) -> Cell:
     refused = [r["refused"] for r in ranks if "refused" in r]
     errors = [r["error"] for r in ranks if "error" in r]
     if refused and len(refused) == len(ranks):
@@ -258,7 +279,9 @@ def run_layout(layout_name: str, names: list[str], references: dict[tuple[Any, .
     except DistributedTestError as failure:
         if len(names) > 1:  # find the one that failed the job: each alone
             return [cell for name in names for cell in run_layout(layout_name, [name], references)]
-        return [Cell(names[0], layout_name, "error", _short(f"the job failed: {failure}"))]
+        cell = Cell(names[0], layout_name, "error", _short(f"the job failed: {failure}"))
+        known = KNOWN_GAPS.get((names[0], layout_name)) or KNOWN_GAPS.get((names[0], "*"))
+        return [Cell(names[0], layout_name, "gap", f"{known} (the job failed)") if known else cell]
     cells = []
     for name in names:
         if not all(name in report for report in reports):
@@ -344,6 +367,7 @@ STATUSES = {
     "ok": "equals one process; each rank holds only its share",
     "whole": "equals one process, but a split rank holds most of the parameters (kept whole, reason in the note)",
     "refused": "one clear EplError before the first step",
+    "gap": "a failure understood but not fixed yet, with the reason (tests/zoo/conformance.py KNOWN_GAPS)",
     "wrong": "trained to a different model (the goal: none)",
     "error": "crashed or hung: a bug",
 }
