@@ -14,7 +14,7 @@ What is here, by what a plugin does with it:
   the core's :class:`LocalStepRunner` to build on, and the helpers runners share
   (:func:`micro_batches`, :func:`split_batch`, :func:`batch_size`, :func:`to_device`, :func:`as_arguments`,
   :func:`call_model`, :func:`compute_loss`, :func:`example_input`, :func:`tensors_in`, :func:`forked_rng`,
-  :func:`inside`, :func:`step_or_skip`, :func:`clip_grad_norm`);
+  :func:`meta_copy`, :func:`inside`, :func:`step_or_skip`, :func:`clip_grad_norm`);
 * communicate: :class:`Communicator` (the protocol a communicator implements), :class:`Work`,
   :class:`CompletedWork`, :class:`ReduceOp`, :func:`broadcast_tensors`, :func:`communicators_for`,
   :class:`Cluster`, :func:`free_port`, :func:`slurm_step` (a Slurm task's place, for launchers),
@@ -86,6 +86,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.runtime.batch import as_arguments, batch_size, call_model, micro_batches, split_batch, to_device
     from epl.runtime.loss import compute_loss
     from epl.sharding.dataflow import example_input, forked_rng, tensors_in
+    from epl.sharding.meta import meta_copy
     from epl.sharding.norms import clip_grad_norm
 
 #: Public name -> the module of epl-core it lives in.
@@ -120,6 +121,7 @@ _EXPORTS: dict[str, str] = {
     "example_input": "epl.sharding.dataflow",
     "tensors_in": "epl.sharding.dataflow",
     "forked_rng": "epl.sharding.dataflow",
+    "meta_copy": "epl.sharding.meta",
     # communication
     "Communicator": "epl.interfaces.communicator",
     "CompletedWork": "epl.interfaces.communicator",

@@ -68,14 +68,13 @@ class ReplayedStages:
 
     calls: list[RootCall]
     num_stages: int
+    _hooked: set[int] = field(default_factory=set, repr=False)
+    _zeros: dict[tuple[ShapeOnly, torch.device], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def call_order(self) -> list[str]:
         """The stage modules' calls in the example run, each as its module and arguments: the same on every rank,
         or the ranks would pair one's outputs with another's calls."""
         return [f"{call.module}{call.key}" for call in self.calls]
-
-    _hooked: set[int] = field(default_factory=set, repr=False)
-    _zeros: dict[tuple[ShapeOnly, torch.device], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def run(self, model: nn.Module, stage: int, inputs: Any, received: list[Any] | None) -> Any:
         """Run ``forward`` as far as ``stage`` goes; the values to send on, or (last stage) the output."""

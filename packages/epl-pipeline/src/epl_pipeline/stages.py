@@ -8,13 +8,12 @@ under their original names.
 from __future__ import annotations
 
 import contextvars
-import copy
 from typing import Any
 
 import torch
 from torch import nn
 
-from epl.plugin_api import PlacementError, Plan, TaskGraph, holders_of
+from epl.plugin_api import PlacementError, Plan, TaskGraph, holders_of, meta_copy
 from epl_pipeline.resharding import StageShape
 
 
@@ -104,7 +103,7 @@ class RemoteStage(nn.Module):
         self.name, self.stage, self.kind, self.device = name, stage, kind, device
         # What the model's code between blocks may read of the module (``embed_tokens.weight.dtype``, a layer's
         # ``attention_type``): a copy on the meta device, never registered, so it holds no memory and no tensor.
-        self.__dict__["_shadow"] = _meta_copy(original) if original is not None else None
+        self.__dict__["_shadow"] = meta_copy(original) if original is not None else None
 
     def __getattr__(self, attribute: str) -> Any:
         """An attribute of the replaced module (its tensors on the meta device) when this stand-in has none."""
@@ -126,15 +125,6 @@ class RemoteStage(nn.Module):
     def extra_repr(self) -> str:
         """Shown by ``print(model)``."""
         return f"{self.kind}, stage={self.stage} (on another rank)"
-
-
-def _meta_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` whose parameters and buffers live on the ``meta`` device (nothing allocated)."""
-    memo: dict[int, Any] = {}
-    for tensor in [*module.parameters(), *module.buffers()]:
-        meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    return copy.deepcopy(module, memo)
 
 
 def replace_module(model: nn.Module, qualified_name: str, replacement: nn.Module) -> None:

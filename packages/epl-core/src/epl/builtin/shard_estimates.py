@@ -14,13 +14,10 @@ estimated as the run shards them.
 
 from __future__ import annotations
 
-import copy
-import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-import torch
 from torch import nn
 
 from epl.annotations.taskgraph import TaskGraph
@@ -30,6 +27,7 @@ from epl.interfaces.split_rule import ShardContext, SplitRule
 from epl.placement.memory_estimate import ShardPieces
 from epl.placement.plan import Plan
 from epl.sharding.layout import Decision, Layout
+from epl.sharding.meta import meta_copy
 from epl.sharding.parameters import is_sharded
 
 
@@ -72,7 +70,7 @@ class RuleShardShapes:
             shard_context = ShardContext(
                 group, target.name, decision.role, decision.parts, decision.granule, decision.weight_layout
             )
-            shard = target.rule(_meta_copy(target.module), shard_context)
+            shard = target.rule(meta_copy(target.module), shard_context)
             prefix = f"{target.name}." if target.name else ""
             pieces: ShardPieces = [(prefix + name, p, is_sharded(p)) for name, p in shard.named_parameters()]
             for param in target.module.parameters():
@@ -86,14 +84,3 @@ class _Seat:
 
     rank: int
     world_size: int
-
-
-def _meta_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` whose parameters and buffers live on the ``meta`` device (nothing allocated)."""
-    memo: dict[int, Any] = {}
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = (
-            nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-        )
-    return copy.deepcopy(module, memo)

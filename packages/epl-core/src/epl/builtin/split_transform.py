@@ -17,6 +17,7 @@ from epl.interfaces.collectives import broadcast_tensors, communicators_for
 from epl.interfaces.phases import TransformPhase
 from epl.interfaces.shard_group import ShardGroup
 from epl.interfaces.split_rule import ShardContext, SplitRule
+from epl.placement.shards import MOSTLY_WHOLE
 from epl.plugins.context import LossFn, ParallelContext
 from epl.sharding.collectives import sum_gradient_over_shards
 from epl.sharding.cross_entropy import ShardedCrossEntropyLoss
@@ -186,8 +187,8 @@ class ShardSplitTaskGraphs:
                 if target.base is not None and shard is not target.module and target.name not in layout.plain:
                     # A subclass whose forward computes with the weight itself (Whisper's positional embedding)
                     # stays whole: its output is then whole, as its rule's would have been outside a region.
-                    own = calls_super_forward(target.module, target.base)
-                    shard = with_own_forward(target.module, shard, target.base) if own else target.module
+                    reaches_parallel = calls_super_forward(target.module, target.base)
+                    shard = with_own_forward(target.module, shard, target.base) if reaches_parallel else target.module
                 if target.own_only:  # its own tensors stay whole, unless a sharded module holds them too (below)
                     kept_own.append((target.module, originals))
                 else:
@@ -220,10 +221,6 @@ class ShardSplitTaskGraphs:
             if len(groups) == 1 and not (group := next(iter(groups.values()))).batch_split:
                 sum_gradient_over_shards(model.get_parameter(name), group)
         return model
-
-
-#: A split TaskGraph whose devices each keep more than this share of its parameters whole is reported.
-MOSTLY_WHOLE = 0.5
 
 
 def _warn_if_mostly_whole(

@@ -79,7 +79,8 @@ def _shape(shape: Sequence[int]) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
 
 
-#: A device holding more than this share of a split TaskGraph's elements whole gets a note in ``epl plan``.
+#: A device holding more than this share of a split TaskGraph's elements whole is reported: a note in ``epl plan``,
+#: a warning at ``epl.parallelize``.
 MOSTLY_WHOLE = 0.5
 
 
