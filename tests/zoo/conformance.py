@@ -209,10 +209,15 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
 }
 
 
+def known_gap(name: str, layout: str) -> str | None:
+    """Why the cell of ``name`` under ``layout`` is a known gap, or None."""
+    return KNOWN_GAPS.get((name, layout)) or KNOWN_GAPS.get((name, "*"))
+
+
 def judge(name: str, layout: Layout, ranks: list[dict[str, Any]], expected: dict[str, Any]) -> Cell:
     """The cell's result from every rank's report and the reference (a failure of ``KNOWN_GAPS``: ``gap``)."""
     cell = _judge(name, layout, ranks, expected)
-    known = KNOWN_GAPS.get((name, layout.name)) or KNOWN_GAPS.get((name, "*"))
+    known = known_gap(name, layout.name)
     if known and cell.status in ("wrong", "error"):
         return Cell(name, layout.name, "gap", f"{known} ({cell.status}: {cell.message[:120]})", cell.difference)
     return cell
@@ -280,7 +285,7 @@ def run_layout(layout_name: str, names: list[str], references: dict[tuple[Any, .
         if len(names) > 1:  # find the one that failed the job: each alone
             return [cell for name in names for cell in run_layout(layout_name, [name], references)]
         cell = Cell(names[0], layout_name, "error", _short(f"the job failed: {failure}"))
-        known = KNOWN_GAPS.get((names[0], layout_name)) or KNOWN_GAPS.get((names[0], "*"))
+        known = known_gap(names[0], layout_name)
         return [Cell(names[0], layout_name, "gap", f"{known} (the job failed)") if known else cell]
     cells = []
     for name in names:
