@@ -38,7 +38,9 @@ _IMPLICIT = Strategy("replicate", 1)
 class AnnotationRecorder:
     """Records which TaskGraph every parameter and buffer slot created after ``epl.init`` belongs to."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, meta_parameters: bool = False) -> None:
+        #: Put every parameter registered while the hooks are installed on the ``meta`` device (``model.meta_init``).
+        self.meta_parameters = meta_parameters
         self.taskgraphs: list[TaskGraph] = []
         self._scope: TaskGraph | None = None
         self._default: TaskGraph | None = None
@@ -59,7 +61,7 @@ class AnnotationRecorder:
         """Install the global registration hooks (idempotent)."""
         if not self._handles:
             self._handles = [
-                module_hooks.register_module_parameter_registration_hook(self._on_register),
+                module_hooks.register_module_parameter_registration_hook(self._on_register_parameter),
                 module_hooks.register_module_buffer_registration_hook(self._on_register),
                 module_hooks.register_module_module_registration_hook(self._on_register_module),
             ]
@@ -69,6 +71,18 @@ class AnnotationRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def _on_register_parameter(
+        self, module: nn.Module, name: str, param: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Record the parameter (on ``meta`` instead, with ``meta_parameters``: what the module then holds)."""
+        if param is not None and self.meta_parameters and not param.is_meta:
+            meta = torch.Tensor._make_subclass(type(param), param.detach().to("meta"), param.requires_grad)
+            meta.__dict__.update(param.__dict__)
+            self._on_register(module, name, meta)
+            return meta
+        self._on_register(module, name, param)
+        return None
 
     def _on_register(self, module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
         if tensor is None:
@@ -109,6 +123,12 @@ class AnnotationRecorder:
                     self._recorded[previous.index] -= 1
                 slots[slot] = target
                 self._recorded[target.index] = self._recorded.get(target.index, 0) + 1
+
+    def forget_tensors(self) -> None:
+        """Drop the weak references to the recorded tensors; the slots keep their TaskGraphs (a tied tensor's
+        second slot recorded its first TaskGraph). ``torch.utils.swap_tensors``, which gives a model built on
+        ``meta`` its values in the same objects, refuses tensors that are weakly referenced."""
+        self._tensors.clear()
 
     def _owner_of(self, tensor: torch.Tensor) -> TaskGraph | None:
         entry = self._tensors.get(id(tensor))

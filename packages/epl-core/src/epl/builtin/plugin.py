@@ -52,12 +52,16 @@ def epl_split_rules() -> dict[type[nn.Module], SplitRule]:
 @hookimpl
 def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | None:
     """Decide the split TaskGraphs' layout on the whole model, then shard them by their rules (in a one-process
-    run: only check that every module has one)."""
+    run: only check that every module has one); give a model built on meta the values this rank keeps."""
+    from epl.builtin.materialize_transform import MaterializeKept
     from epl.builtin.split_transform import DecideSplitLayout, ShardSplitTaskGraphs
 
-    if not any(tg.strategy.kind == "split" for tg in context.taskgraphs):
-        return None
-    return [DecideSplitLayout(), ShardSplitTaskGraphs()]
+    transforms: list[ModelTransform] = []
+    if any(tg.strategy.kind == "split" for tg in context.taskgraphs):
+        transforms += [DecideSplitLayout(), ShardSplitTaskGraphs()]
+    if context.lazy_init is not None:
+        transforms.append(MaterializeKept())
+    return transforms or None
 
 
 @hookimpl(trylast=True)

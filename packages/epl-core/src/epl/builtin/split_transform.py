@@ -176,7 +176,8 @@ class ShardSplitTaskGraphs:
             for target in targets[tg.index]:
                 group_of[target.name] = group
                 own = target.tensors()
-                _start_alike(own, group)
+                if context.lazy_init is None:  # built on meta: every device gives them the same values later
+                    _start_alike(own, group)
                 replaced.update(id(t) for t in own)
                 decision = decisions.get(target.name, Decision())
                 shard_context = ShardContext(

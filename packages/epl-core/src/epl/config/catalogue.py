@@ -94,6 +94,16 @@ CORE_KEYS: tuple[ConfigKey, ...] = (
         "datasets are always shared out.",
     ),
     ConfigKey(
+        name="model.meta_init",
+        types=(bool,),
+        default=False,
+        doc="Build the model without memory: every parameter registered between epl.init and epl.parallelize is "
+        "put on the meta device (buffers keep their values), and epl.parallelize gives values only to what each "
+        "rank keeps, from the model's own initialisation, one layer at a time (docs/giant-models.md). The same as "
+        "writing `with torch.device('meta'):` around the construction, for scripts left as they are. epl plan "
+        "always builds so.",
+    ),
+    ConfigKey(
         name="io.check_batches",
         types=(bool,),
         default=True,

@@ -28,6 +28,10 @@ class TransformPhase(enum.IntEnum):
     #: as decided in ``DECIDE_LAYOUT``. After the stage is kept (a stage's split modules only), before
     #: the weights are synchronised, so the shards are what the copies agree on.
     SHARD = 20
+    #: Give values to the tensors this rank keeps of a model built on the ``meta`` device (the core's
+    #: :mod:`epl.materialize`), from the model's own initialisation, one layer at a time. After the stage
+    #: and the shards are kept, so nothing else gets memory; before anything reads or hooks the values.
+    MATERIALIZE = 25
     #: Make every copy of a tensor start from the first copy's values, and set up what data parallelism
     #: needs on the model (epl-comm). After every phase that replaces or creates tensors of the model.
     SYNC_WEIGHTS = 30

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from epl.interfaces.phases import TransformPhase, WrapperPhase
     from epl.interfaces.schedule import ScheduleGenerator
     from epl.interfaces.shard_group import ShardGroup
+    from epl.materialize.streaming import StreamedInit
     from epl.interfaces.split_rule import SplitRule
     from epl.placement.plan import Plan
 
@@ -69,6 +70,9 @@ class ParallelContext:
     #: for the transforms that run the model once (the split layout, pipelines of models fx cannot trace);
     #: None: they guess one from the model (:func:`epl.sharding.dataflow.example_input`).
     example_inputs: Any = None
+    #: The model was built on the ``meta`` device: its init units and the job's seed, which give any of its
+    #: tensors values (:mod:`epl.materialize`); None: the model was built with values.
+    lazy_init: StreamedInit | None = None
     optimizer: torch.optim.Optimizer | None = None
     gradient_reducer: GradientReducer | None = None
     loss_scaler: LossScaler | None = None

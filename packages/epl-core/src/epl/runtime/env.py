@@ -100,7 +100,8 @@ def init(config: Config | Mapping[str, Any] | None = None) -> Env:
 
             end_with_launcher(int(os.environ["EPL_LAUNCHER_PID"]), cluster.rank)
         communicator = plugins.make_communicator(cluster, config)
-    annotations = AnnotationRecorder()
+    # epl plan never gives a parameter memory: plan-only runs build the model on meta.
+    annotations = AnnotationRecorder(meta_parameters=request is not None or bool(config["model.meta_init"]))
     annotations.install()
     set_active_recorder(annotations)
     env = Env(cluster=cluster, config=config, plugins=plugins, communicator=communicator, annotations=annotations)

@@ -12,6 +12,9 @@ from torch import nn
 from epl.annotations.taskgraph import TaskGraph, holders_of
 from epl.config import Config
 from epl.errors import EplError, PlacementError
+from epl.interfaces.collectives import broadcast_tensors
+from epl.materialize.streaming import StreamedInit, streamed
+from epl.materialize.units import has_meta_tensors, named_tensors
 from epl.placement.build import build_local_plan, build_plan
 from epl.placement.plan import Plan, TaskGraphSpec
 from epl.placement.request import PlanReady, current_request
@@ -58,17 +61,21 @@ def parallelize(
             "as attributes of the model (self.layer = nn.Linear(...), nn.ModuleList for lists), or pass no optimizer "
             "to run it without training."
         )
-    taskgraphs = _taskgraphs(model, env, example_inputs)
+    request = current_request()
+    lazy = _lazy_init(model, env) if request is None and has_meta_tensors(model) else None
+    if lazy is not None:
+        env.annotations.forget_tensors()
+    with streamed(lazy):
+        taskgraphs = _taskgraphs(model, env, example_inputs)
     plan = _plan_for(taskgraphs, env)
     env.annotations.remove()
-    request = current_request()
     if request is not None:
         if request.optimizer is not None:
             from epl.placement.estimate import optimizer_class
 
             optimizer = optimizer_class(request.optimizer)
         raise PlanReady(_with_memory(plan, model, taskgraphs, env, optimizer))
-    model = model.to(env.cluster.device)
+    model = _to_device(model, env.cluster.device)
     assert env.communicator is not None, "only a plan-only run has no communicator, and it stopped above"
     context = ParallelContext(
         cluster=env.cluster,
@@ -80,9 +87,12 @@ def parallelize(
         model=model,
         loss_fn=loss_fn,
         example_inputs=to_device(example_inputs, env.cluster.device),
+        lazy_init=lazy,
     )
-    for transform in env.plugins.model_transforms(context):
-        context.model = transform(context.model, context)
+    with streamed(lazy):
+        for transform in env.plugins.model_transforms(context):
+            context.model = transform(context.model, context)
+    _require_values(context.model)
     context.optimizer = _build_optimizer(optimizer, context.model)
     if context.optimizer is not None:
         for wrapper in env.plugins.optimizer_wrappers(context):
@@ -136,6 +146,30 @@ def _with_memory(plan: Plan, model: nn.Module, taskgraphs: list[TaskGraph], env:
     from epl.placement.estimate import with_memory
 
     return with_memory(plan, model, taskgraphs, config=env.config, hooks=env.plugins, optimizer=optimizer)
+
+
+def _lazy_init(model: nn.Module, env: Env) -> StreamedInit:
+    """The init units of ``model``, built on ``meta``, with the job's seed: rank 0's ``torch.initial_seed()``, so
+    that every rank gives a layer the same values, whatever seed each was given."""
+    seed = torch.tensor([torch.initial_seed()], dtype=torch.int64)
+    if env.communicator is not None and env.cluster.world_size > 1:
+        broadcast_tensors([seed], env.communicator)
+    return StreamedInit(model, int(seed.item()), env.cluster.device)
+
+
+def _to_device(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` on ``device``; tensors on ``meta`` stay there until :mod:`epl.materialize` gives them values."""
+    return model._apply(lambda t: t if t.is_meta else t.to(device))
+
+
+def _require_values(model: nn.Module) -> None:
+    """Refuse a model that still holds ``meta`` tensors after the transforms (a plugin's transform made them)."""
+    left = [name for name, tensor in named_tensors(model) if tensor.is_meta]
+    if left:
+        raise EplError(
+            f"After epl.parallelize this rank's model still holds {len(left)} tensor(s) on the meta device, "
+            f"first {left[0]!r}; a model transform made them without values. Report it to the plugin that made them."
+        )
 
 
 def _taskgraphs(model: nn.Module, env: Env, example_inputs: Any = None) -> list[TaskGraph]:

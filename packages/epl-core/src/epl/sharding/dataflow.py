@@ -199,9 +199,16 @@ def _as_plain(output: Any) -> Any:
 @contextlib.contextmanager
 def forked_rng(model: nn.Module) -> Iterator[None]:
     """Leaves the random state as it was on exit (CPU, and the CUDA devices ``model`` is on): example runs
-    draw no numbers the training would have drawn."""
+    draw no numbers the training would have drawn. Every example run of the whole model enters it: for a
+    model built on ``meta`` in a run, it also gives each layer its values while it runs
+    (:mod:`epl.materialize.streaming`); in ``epl plan`` such a model runs on ``meta``, computing shapes only."""
+    from epl.materialize.streaming import active_stream
+
+    stream = active_stream(model)
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
+    if stream is not None and stream.device.type == "cuda":
+        devices = sorted({*devices, stream.device.index or 0})
+    with torch.random.fork_rng(devices=devices), stream.on_use() if stream is not None else contextlib.nullcontext():
         yield
 
 
@@ -212,18 +219,27 @@ def example_input(model: nn.Module) -> Any | None:
     parameters decides: token ids for an ``nn.Embedding``, a float batch for an
     ``nn.Linear``.
     """
+    device = _example_device(model)
     dummy = getattr(model, "dummy_inputs", None)
     if isinstance(dummy, dict) and dummy:
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
         example = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in dummy.items()}
         if "use_cache" in inspect.signature(model.forward).parameters:
             example["use_cache"] = False  # training runs keep no key/value cache
         return example
     first = next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))), None)
     if isinstance(first, nn.Embedding):
-        return torch.arange(16, device=first.weight.device).remainder(first.num_embeddings).reshape(2, 8)
+        return torch.arange(16, device=device).remainder(first.num_embeddings).reshape(2, 8)
     if isinstance(first, nn.Linear):
-        return torch.zeros(2, first.in_features, dtype=first.weight.dtype, device=first.weight.device).normal_(
-            generator=torch.Generator(first.weight.device).manual_seed(0)
-        )
+        values = torch.zeros(2, first.in_features, dtype=first.weight.dtype)
+        return values.normal_(generator=torch.Generator().manual_seed(0)).to(device)
     return None
+
+
+def _example_device(model: nn.Module) -> torch.device:
+    """Where an example run's inputs go: the model's device (for a model built on ``meta``, the device its layers
+    get their values on while it runs, or ``meta`` in ``epl plan``)."""
+    from epl.materialize.streaming import active_stream
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    stream = active_stream(model) if device.type == "meta" else None
+    return stream.device if stream is not None else device

@@ -1,0 +1,148 @@
+"""The values of one init unit, from the model's own initialisation, with a random stream of the unit's own.
+
+:func:`initialize_unit` puts fresh tensors in the unit's slots, runs what initialises them, reads the
+values and puts the original tensors back: nothing of the model changes. What runs, in the order
+eager construction runs it:
+
+1. ``reset_parameters()`` of each module of the unit that has one (``nn.Linear``, ``nn.Embedding``,
+   norms, and any module written the torch way), in pre-order;
+2. transformers' ``_init_weights(module)`` of the nearest ``PreTrainedModel`` holding it, in post-order
+   (children first, as ``PreTrainedModel.initialize_weights`` does).
+
+The random stream is seeded from the job's seed and the unit's name (:func:`unit_seed`), so a unit gets the
+same values on every rank, whatever else a rank builds, and in a one-process run. A tensor that nothing
+initialised is an error, never garbage: floating tensors start as NaN and must not stay so; other tensors
+(integer and boolean buffers) are initialised twice from two different fills, which must agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from epl.errors import EplError
+from epl.materialize.units import InitUnit
+
+
+class UninitializedError(EplError):
+    """A tensor of a model built on ``meta`` that neither ``reset_parameters`` nor transformers initialises."""
+
+
+def unit_seed(base_seed: int, unit: str) -> int:
+    """The seed of the unit named ``unit`` in a job whose seed is ``base_seed`` (the same on every rank)."""
+    digest = hashlib.sha256(f"{base_seed}/{unit}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def initialize_unit(unit: InitUnit, base_seed: int, owners: dict[int, nn.Module]) -> dict[int, torch.Tensor]:
+    """``id`` of each tensor of ``unit`` -> its initial values (on the CPU); the unit's tensors are not touched.
+
+    ``owners``: ``id(module)`` -> the transformers ``PreTrainedModel`` whose ``_init_weights`` initialises it
+    (:func:`hf_owners`). Raises :class:`UninitializedError` for a tensor nothing initialises.
+    """
+    slots = list(unit.slots())
+    checked_twice = any(not _floating(t) for *_, t in slots)
+    first = _run(unit, slots, base_seed, owners, fill=0)
+    if not checked_twice:
+        _require_set(unit, slots, first)
+        return first
+    second = _run(unit, slots, base_seed, owners, fill=1)
+    for module, attr, name, tensor in slots:
+        if not _floating(tensor) and not torch.equal(first[id(tensor)], second[id(tensor)]):
+            raise _uninitialized(unit, name, module)
+    _require_set(unit, slots, second)
+    return second
+
+
+def _run(
+    unit: InitUnit,
+    slots: list[tuple[nn.Module, str, str, torch.Tensor]],
+    base_seed: int,
+    owners: dict[int, nn.Module],
+    fill: int,
+) -> dict[int, torch.Tensor]:
+    fresh: dict[int, torch.Tensor] = {}
+    for *_, tensor in slots:
+        if id(tensor) not in fresh:
+            value = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            value.fill_(float("nan") if _floating(tensor) else fill)
+            fresh[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value
+    with _in_slots(slots, fresh), torch.no_grad(), _seeded(unit_seed(base_seed, unit.name)):
+        for _, module in unit.modules:
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+        for _, module in reversed(unit.modules):
+            owner = owners.get(id(module))
+            if owner is not None:
+                owner._init_weights(module)  # type: ignore[operator]
+    return {key: value.detach() for key, value in fresh.items()}
+
+
+def hf_owners(model: nn.Module) -> dict[int, nn.Module]:
+    """``id`` of each module of ``model`` -> the nearest transformers ``PreTrainedModel`` at or above it that has
+    an ``_init_weights`` (none for a model without transformers)."""
+    owners: dict[int, nn.Module] = {}
+
+    def visit(module: nn.Module, owner: nn.Module | None) -> None:
+        if callable(getattr(module, "_init_weights", None)) and hasattr(module, "config"):
+            owner = module
+        if owner is not None:
+            owners[id(module)] = owner
+        for child in module.children():
+            visit(child, owner)
+
+    visit(model, None)
+    return owners
+
+
+@contextlib.contextmanager
+def _in_slots(
+    slots: list[tuple[nn.Module, str, str, torch.Tensor]], fresh: dict[int, torch.Tensor]
+) -> Iterator[None]:
+    """The unit's modules hold the ``fresh`` tensors in place of their own inside the block."""
+    for module, attr, _, tensor in slots:
+        store = module._parameters if attr in module._parameters else module._buffers
+        store[attr] = fresh[id(tensor)]  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for module, attr, _, tensor in slots:
+            store = module._parameters if attr in module._parameters else module._buffers
+            store[attr] = tensor  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """The CPU random stream seeded with ``seed`` inside the block, as it was outside it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _floating(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _require_set(
+    unit: InitUnit, slots: list[tuple[nn.Module, str, str, torch.Tensor]], values: dict[int, torch.Tensor]
+) -> None:
+    for module, _, name, tensor in slots:
+        if _floating(tensor) and torch.isnan(values[id(tensor)]).any():
+            raise _uninitialized(unit, name, module)
+
+
+def _uninitialized(unit: InitUnit, name: str, module: nn.Module) -> UninitializedError:
+    kind = type(module)
+    return UninitializedError(
+        f"The model was built on the meta device, and nothing initialises {name!r} (held by a "
+        f"{kind.__module__}.{kind.__qualname__}): its module has no reset_parameters() that sets it and no "
+        "transformers _init_weights covers it, so EPL cannot give it values. Give the module a reset_parameters() "
+        "that sets every tensor it holds itself, or build that module off the meta device (buffers computed at "
+        "construction: use the config key model.meta_init, which keeps buffers real, instead of "
+        "torch.device('meta'))."
+    )

@@ -1,0 +1,62 @@
+"""Values for exactly the tensors a rank keeps, after the model transforms kept its stage and its shards.
+
+Names are the link: a transform that replaces a module keeps its name (a split layer's shard is
+``model.layers.0.mlp.up_proj.weight`` as the whole weight was), so each ``meta`` tensor of this rank's model
+is found in the model as built, and the init unit holding it there gives the values. A tensor kept whole gets
+the unit's values; a shard (:func:`epl.sharding.parameters.shard_spec`) gets its slice of them. Units are
+taken one at a time, in order, so a rank holds what it keeps plus one unit's whole values.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from epl.errors import EplError
+from epl.materialize.streaming import StreamedInit
+from epl.materialize.swap import swap_values
+from epl.materialize.units import InitUnit, named_tensors
+from epl.sharding.parameters import shard_spec
+
+
+def materialize_kept(model: nn.Module, stream: StreamedInit, device: torch.device) -> int:
+    """Give values on ``device`` to every ``meta`` tensor of ``model`` (this rank's model after the transforms),
+    from the model as built that ``stream`` knows. Returns the number of elements given values."""
+    wanted: dict[int, tuple[InitUnit, list[tuple[str, torch.Tensor, torch.Tensor]]]] = {}
+    seen: set[int] = set()
+    for name, local in named_tensors(model):
+        if not local.is_meta or id(local) in seen:
+            continue
+        seen.add(id(local))
+        original = stream.built.get(name)
+        unit = stream.first.get(id(original)) if original is not None else None
+        if original is None or unit is None:
+            raise EplError(
+                f"{name!r} of this rank's model is on the meta device but was not a tensor of the model as built, "
+                "so EPL does not know its values. A model transform made it on meta: make it with values."
+            )
+        wanted.setdefault(id(unit), (unit, []))[1].append((name, local, original))
+    order = {id(unit): index for index, unit in enumerate(stream.units)}
+    count = 0
+    for key in sorted(wanted, key=order.__getitem__):
+        unit, members = wanted[key]
+        values = stream.values(unit)
+        for name, local, original in members:
+            whole = values[id(original)]
+            swap_values(local, _part(name, local, whole).to(device).contiguous())
+            count += local.numel()
+        del values
+    return count
+
+
+def _part(name: str, local: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """The values ``local`` holds of ``whole``: all of them, or its shard's slice."""
+    spec = shard_spec(local)
+    if spec is not None:
+        return spec.slice_of(whole)
+    if local.shape != whole.shape:
+        raise EplError(
+            f"{name!r} of this rank's model has shape {list(local.shape)} but {list(whole.shape)} as built, and is no "
+            "shard EPL made, so EPL cannot tell which of its values it holds."
+        )
+    return whole

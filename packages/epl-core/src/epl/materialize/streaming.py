@@ -1,0 +1,158 @@
+"""Example forwards of a model built on ``meta``, with each init unit given values only while it runs.
+
+What runs the whole model once while parallelizing (the split layout, a pipeline's record, the call order of
+an automatic partition) enters :func:`epl.sharding.dataflow.forked_rng`, which enters
+:meth:`StreamedInit.on_use` when ``epl.parallelize`` made the model's :class:`StreamedInit` active
+(:func:`streamed`). Then:
+
+- a module's forward pre-hook gives its init unit values (:func:`epl.materialize.initialize.initialize_unit`),
+  and its forward hook takes them back when it returns, so a rank holds the layer running and the layers
+  around it, never the model;
+- a tensor used outside its unit's forward (T5's ``shared`` embedding, read by its callers) is given values by
+  a ``TorchFunctionMode`` when a torch call reads it, until the module running then returns.
+
+The values are those the model will start training from, so the run is the run of the real model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from epl.materialize.initialize import hf_owners, initialize_unit
+from epl.materialize.swap import swap_values, to_meta
+from epl.materialize.units import InitUnit, init_units, named_tensors, unit_of_tensors
+
+_ACTIVE: ContextVar[StreamedInit | None] = ContextVar("epl_streamed_init", default=None)
+
+
+class StreamedInit:
+    """A model built on ``meta``, its init units, and the job's seed: the values of any of its tensors on demand."""
+
+    def __init__(self, model: nn.Module, base_seed: int, device: torch.device | str = "cpu") -> None:
+        self.model = model
+        self.base_seed = base_seed
+        self.device = torch.device(device)
+        self.units = init_units(model)
+        #: Qualified name -> tensor of the model as built (before any transform replaced a module).
+        self.built = dict(named_tensors(model))
+        #: ``id`` of each tensor -> the unit its values come from (the first holding it).
+        self.first = unit_of_tensors(self.units)
+        self.owners = hf_owners(model)
+        self._unit_of_module = {id(m): u for u in self.units for _, m in u.modules}
+        self._modules = {id(m) for m in model.modules()}
+
+    def values(self, unit: InitUnit) -> dict[int, torch.Tensor]:
+        """``id`` of each tensor of ``unit`` -> its initial values (CPU)."""
+        return initialize_unit(unit, self.base_seed, self.owners)
+
+    def covers(self, model: nn.Module) -> bool:
+        """Whether ``model`` is this model or one of its modules."""
+        return id(model) in self._modules
+
+    @contextlib.contextmanager
+    def on_use(self) -> Iterator[None]:
+        """Inside the block, a forward of the model gives each unit values while it runs (see the module doc)."""
+        live = _Live(self)
+        handles = [
+            nn.modules.module.register_module_forward_pre_hook(live.before),
+            nn.modules.module.register_module_forward_hook(live.after, always_call=True),
+        ]
+        try:
+            with _OnTouch(live):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            live.release_all()
+
+    def unit_of(self, module: nn.Module) -> InitUnit | None:
+        """The unit ``module`` belongs to (None: a module outside the model, or one holding no tensors)."""
+        return self._unit_of_module.get(id(module))
+
+
+class _Live:
+    """The tensors given values during one example forward, and which running module gave them."""
+
+    def __init__(self, stream: StreamedInit) -> None:
+        self.stream = stream
+        self.frames: list[list[torch.Tensor]] = [[]]
+        self.live: set[int] = set()
+        self.kept: list[torch.Tensor] = []  # could not be taken back when their module returned
+
+    def before(self, module: nn.Module, args: Any) -> None:
+        self.frames.append([])
+        unit = self.stream.unit_of(module)
+        if unit is not None:
+            self.give(unit.tensors())
+
+    def after(self, module: nn.Module, args: Any, output: Any) -> None:
+        if len(self.frames) > 1:
+            self.release(self.frames.pop())
+
+    def give(self, tensors: list[torch.Tensor]) -> None:
+        """Give values to those of ``tensors`` that are the model's and still on ``meta``."""
+        wanted = [t for t in tensors if t.is_meta and id(t) in self.stream.first and id(t) not in self.live]
+        by_unit: dict[int, tuple[InitUnit, list[torch.Tensor]]] = {}
+        for tensor in wanted:
+            unit = self.stream.first[id(tensor)]
+            by_unit.setdefault(id(unit), (unit, []))[1].append(tensor)
+        for unit, members in by_unit.values():
+            values = self.stream.values(unit)
+            for tensor in members:
+                swap_values(tensor, values[id(tensor)].to(self.stream.device))
+                self.live.add(id(tensor))
+                self.frames[-1].append(tensor)
+
+    def release(self, tensors: list[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self.live.discard(id(tensor))
+            if not to_meta(tensor):
+                self.kept.append(tensor)
+
+    def release_all(self) -> None:
+        for frame in self.frames:
+            self.release(frame)
+        self.frames = [[]]
+        kept, self.kept = self.kept, []
+        for tensor in kept:
+            to_meta(tensor)  # a record that held a view of it is gone by now; if not, its values stay
+
+
+class _OnTouch(TorchFunctionMode):
+    """Gives values to the model's ``meta`` tensors a torch call reads outside their unit's forward."""
+
+    def __init__(self, live: _Live) -> None:
+        super().__init__()
+        self.live = live
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        leaves, _ = tree_flatten((args, kwargs))
+        touched = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_meta]
+        if touched:
+            self.live.give(touched)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def streamed(stream: StreamedInit | None) -> Iterator[None]:
+    """Make ``stream`` the model whose example forwards :func:`active_stream` streams inside the block."""
+    token = _ACTIVE.set(stream)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_stream(model: nn.Module) -> StreamedInit | None:
+    """The active :class:`StreamedInit` of ``model`` (or of a model holding it), if any."""
+    stream = _ACTIVE.get()
+    return stream if stream is not None and stream.covers(model) else None

@@ -1,0 +1,35 @@
+"""Giving a tensor of the model values (or taking them back) without changing which Python object it is.
+
+Every holder of a parameter (its modules, the TaskGraphs, the plugins' maps by ``id``) keeps seeing the same
+object: ``torch.utils.swap_tensors`` exchanges what the object is. The object's attributes (a shard's spec)
+and its gradient hooks are kept.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def swap_values(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """Make ``tensor`` (the same object) hold ``value``'s data, device and dtype; ``value`` is left as it was."""
+    data = value.detach()  # a new object on the same data
+    new = torch.Tensor._make_subclass(type(tensor), data, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else data
+    new.__dict__.update(tensor.__dict__)
+    hooks = list((getattr(tensor, "_backward_hooks", None) or {}).values())
+    accumulate_hooks = list((getattr(tensor, "_post_accumulate_grad_hooks", None) or {}).values())
+    torch.utils.swap_tensors(tensor, new)
+    for hook in hooks:
+        tensor.register_hook(hook)
+    for hook in accumulate_hooks:
+        tensor.register_post_accumulate_grad_hook(hook)
+
+
+def to_meta(tensor: torch.Tensor) -> bool:
+    """Give ``tensor``'s values back (it becomes a ``meta`` tensor of its shape); False when something else still
+    holds a view of them (they stay)."""
+    try:
+        swap_values(tensor, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))
+    except RuntimeError:
+        return False
+    return True
