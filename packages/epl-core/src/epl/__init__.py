@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         NotInitializedError,
         PlacementError,
         PluginError,
+        UninitializedError,
     )
     from epl.interfaces.cluster import Cluster
     from epl.interfaces.communicator import Communicator, ReduceOp, Work
@@ -63,6 +64,7 @@ _EXPORTS = {
     "AnnotationError": "epl.errors",
     "BatchError": "epl.errors",
     "BatchMismatchError": "epl.errors",
+    "UninitializedError": "epl.errors",
     "ClusterError": "epl.errors",
     "ConfigError": "epl.errors",
     "EplError": "epl.errors",
@@ -85,6 +87,7 @@ __all__ = [
     "AnnotationError",
     "BatchError",
     "BatchMismatchError",
+    "UninitializedError",
     "Cluster",
     "ClusterError",
     "Communicator",

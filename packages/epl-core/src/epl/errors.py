@@ -41,3 +41,8 @@ class BatchError(EplError, ValueError):
 
 class BatchMismatchError(EplError):
     """The ranks of one replica were given different batches (``io.check_batches``)."""
+
+
+class UninitializedError(EplError):
+    """A tensor of a model built on the ``meta`` device that neither ``reset_parameters`` nor transformers'
+    ``_init_weights`` initialises, so EPL cannot give it values (:mod:`epl.materialize`)."""

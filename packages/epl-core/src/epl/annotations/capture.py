@@ -72,9 +72,7 @@ class AnnotationRecorder:
             handle.remove()
         self._handles = []
 
-    def _on_register_parameter(
-        self, module: nn.Module, name: str, param: torch.Tensor | None
-    ) -> torch.Tensor | None:
+    def _on_register_parameter(self, module: nn.Module, name: str, param: torch.Tensor | None) -> torch.Tensor | None:
         """Record the parameter (on ``meta`` instead, with ``meta_parameters``: what the module then holds)."""
         if param is not None and self.meta_parameters and not param.is_meta:
             meta = torch.Tensor._make_subclass(type(param), param.detach().to("meta"), param.requires_grad)

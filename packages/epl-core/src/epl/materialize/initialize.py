@@ -24,12 +24,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from epl.errors import EplError
+from epl.errors import UninitializedError
 from epl.materialize.units import InitUnit
-
-
-class UninitializedError(EplError):
-    """A tensor of a model built on ``meta`` that neither ``reset_parameters`` nor transformers initialises."""
 
 
 def unit_seed(base_seed: int, unit: str) -> int:
@@ -51,7 +47,7 @@ def initialize_unit(unit: InitUnit, base_seed: int, owners: dict[int, nn.Module]
         _require_set(unit, slots, first)
         return first
     second = _run(unit, slots, base_seed, owners, fill=1)
-    for module, attr, name, tensor in slots:
+    for module, _, name, tensor in slots:
         if not _floating(tensor) and not torch.equal(first[id(tensor)], second[id(tensor)]):
             raise _uninitialized(unit, name, module)
     _require_set(unit, slots, second)
@@ -71,7 +67,7 @@ def _run(
             value = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
             value.fill_(float("nan") if _floating(tensor) else fill)
             fresh[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value
-    with _in_slots(slots, fresh), torch.no_grad(), _seeded(unit_seed(base_seed, unit.name)):
+    with _in_slots(unit, slots, fresh), torch.no_grad(), _seeded(unit_seed(base_seed, unit.name)):
         for _, module in unit.modules:
             reset = getattr(module, "reset_parameters", None)
             if callable(reset):
@@ -102,9 +98,13 @@ def hf_owners(model: nn.Module) -> dict[int, nn.Module]:
 
 @contextlib.contextmanager
 def _in_slots(
-    slots: list[tuple[nn.Module, str, str, torch.Tensor]], fresh: dict[int, torch.Tensor]
+    unit: InitUnit, slots: list[tuple[nn.Module, str, str, torch.Tensor]], fresh: dict[int, torch.Tensor]
 ) -> Iterator[None]:
-    """The unit's modules hold the ``fresh`` tensors in place of their own inside the block."""
+    """The unit's modules hold the ``fresh`` tensors in place of their own, and their children as built, inside
+    the block."""
+    current = {id(m): (m, m._modules) for _, m in unit.modules}
+    for module, _ in current.values():
+        module._modules = dict(unit.children[id(module)])
     for module, attr, _, tensor in slots:
         store = module._parameters if attr in module._parameters else module._buffers
         store[attr] = fresh[id(tensor)]  # type: ignore[assignment]
@@ -114,6 +114,8 @@ def _in_slots(
         for module, attr, _, tensor in slots:
             store = module._parameters if attr in module._parameters else module._buffers
             store[attr] = tensor  # type: ignore[assignment]
+        for module, children in current.values():
+            module._modules = children
 
 
 @contextlib.contextmanager

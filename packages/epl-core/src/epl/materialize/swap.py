@@ -14,7 +14,11 @@ from torch import nn
 def swap_values(tensor: torch.Tensor, value: torch.Tensor) -> None:
     """Make ``tensor`` (the same object) hold ``value``'s data, device and dtype; ``value`` is left as it was."""
     data = value.detach()  # a new object on the same data
-    new = torch.Tensor._make_subclass(type(tensor), data, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else data
+    new = (
+        torch.Tensor._make_subclass(type(tensor), data, tensor.requires_grad)
+        if isinstance(tensor, nn.Parameter)
+        else data
+    )
     new.__dict__.update(tensor.__dict__)
     hooks = list((getattr(tensor, "_backward_hooks", None) or {}).values())
     accumulate_hooks = list((getattr(tensor, "_post_accumulate_grad_hooks", None) or {}).values())

@@ -30,6 +30,13 @@ class InitUnit:
     whole: bool
     #: The unit's modules with their names (the module first; its subtree in pre-order when ``whole``).
     modules: list[tuple[str, nn.Module]] = field(default_factory=list)
+    #: Each module's children as built (``id`` -> name -> child): a transform may since have replaced a child
+    #: by its shard or a pipeline's stand-in, but initialisation code reaching from a module into its children
+    #: (``module.c_proj.weight``) must reach the children the unit initialises.
+    children: dict[int, dict[str, nn.Module | None]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.children = {id(m): dict(m._modules) for _, m in self.modules}
 
     def slots(self) -> Iterator[tuple[nn.Module, str, str, torch.Tensor]]:
         """Each (module, attribute, qualified name, tensor) of the unit's parameters and buffers."""

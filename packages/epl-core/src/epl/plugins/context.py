@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from epl.interfaces.phases import TransformPhase, WrapperPhase
     from epl.interfaces.schedule import ScheduleGenerator
     from epl.interfaces.shard_group import ShardGroup
-    from epl.materialize.streaming import StreamedInit
     from epl.interfaces.split_rule import SplitRule
+    from epl.materialize.streaming import StreamedInit
     from epl.placement.plan import Plan
 
 LossFn = Callable[..., torch.Tensor]
