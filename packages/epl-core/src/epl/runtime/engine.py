@@ -308,6 +308,30 @@ class Engine:
 
         load_checkpoint(self, path, strict=strict)
 
+    def load_pretrained(self, path: str | os.PathLike[str], *, strict: bool = True) -> int:
+        """Read a transformers checkpoint folder (``model.safetensors``, or shards with
+        ``model.safetensors.index.json``) into this engine's model under any layout (every rank calls it).
+
+        Each rank reads only its stage's tensors and its shards' slices of them; names are matched to the
+        model's (also under a prefix one side lacks, as transformers' ``base_model_prefix``); dtypes are converted
+        to the model's. ``strict`` (default): a name the model has and the folder lacks, or the reverse, is an
+        error; ``strict=False`` loads what matches. Pickle-based ``.bin`` checkpoints are refused. Returns the
+        bytes this rank read. See :mod:`epl.runtime.pretrained`.
+        """
+        from epl.runtime.pretrained import load_pretrained
+
+        return load_pretrained(self, path, strict=strict)
+
+    def save_pretrained(self, path: str | os.PathLike[str], *, max_shard_size: int | str = "5GB") -> None:
+        """Write the model as a transformers checkpoint folder at ``path`` (every rank calls it): safetensors
+        under the original names, several files with ``model.safetensors.index.json`` past ``max_shard_size``,
+        and ``config.json`` when the model has a ``config``; ``AutoModel...from_pretrained(path)`` reads it.
+        Each rank writes its own pieces into the files; nothing is gathered. See :mod:`epl.runtime.pretrained`.
+        """
+        from epl.runtime.pretrained import save_pretrained
+
+        save_pretrained(self, path, max_shard_size=max_shard_size)
+
     def __repr__(self) -> str:
         return (
             f"epl.Engine(replica {self.replica_index} of {self.num_replicas}, "
