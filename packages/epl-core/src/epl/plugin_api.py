@@ -13,7 +13,7 @@ What is here, by what a plugin does with it:
   :class:`WrapperPhase`, :class:`GradientReducer`, :class:`LossScaler`, :class:`StepRunner`),
   the core's :class:`LocalStepRunner` to build on, and the helpers runners share
   (:func:`micro_batches`, :func:`split_batch`, :func:`batch_size`, :func:`to_device`, :func:`as_arguments`,
-  :func:`call_model`, :func:`compute_loss`, :func:`example_input`, :func:`tensors_in`, :func:`forked_rng`,
+  :func:`call_model`, :func:`compute_loss`, :func:`example_input`, :func:`tensors_in`, :func:`forked_rng`, :func:`shapes_only`,
   :func:`meta_copy`, :func:`inside`, :func:`step_or_skip`, :func:`clip_grad_norm`);
 * communicate: :class:`Communicator` (the protocol a communicator implements), :class:`Work`,
   :class:`CompletedWork`, :class:`ReduceOp`, :func:`broadcast_tensors`, :func:`communicators_for`,
@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.interfaces.slurm import slurm_step
     from epl.interfaces.split_rule import ShardContext, ShardRole, SplitRule
     from epl.io import data_position
+    from epl.materialize.streaming import shapes_only
     from epl.placement.copies import Copies, copies_of, every_copy_group
     from epl.placement.estimate import MemoryEstimateContext
     from epl.placement.memory_estimate import EstimatedTensor, MemoryEstimate, ShardPieces, ShardShapes
@@ -121,6 +122,7 @@ _EXPORTS: dict[str, str] = {
     "example_input": "epl.sharding.dataflow",
     "tensors_in": "epl.sharding.dataflow",
     "forked_rng": "epl.sharding.dataflow",
+    "shapes_only": "epl.materialize.streaming",
     "meta_copy": "epl.sharding.meta",
     # communication
     "Communicator": "epl.interfaces.communicator",

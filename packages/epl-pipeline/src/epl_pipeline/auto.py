@@ -259,7 +259,7 @@ def _without_aliases(blocks: list[tuple[str, nn.Module]], called: Collection[str
 def _in_call_order(model: nn.Module, blocks: list[tuple[str, nn.Module]], example: Any) -> list[tuple[str, nn.Module]]:
     """``blocks`` in the order ``forward`` first calls them (blocks never called are errors): from a torch.fx
     trace, or when fx cannot trace the forward, from a run on ``example`` (or inputs guessed from the model)."""
-    from epl.plugin_api import example_input
+    from epl.plugin_api import example_input, shapes_only
     from epl_pipeline.partition import Untraceable, trace_module
     from epl_pipeline.program import NEEDS_EXAMPLE
     from epl_pipeline.replay import call_order
@@ -271,7 +271,14 @@ def _in_call_order(model: nn.Module, blocks: list[tuple[str, nn.Module]], exampl
         example = example if example is not None else example_input(model)
         if example is None:
             raise PlacementError(f"{untraceable}\n{NEEDS_EXAMPLE}") from None
-        called = call_order(model, names, example)
+        try:
+            called = call_order(model, names, example)
+        except Exception:
+            if not shapes_only(model):
+                raise
+            # epl plan of a model built on meta whose forward reads values (transformers' masks): the order the
+            # blocks were built in, which is their call order in the models whose forward fx cannot trace.
+            called = [name for name, _ in model.named_modules() if name in names]
     else:
         called = [str(n.target) for n in graph.nodes if n.op == "call_module"]
     order = {name: called.index(name) for name, _ in blocks if name in called}

@@ -156,3 +156,10 @@ def active_stream(model: nn.Module) -> StreamedInit | None:
     """The active :class:`StreamedInit` of ``model`` (or of a model holding it), if any."""
     stream = _ACTIVE.get()
     return stream if stream is not None and stream.covers(model) else None
+
+
+def shapes_only(model: nn.Module) -> bool:
+    """Whether an example run of ``model`` computes shapes only: it is built on ``meta`` and no
+    :class:`StreamedInit` gives it values (``epl plan``). Such a run fails where the model's code reads values it
+    computed from its weights; what depends on it then falls back on what needs no run."""
+    return active_stream(model) is None and any(t.is_meta for t in model.parameters())

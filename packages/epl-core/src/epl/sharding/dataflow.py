@@ -236,10 +236,13 @@ def example_input(model: nn.Module) -> Any | None:
 
 
 def _example_device(model: nn.Module) -> torch.device:
-    """Where an example run's inputs go: the model's device (for a model built on ``meta``, the device its layers
-    get their values on while it runs, or ``meta`` in ``epl plan``)."""
+    """Where an example run's inputs go: the model's device. For a model built on ``meta``: the device its layers
+    get their values on while it runs, or in ``epl plan`` the CPU: the code on the inputs alone (masks from token
+    ids) computes real values there, the layers compute shapes on ``meta``."""
     from epl.materialize.streaming import active_stream
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    stream = active_stream(model) if device.type == "meta" else None
-    return stream.device if stream is not None else device
+    if device.type != "meta":
+        return device
+    stream = active_stream(model)
+    return stream.device if stream is not None else torch.device("cpu")
