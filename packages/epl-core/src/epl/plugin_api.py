@@ -13,8 +13,8 @@ What is here, by what a plugin does with it:
   :class:`WrapperPhase`, :class:`GradientReducer`, :class:`LossScaler`, :class:`StepRunner`),
   the core's :class:`LocalStepRunner` to build on, and the helpers runners share
   (:func:`micro_batches`, :func:`split_batch`, :func:`batch_size`, :func:`to_device`, :func:`as_arguments`,
-  :func:`call_model`, :func:`compute_loss`, :func:`example_input`, :func:`tensors_in`, :func:`forked_rng`, :func:`shapes_only`,
-  :func:`meta_copy`, :func:`inside`, :func:`step_or_skip`, :func:`clip_grad_norm`);
+  :func:`call_model`, :func:`compute_loss`, :func:`example_input`, :func:`tensors_in`, :func:`forked_rng`,
+  :func:`shapes_only`, :func:`meta_copy`, :func:`inside`, :func:`step_or_skip`, :func:`clip_grad_norm`);
 * communicate: :class:`Communicator` (the protocol a communicator implements), :class:`Work`,
   :class:`CompletedWork`, :class:`ReduceOp`, :func:`broadcast_tensors`, :func:`communicators_for`,
   :class:`Cluster`, :func:`free_port`, :func:`slurm_step` (a Slurm task's place, for launchers),

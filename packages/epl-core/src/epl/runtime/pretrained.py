@@ -246,7 +246,7 @@ def save_pretrained(
     layout = _Layout([json.loads((partial / _PIECES.format(rank=r)).read_text()) for r in range(world)])
     layout.assign_files(_bytes(max_shard_size))
     _everyone(engine, lambda: layout.write_headers(partial))
-    for name, tensor, piece, _ in local:
+    for name, _, piece, _ in local:
         if layout.writer[(name, piece.dim, tuple(piece.ranges))] == rank:
             layout.write_piece(partial, name, piece, values[name])
     config = getattr(engine.model, "config", None)
