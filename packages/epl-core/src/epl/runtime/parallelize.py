@@ -62,7 +62,7 @@ def parallelize(
             "to run it without training."
         )
     request = current_request()
-    lazy = _lazy_init(model, env) if request is None and has_meta_tensors(model) else None
+    lazy = _lazy_init(model, env) if has_meta_tensors(model) and _streams(model, request is not None) else None
     if lazy is not None:
         env.annotations.forget_tensors()
     with streamed(lazy):
@@ -74,7 +74,8 @@ def parallelize(
             from epl.placement.estimate import optimizer_class
 
             optimizer = optimizer_class(request.optimizer)
-        raise PlanReady(_with_memory(plan, model, taskgraphs, env, optimizer))
+        with streamed(lazy):
+            raise PlanReady(_with_memory(plan, model, taskgraphs, env, optimizer))
     model = _to_device(model, env.cluster.device)
     assert env.communicator is not None, "only a plan-only run has no communicator, and it stopped above"
     context = ParallelContext(
@@ -152,9 +153,19 @@ def _lazy_init(model: nn.Module, env: Env) -> StreamedInit:
     """The init units of ``model``, built on ``meta``, with the job's seed: rank 0's ``torch.initial_seed()``, so
     that every rank gives a layer the same values, whatever seed each was given."""
     seed = torch.tensor([torch.initial_seed()], dtype=torch.int64)
-    if env.communicator is not None and env.cluster.world_size > 1:
+    if env.communicator is not None and env.cluster.world_size > 1 and current_request() is None:
         broadcast_tensors([seed], env.communicator)
-    return StreamedInit(model, int(seed.item()), env.cluster.device)
+    return StreamedInit(model, int(seed.item()), "cpu" if current_request() is not None else env.cluster.device)
+
+
+#: ``epl plan`` runs the example forwards of a model built on meta with values (one layer at a time) when its
+#: parameters take at most this many bytes; above, on meta (shapes only: a split's layout falls back to tracing).
+PLAN_WITH_VALUES_BYTES = 1 << 30
+
+
+def _streams(model: nn.Module, planning: bool) -> bool:
+    """Whether the example forwards of ``model``, built on meta, run with values (always, in a run)."""
+    return not planning or sum(p.numel() * p.element_size() for p in model.parameters()) <= PLAN_WITH_VALUES_BYTES
 
 
 def _to_device(model: nn.Module, device: torch.device) -> nn.Module:

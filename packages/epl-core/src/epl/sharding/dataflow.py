@@ -223,8 +223,13 @@ def example_input(model: nn.Module) -> Any | None:
     dummy = getattr(model, "dummy_inputs", None)
     if isinstance(dummy, dict) and dummy:
         example = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in dummy.items()}
-        if "use_cache" in inspect.signature(model.forward).parameters:
+        accepted = inspect.signature(model.forward).parameters
+        if "use_cache" in accepted:
             example["use_cache"] = False  # training runs keep no key/value cache
+        if shapes_only(model) and "attention_mask" in accepted and "input_ids" in example:
+            # epl plan: the layers compute shapes on meta; a mask of real values (no padding) spares transformers'
+            # mask code a test of values computed on meta (packed sequences), which a shapes-only run cannot do.
+            example.setdefault("attention_mask", torch.ones_like(example["input_ids"]))
         return example
     first = next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))), None)
     if isinstance(first, nn.Embedding):
@@ -233,6 +238,13 @@ def example_input(model: nn.Module) -> Any | None:
         values = torch.zeros(2, first.in_features, dtype=first.weight.dtype)
         return values.normal_(generator=torch.Generator().manual_seed(0)).to(device)
     return None
+
+
+def shapes_only(model: nn.Module) -> bool:
+    """Whether an example run of ``model`` computes shapes only (see :func:`epl.materialize.streaming.shapes_only`)."""
+    from epl.materialize.streaming import shapes_only as on_meta
+
+    return on_meta(model)
 
 
 def _example_device(model: nn.Module) -> torch.device:
