@@ -16,6 +16,7 @@ part: after ``parallelize`` no rank's model holds a ``meta`` tensor, and its ele
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -65,18 +66,10 @@ def build(case: dict[str, Any]) -> nn.Module:
 
     make: Callable[[], nn.Module] = models.MODELS[case["model"]]
     split = case.get("split", 1)
-    on_meta = torch.device("meta") if not case.get("config", {}).get("model.meta_init") else _nothing()
-    with on_meta, epl.split(split) if split > 1 else _nothing():
+    on_meta = torch.device("meta") if not case.get("config", {}).get("model.meta_init") else nullcontext()
+    with on_meta, epl.split(split) if split > 1 else nullcontext():
         model = make()
     return model.double()
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def train(name: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ the folder holds the embedding's name only).
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ def train_from(folder: str, out: str, config: dict[str, Any], split: int) -> dic
     """One rank: build on meta, load the folder, train 2 steps on the model's own loss, save_pretrained."""
     torch.manual_seed(0)
     epl.init(epl.Config(config))
-    with torch.device("meta"), epl.split(split) if split > 1 else torch.device("meta"):
+    with torch.device("meta"), epl.split(split) if split > 1 else nullcontext():
         model = models.llama(tied=True).double()
     engine = epl.parallelize(model, optimizer=sgd)
     read = engine.load_pretrained(folder)

@@ -15,37 +15,34 @@ from torch import nn
 from epl.errors import EplError
 from epl.materialize.streaming import StreamedInit
 from epl.materialize.swap import swap_values
-from epl.materialize.units import InitUnit, named_tensors
+from epl.materialize.units import named_tensors
 from epl.sharding.parameters import shard_spec
 
 
 def materialize_kept(model: nn.Module, stream: StreamedInit, device: torch.device) -> int:
     """Give values on ``device`` to every ``meta`` tensor of ``model`` (this rank's model after the transforms),
     from the model as built that ``stream`` knows. Returns the number of elements given values."""
-    wanted: dict[int, tuple[InitUnit, list[tuple[str, torch.Tensor, torch.Tensor]]]] = {}
+    wanted: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     seen: set[int] = set()
     for name, local in named_tensors(model):
         if not local.is_meta or id(local) in seen:
             continue
         seen.add(id(local))
         original = stream.built.get(name)
-        unit = stream.first.get(id(original)) if original is not None else None
-        if original is None or unit is None:
+        if original is None or id(original) not in stream.first:
             raise EplError(
                 f"{name!r} of this rank's model is on the meta device but was not a tensor of the model as built, "
                 "so EPL does not know its values. A model transform made it on meta: make it with values."
             )
-        wanted.setdefault(id(unit), (unit, []))[1].append((name, local, original))
-    order = {id(unit): index for index, unit in enumerate(stream.units)}
+        wanted.append((name, local, original))
     count = 0
-    for key in sorted(wanted, key=order.__getitem__):
-        unit, members = wanted[key]
+    for unit, members in stream.by_unit(wanted, lambda item: item[2]):
         values = stream.values(unit)
         for name, local, original in members:
             whole = values[id(original)]
             swap_values(local, _part(name, local, whole).to(device).contiguous())
             count += local.numel()
-        del values
+        del values  # before the next unit's values: one unit at a time
     return count
 
 

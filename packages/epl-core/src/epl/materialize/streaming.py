@@ -17,9 +17,9 @@ The values are those the model will start training from, so the run is the run o
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -28,8 +28,9 @@ from torch.utils._pytree import tree_flatten
 
 from epl.materialize.initialize import hf_owners, initialize_unit
 from epl.materialize.swap import swap_values, to_meta
-from epl.materialize.units import InitUnit, init_units, named_tensors, unit_of_tensors
+from epl.materialize.units import InitUnit, has_meta_tensors, init_units, named_tensors, unit_of_tensors
 
+Item = TypeVar("Item")
 _ACTIVE: ContextVar[StreamedInit | None] = ContextVar("epl_streamed_init", default=None)
 
 
@@ -52,6 +53,14 @@ class StreamedInit:
     def values(self, unit: InitUnit) -> dict[int, torch.Tensor]:
         """``id`` of each tensor of ``unit`` -> its initial values (CPU)."""
         return initialize_unit(unit, self.base_seed, self.owners)
+
+    def by_unit(self, items: list[Item], original: Callable[[Item], torch.Tensor]) -> list[tuple[InitUnit, list[Item]]]:
+        """``items`` grouped by the unit that gives ``original(item)`` (a tensor of the model as built) its values,
+        in the units' order."""
+        groups: dict[int, list[Item]] = {}
+        for item in items:
+            groups.setdefault(id(self.first[id(original(item))]), []).append(item)
+        return [(unit, groups[id(unit)]) for unit in self.units if id(unit) in groups]
 
     def covers(self, model: nn.Module) -> bool:
         """Whether ``model`` is this model or one of its modules."""
@@ -100,11 +109,7 @@ class _Live:
     def give(self, tensors: list[torch.Tensor]) -> None:
         """Give values to those of ``tensors`` that are the model's and still on ``meta``."""
         wanted = [t for t in tensors if t.is_meta and id(t) in self.stream.first and id(t) not in self.live]
-        by_unit: dict[int, tuple[InitUnit, list[torch.Tensor]]] = {}
-        for tensor in wanted:
-            unit = self.stream.first[id(tensor)]
-            by_unit.setdefault(id(unit), (unit, []))[1].append(tensor)
-        for unit, members in by_unit.values():
+        for unit, members in self.stream.by_unit(wanted, lambda tensor: tensor):
             values = self.stream.values(unit)
             for tensor in members:
                 swap_values(tensor, values[id(tensor)].to(self.stream.device))
@@ -162,4 +167,4 @@ def shapes_only(model: nn.Module) -> bool:
     """Whether an example run of ``model`` computes shapes only: it is built on ``meta`` and no
     :class:`StreamedInit` gives it values (``epl plan``). Such a run fails where the model's code reads values it
     computed from its weights; what depends on it then falls back on what needs no run."""
-    return active_stream(model) is None and any(t.is_meta for t in model.parameters())
+    return active_stream(model) is None and has_meta_tensors(model)

@@ -62,7 +62,8 @@ def parallelize(
             "to run it without training."
         )
     request = current_request()
-    lazy = _lazy_init(model, env) if has_meta_tensors(model) and _streams(model, request is not None) else None
+    planning = request is not None
+    lazy = _lazy_init(model, env, planning) if has_meta_tensors(model) and _streams(model, planning) else None
     if lazy is not None:
         env.annotations.forget_tensors()
     with streamed(lazy):
@@ -149,13 +150,14 @@ def _with_memory(plan: Plan, model: nn.Module, taskgraphs: list[TaskGraph], env:
     return with_memory(plan, model, taskgraphs, config=env.config, hooks=env.plugins, optimizer=optimizer)
 
 
-def _lazy_init(model: nn.Module, env: Env) -> StreamedInit:
+def _lazy_init(model: nn.Module, env: Env, planning: bool) -> StreamedInit:
     """The init units of ``model``, built on ``meta``, with the job's seed: rank 0's ``torch.initial_seed()``, so
-    that every rank gives a layer the same values, whatever seed each was given."""
+    that every rank gives a layer the same values, whatever seed each was given (``planning``: ``epl plan``, one
+    process, values on the CPU)."""
     seed = torch.tensor([torch.initial_seed()], dtype=torch.int64)
-    if env.communicator is not None and env.cluster.world_size > 1 and current_request() is None:
+    if not planning and env.communicator is not None and env.cluster.world_size > 1:
         broadcast_tensors([seed], env.communicator)
-    return StreamedInit(model, int(seed.item()), "cpu" if current_request() is not None else env.cluster.device)
+    return StreamedInit(model, int(seed.item()), "cpu" if planning else env.cluster.device)
 
 
 #: ``epl plan`` runs the example forwards of a model built on meta with values (one layer at a time) when its

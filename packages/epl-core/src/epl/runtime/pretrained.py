@@ -44,17 +44,20 @@ DTYPES: dict[torch.dtype, str] = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }  # fmt: skip
+#: Bytes per element of each safetensors dtype.
+_ITEMSIZE: dict[str, int] = {code: dtype.itemsize for dtype, code in DTYPES.items()}
 _PIECES = ".epl-pieces-{rank}.json"
 
 
 # -- which part of a whole tensor a rank holds ----------------------------------------------------------------
 @dataclass(frozen=True)
 class Piece:
-    """The part of a whole tensor one rank holds: along ``dim``, the index ``ranges`` (start, stop), in order
-    (several for a fused tensor's parts); ``dim`` -1: all of it."""
+    """The part of a whole tensor one rank holds: along ``dim`` (of ``size`` items in the whole), the index
+    ``ranges`` (start, stop), in order (several for a fused tensor's parts); ``dim`` -1: all of it."""
 
     dim: int
     ranges: tuple[tuple[int, int], ...]
+    size: int = 0
 
     @staticmethod
     def of(tensor: torch.Tensor) -> Piece:
@@ -66,13 +69,14 @@ class Piece:
             return Piece(-1, ())
         part = spec.size // spec.parts
         start, length = spec.group.slice(part).start, spec.group.sizes(part)[spec.group.index]
-        return Piece(spec.dim, tuple((j * part + start, j * part + start + length) for j in range(spec.parts)))
+        ranges = tuple((j * part + start, j * part + start + length) for j in range(spec.parts))
+        return Piece(spec.dim, ranges, spec.size)
 
-    def whole_shape(self, local: tuple[int, ...], size: int | None) -> tuple[int, ...]:
-        """The whole tensor's shape, from the local one and the whole size along ``dim``."""
-        if self.dim < 0 or size is None:
+    def whole_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
+        """The whole tensor's shape, from the shape of the piece."""
+        if self.dim < 0:
             return local
-        return (*local[: self.dim], size, *local[self.dim + 1 :])
+        return (*local[: self.dim], self.size, *local[self.dim + 1 :])
 
     def elements(self, shape: tuple[int, ...]) -> int:
         """The elements of the piece of a whole tensor of ``shape``."""
@@ -91,13 +95,10 @@ class Piece:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
 
 
-def _local_tensors(engine: CheckpointedEngine) -> Iterator[tuple[str, torch.Tensor, Piece, int | None]]:
-    """Each (name, this rank's tensor, its piece, whole size along the piece's dim) of the model's state."""
-    from epl.sharding.parameters import shard_spec
-
+def _local_tensors(engine: CheckpointedEngine) -> Iterator[tuple[str, torch.Tensor, Piece]]:
+    """Each (name, this rank's tensor, its piece of the whole) of the model's state."""
     for name, tensor in engine.model.state_dict(keep_vars=True).items():
-        spec = shard_spec(tensor)
-        yield name, tensor, Piece.of(tensor), None if spec is None else spec.size
+        yield name, tensor, Piece.of(tensor)
 
 
 # -- loading ---------------------------------------------------------------------------------------------------
@@ -153,12 +154,12 @@ def load_pretrained(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
     _agree(engine, problem)
     local = list(_local_tensors(engine))
     tied = _tied_names(engine)
-    ours = [name for name, *_ in local]
-    names = name_map(list(dict.fromkeys([*ours, *(t for n in ours for t in tied.get(n, ()))])), set(files))
-    missing = [n for n, *_ in local if names[n] not in files and not any(names[t] in files for t in tied.get(n, ()))]
-    unexpected = _held_by_no_rank(
-        engine, sorted(files), {names[n] for n in ours} | {names[t] for n in ours for t in tied.get(n, ())}
-    )
+    # Each name of this rank's and the names tied to it: a checkpoint holds one name of a tied tensor.
+    candidates = {name: [name, *tied.get(name, ())] for name, *_ in local}
+    names = name_map(list(dict.fromkeys(n for group in candidates.values() for n in group)), set(files))
+    sources = {name: next((names[n] for n in group if names[n] in files), None) for name, group in candidates.items()}
+    missing = [name for name, source in sources.items() if source is None]
+    unexpected = _held_by_no_rank(engine, sorted(files), {names[n] for group in candidates.values() for n in group})
     if strict and (missing or unexpected):
         problem = (
             f"{folder} does not fit the model: missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
@@ -170,20 +171,20 @@ def load_pretrained(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
     read = 0
     handles: dict[Path, Any] = {}
     try:
-        for name, tensor, piece, size in local:
-            source = names[name] if names[name] in files else next((names[t] for t in tied.get(name, ())), None)
-            if source is None or source not in files:
+        for name, tensor, piece in local:
+            source = sources[name]
+            if source is None:
                 continue
             file = files[source]
             handle = handles.get(file) or handles.setdefault(file, safe_open(str(file), framework="pt"))
             view = handle.get_slice(source)
             whole = tuple(view.get_shape())
-            expected = piece.whole_shape(tuple(tensor.shape), size)
+            expected = piece.whole_shape(tuple(tensor.shape))
             if whole != expected:
                 problem = f"{source!r} has shape {list(whole)} in {file.name}, the model's is {list(expected)}."
                 break
             value = piece.read(view).to(tensor.dtype)
-            read += value.numel() * _itemsize(view.get_dtype())
+            read += value.numel() * _ITEMSIZE[view.get_dtype()]
             values[name] = value
     finally:
         handles.clear()
@@ -219,10 +220,6 @@ def _held_by_no_rank(engine: CheckpointedEngine, saved: list[str], mine: set[str
     return [name for name, count in zip(saved, held.tolist(), strict=True) if not count]
 
 
-def _itemsize(code: str) -> int:
-    return {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2}.get(code, 1)
-
-
 # -- saving ----------------------------------------------------------------------------------------------------
 def save_pretrained(
     engine: CheckpointedEngine, path: str | os.PathLike[str], *, max_shard_size: int | str = "5GB"
@@ -236,9 +233,9 @@ def save_pretrained(
     local = list(_local_tensors(engine))
     values = engine.state_dict()["model"]  # plain values (a technique that frees parameters hands copies)
     mine = [
-        {"name": name, "dtype": DTYPES[t.dtype], "shape": list(piece.whole_shape(tuple(t.shape), size)),
+        {"name": name, "dtype": DTYPES[t.dtype], "shape": list(piece.whole_shape(tuple(t.shape))),
          "dim": piece.dim, "ranges": [list(r) for r in piece.ranges]}
-        for name, t, piece, size in local
+        for name, t, piece in local
     ]  # fmt: skip
     (partial / _PIECES.format(rank=rank)).write_text(json.dumps(mine))
     _everyone(engine, lambda: None)
@@ -246,7 +243,7 @@ def save_pretrained(
     layout = _Layout([json.loads((partial / _PIECES.format(rank=r)).read_text()) for r in range(world)])
     layout.assign_files(_bytes(max_shard_size))
     _everyone(engine, lambda: layout.write_headers(partial))
-    for name, _, piece, _ in local:
+    for name, _, piece in local:
         if layout.writer[(name, piece.dim, tuple(piece.ranges))] == rank:
             layout.write_piece(partial, name, piece, values[name])
     config = getattr(engine.model, "config", None)
@@ -282,13 +279,15 @@ class _Layout:
         for name, info in self.tensors.items():
             if covered[name] != math.prod(info["shape"]):
                 raise EplError(f"The ranks' pieces of {name!r} do not make the whole tensor; nothing was written.")
+        #: Bytes of each whole tensor.
+        self.sizes = {name: math.prod(t["shape"]) * _ITEMSIZE[t["dtype"]] for name, t in self.tensors.items()}
         self.files: list[list[str]] = []
         self.offsets: dict[str, tuple[int, int]] = {}  # name -> (file index, data offset in it)
-        self.data_start: list[int] = []
+        self.headers: list[bytes] = []
 
     def assign_files(self, limit: int) -> None:
         """Put the tensors in files of at most ``limit`` bytes (one larger tensor gets a file of its own)."""
-        sizes = {name: math.prod(t["shape"]) * _itemsize(t["dtype"]) for name, t in self.tensors.items()}
+        sizes = self.sizes
         current: list[str] = []
         total = 0
         for name in self.tensors:
@@ -304,17 +303,22 @@ class _Layout:
             for name in names:
                 self.offsets[name] = (index, offset)
                 offset += sizes[name]
+        self.headers = [self._header(index) for index in range(len(self.files))]
 
     def file_name(self, index: int) -> str:
         count = len(self.files)
         return SINGLE if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
-    def header(self, index: int) -> bytes:
+    def _header(self, index: int) -> bytes:
+        """File ``index``'s safetensors header: its length, then the JSON of its tensors' places."""
         entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         for name in self.files[index]:
             info, start = self.tensors[name], self.offsets[name][1]
-            size = math.prod(info["shape"]) * _itemsize(info["dtype"])
-            entries[name] = {"dtype": info["dtype"], "shape": info["shape"], "data_offsets": [start, start + size]}
+            entries[name] = {
+                "dtype": info["dtype"],
+                "shape": info["shape"],
+                "data_offsets": [start, start + self.sizes[name]],
+            }
         text = json.dumps(entries, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
         return len(text).to_bytes(8, "little") + text
@@ -322,8 +326,8 @@ class _Layout:
     def write_headers(self, folder: Path) -> None:
         """Create every file at its full size with its header (rank 0)."""
         for index, names in enumerate(self.files):
-            header = self.header(index)
-            data = sum(math.prod(self.tensors[n]["shape"]) * _itemsize(self.tensors[n]["dtype"]) for n in names)
+            header = self.headers[index]
+            data = sum(self.sizes[n] for n in names)
             with open(folder / self.file_name(index), "wb") as handle:
                 handle.write(header)
                 handle.truncate(len(header) + data)
@@ -332,7 +336,7 @@ class _Layout:
         """Write this rank's ``value`` of ``name`` into its byte ranges of the whole tensor."""
         index, start = self.offsets[name]
         shape = tuple(self.tensors[name]["shape"])
-        base = len(self.header(index)) + start
+        base = len(self.headers[index]) + start
         raw = value.detach().to("cpu").contiguous()
         item = raw.element_size()
         data = raw.view(torch.uint8) if raw.dim() else raw.reshape(1).view(torch.uint8)
@@ -358,7 +362,7 @@ class _Layout:
         """``model.safetensors.index.json`` when the tensors fill several files (as transformers writes it)."""
         if len(self.files) == 1:
             return
-        total = sum(math.prod(t["shape"]) * _itemsize(t["dtype"]) for t in self.tensors.values())
+        total = sum(self.sizes.values())
         weight_map = {name: self.file_name(self.offsets[name][0]) for name in self.tensors}
         (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 

@@ -219,6 +219,8 @@ def example_input(model: nn.Module) -> Any | None:
     parameters decides: token ids for an ``nn.Embedding``, a float batch for an
     ``nn.Linear``.
     """
+    from epl.materialize.streaming import shapes_only
+
     device = _example_device(model)
     dummy = getattr(model, "dummy_inputs", None)
     if isinstance(dummy, dict) and dummy:
@@ -238,13 +240,6 @@ def example_input(model: nn.Module) -> Any | None:
         values = torch.zeros(2, first.in_features, dtype=first.weight.dtype)
         return values.normal_(generator=torch.Generator().manual_seed(0)).to(device)
     return None
-
-
-def shapes_only(model: nn.Module) -> bool:
-    """Whether an example run of ``model`` computes shapes only (see :func:`epl.materialize.streaming.shapes_only`)."""
-    from epl.materialize.streaming import shapes_only as on_meta
-
-    return on_meta(model)
 
 
 def _example_device(model: nn.Module) -> torch.device:
