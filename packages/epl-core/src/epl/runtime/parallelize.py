@@ -154,7 +154,7 @@ def _lazy_init(model: nn.Module, env: Env, planning: bool) -> StreamedInit:
     """The init units of ``model``, built on ``meta``, with the job's seed: rank 0's ``torch.initial_seed()``, so
     that every rank gives a layer the same values, whatever seed each was given (``planning``: ``epl plan``, one
     process, values on the CPU)."""
-    seed = torch.tensor([torch.initial_seed()], dtype=torch.int64)
+    seed = torch.tensor([torch.initial_seed() % (1 << 63)], dtype=torch.int64)  # an unseeded process's is 64-bit
     if not planning and env.communicator is not None and env.cluster.world_size > 1:
         broadcast_tensors([seed], env.communicator)
     return StreamedInit(model, int(seed.item()), "cpu" if planning else env.cluster.device)
