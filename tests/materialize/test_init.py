@@ -63,3 +63,17 @@ def test_a_parameter_nothing_initialises_is_refused_by_name() -> None:
         model = models.Unset()
     with pytest.raises(epl.errors.UninitializedError, match=r"'bias'.*reset_parameters"):
         epl.parallelize(model)
+
+
+def test_values_swapped_in_keep_the_gradient_hooks() -> None:
+    """A hook registered on a meta tensor (the split's sum of a per-head norm's gradient over the shards) still
+    runs once, after the tensor got its values in the same object."""
+    from epl.materialize.swap import swap_values
+
+    param = torch.nn.Parameter(torch.empty(3, device="meta"))
+    accumulated: list[int] = []
+    param.register_hook(lambda grad: grad * 2)
+    param.register_post_accumulate_grad_hook(lambda tensor: accumulated.append(1))
+    swap_values(param, torch.ones(3))
+    (param * 1).sum().backward()
+    assert torch.equal(param.grad, torch.full((3,), 2.0)) and accumulated == [1]

@@ -107,20 +107,28 @@ class _Live:
             self.release(self.frames.pop())
 
     def give(self, tensors: list[torch.Tensor]) -> None:
-        """Give values to those of ``tensors`` that are the model's and still on ``meta``."""
+        """Give values to those of ``tensors`` that are the model's and still on ``meta``.
+
+        Out of sight of the torch function modes of the example run (the split layout's recorder, a pipeline's
+        record): initialising a layer is no computation of the model's, and a record that saw it would analyse
+        the initialisation's operations as the model's.
+        """
         wanted = [t for t in tensors if t.is_meta and id(t) in self.stream.first and id(t) not in self.live]
-        for unit, members in self.stream.by_unit(wanted, lambda tensor: tensor):
-            values = self.stream.values(unit)
-            for tensor in members:
-                swap_values(tensor, values[id(tensor)].to(self.stream.device))
-                self.live.add(id(tensor))
-                self.frames[-1].append(tensor)
+        with torch._C.DisableTorchFunction():
+            for unit, members in self.stream.by_unit(wanted, lambda tensor: tensor):
+                values = self.stream.values(unit)
+                for tensor in members:
+                    swap_values(tensor, values[id(tensor)].to(self.stream.device))
+                    self.live.add(id(tensor))
+                    self.frames[-1].append(tensor)
 
     def release(self, tensors: list[torch.Tensor]) -> None:
-        for tensor in tensors:
-            self.live.discard(id(tensor))
-            if not to_meta(tensor):
-                self.kept.append(tensor)
+        """Take the values of ``tensors`` back (out of sight of the example run's modes, as :meth:`give`)."""
+        with torch._C.DisableTorchFunction():
+            for tensor in tensors:
+                self.live.discard(id(tensor))
+                if not to_meta(tensor):
+                    self.kept.append(tensor)
 
     def release_all(self) -> None:
         for frame in self.frames:

@@ -23,6 +23,9 @@ def swap_values(tensor: torch.Tensor, value: torch.Tensor) -> None:
     hooks = list((getattr(tensor, "_backward_hooks", None) or {}).values())
     accumulate_hooks = list((getattr(tensor, "_post_accumulate_grad_hooks", None) or {}).values())
     torch.utils.swap_tensors(tensor, new)
+    # The hook dictionaries come along as attributes, but autograd no longer calls them: set them anew.
+    tensor._backward_hooks = None
+    tensor._post_accumulate_grad_hooks = None
     for hook in hooks:
         tensor.register_hook(hook)
     for hook in accumulate_hooks:
