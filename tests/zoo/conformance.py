@@ -24,6 +24,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
+import contextlib
 import json
 import time
 from collections.abc import Iterable
@@ -58,6 +59,9 @@ class Layout:
     micro_batches: int = 1
     clip: bool = False
     config: tuple[tuple[str, Any], ...] = ()
+    #: Build the model on the meta device (``epl.materialize`` gives each rank's part its values); the reference is
+    #: then the same script in one process, whose ``parallelize`` gives the whole model the same values.
+    meta: bool = False
 
     def epl_config(self) -> dict[str, Any]:
         """The ``epl.Config`` of the cell."""
@@ -79,6 +83,9 @@ LAYOUTS: dict[str, Layout] = {
         Layout("3D split(2) x 2 stages", world=4, split=2, micro_batches=2, config=PIPELINE),
         Layout("ZeRO v1 x 2", world=2, replicas=2, config=(("zero.level", "v1"),)),
         Layout("split(2) + clipping", world=2, split=2, clip=True),
+        Layout("meta split(2)", world=2, split=2, meta=True),
+        Layout("meta pipeline 2 stages", world=2, micro_batches=2, config=PIPELINE, meta=True),
+        Layout("meta 3D", world=4, split=2, micro_batches=2, config=PIPELINE, meta=True),
     )
 }
 
@@ -117,10 +124,11 @@ def model_inputs(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: value for key, value in inputs.items() if key != "labels"}
 
 
-def reference(name: str, replicas: int, micro_batches: int, clip: bool) -> dict[str, Any]:
+def reference(name: str, replicas: int, micro_batches: int, clip: bool, meta: bool = False) -> dict[str, Any]:
     """The one-process run: per step, each replica's rows in micro-batches, gradients averaged, clipped if asked,
-    one SGD step. Each replica's mean micro-batch losses, and the final state."""
-    model = zoo.build(name)
+    one SGD step. Each replica's mean micro-batch losses, and the final state. ``meta``: the model is built on the
+    meta device and given its values by ``epl.parallelize`` in this one process."""
+    model = zoo.build(name) if not meta else _built_on_meta_in_one_process(name)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     optimizer = optimizer_for(model.parameters())
     losses: list[list[float]] = [[] for _ in range(replicas)]
@@ -140,6 +148,19 @@ def reference(name: str, replicas: int, micro_batches: int, clip: bool) -> dict[
         optimizer.step()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"losses": losses, "state": state, "initial": initial}
+
+
+def _built_on_meta_in_one_process(name: str) -> torch.nn.Module:
+    import epl
+
+    epl.init()
+    try:
+        with torch.device("meta"):
+            model = zoo.build(name)
+        return epl.parallelize(model).model
+    finally:
+        if epl.Env._current is not None:
+            epl.Env._current.close()
 
 
 def optimizer_for(params: Any) -> torch.optim.Optimizer:
@@ -166,11 +187,12 @@ def train_cells(layout_name: str, names: list[str]) -> dict[str, dict[str, Any]]
 def _train_cell(epl: Any, layout: Layout, name: str) -> dict[str, Any]:
     try:
         epl.init(epl.Config(layout.epl_config()))
-        if layout.split > 1:
-            with epl.split(layout.split):
+        with torch.device("meta") if layout.meta else contextlib.nullcontext():
+            if layout.split > 1:
+                with epl.split(layout.split):
+                    model = zoo.build(name)
+            else:
                 model = zoo.build(name)
-        else:
-            model = zoo.build(name)
         engine = epl.parallelize(
             model,
             optimizer=optimizer_for,
@@ -291,9 +313,9 @@ def run_layout(layout_name: str, names: list[str], references: dict[tuple[Any, .
     for name in names:
         if not all(name in report for report in reports):
             break  # not run by every rank: a cell before it failed
-        key = (name, layout.replicas, layout.micro_batches, layout.clip)
+        key = (name, layout.replicas, layout.micro_batches, layout.clip, layout.meta)
         if key not in references:
-            references[key] = reference(name, layout.replicas, layout.micro_batches, layout.clip)
+            references[key] = reference(name, *key[1:])
         cells.append(judge(name, layout, [report[name] for report in reports], references[key]))
         if cells[-1].status == "error":
             break
