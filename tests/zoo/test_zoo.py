@@ -4,8 +4,9 @@ The slice: a Llama with tied embeddings (tied weights across split stages), Gemm
 embedding subclass, norms with offsets, soft-capping), Gemma 3 (a forward that loops over a set: the
 ranks' call orders agree), T5 and BART (encoder-decoder, a shared
 embedding called under other names), Falcon with its grouped layout (`falcon-40b`: fused q/k/v by
-key/value group, a linear subclass) and
-Qwen2-MoE (fused experts, a shared expert). Every cell must equal one process with each rank
+key/value group, a linear subclass),
+BERT (an LM head holding its decoder's bias) and Qwen2-MoE (fused experts, a shared expert). The meta layouts
+build each on the meta device (:mod:`epl.materialize`). Every cell must equal one process with each rank
 holding only its share: none may train to a different model, crash, be refused or keep most of
 its parameters whole under split. ``nox -s zoo`` runs the whole matrix (docs/models.md).
 """
@@ -20,7 +21,7 @@ from tests.zoo.conformance import LAYOUTS, run_layout
 
 pytestmark = pytest.mark.multiprocess
 
-SLICE = ["llama-tied", "gemma2", "gemma3_text", "t5", "bart", "falcon-40b", "qwen2_moe"]
+SLICE = ["llama-tied", "gemma2", "gemma3_text", "t5", "bart", "bert", "falcon-40b", "qwen2_moe"]
 _REFERENCES: dict[tuple[Any, ...], Any] = {}
 
 

@@ -20,12 +20,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from epl.errors import UninitializedError
 from epl.materialize.units import InitUnit
+
+#: A slot a transform has since emptied (restored as absent).
+_ABSENT: Any = object()
 
 
 def unit_seed(base_seed: int, unit: str) -> int:
@@ -40,7 +44,7 @@ def initialize_unit(unit: InitUnit, base_seed: int, owners: dict[int, nn.Module]
     ``owners``: ``id(module)`` -> the transformers ``PreTrainedModel`` whose ``_init_weights`` initialises it
     (:func:`hf_owners`). Raises :class:`UninitializedError` for a tensor nothing initialises.
     """
-    slots = list(unit.slots())
+    slots = unit.slots()
     checked_twice = any(not _floating(t) for *_, t in slots)
     first = _run(unit, slots, base_seed, owners, fill=0)
     if not checked_twice:
@@ -105,15 +109,19 @@ def _in_slots(
     current = {id(m): (m, m._modules) for _, m in unit.modules}
     for module, _ in current.values():
         module._modules = dict(unit.children[id(module)])
+    now: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor | None]] = []
     for module, attr, _, tensor in slots:
         store = module._parameters if attr in module._parameters else module._buffers
+        now.append((store, attr, store.get(attr, _ABSENT)))  # type: ignore[arg-type]
         store[attr] = fresh[id(tensor)]  # type: ignore[assignment]
     try:
         yield
     finally:
-        for module, attr, _, tensor in slots:
-            store = module._parameters if attr in module._parameters else module._buffers
-            store[attr] = tensor  # type: ignore[assignment]
+        for store, attr, held in reversed(now):  # what the slots hold now (a transform's shard, say)
+            if held is _ABSENT:
+                del store[attr]
+            else:
+                store[attr] = held  # type: ignore[assignment]
         for module, children in current.values():
             module._modules = children
 

@@ -12,7 +12,6 @@ whole model.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -34,16 +33,22 @@ class InitUnit:
     #: by its shard or a pipeline's stand-in, but initialisation code reaching from a module into its children
     #: (``module.c_proj.weight``) must reach the children the unit initialises.
     children: dict[int, dict[str, nn.Module | None]] = field(default_factory=dict)
+    #: Each (module, attribute, qualified name, tensor) of the unit's parameters and buffers as built: a
+    #: transform may since have put another tensor in a slot (BERT's LM head holds its decoder's bias shard).
+    as_built: list[tuple[nn.Module, str, str, torch.Tensor]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.children = {id(m): dict(m._modules) for _, m in self.modules}
+        self.as_built = [
+            (module, attr, f"{prefix}.{attr}" if prefix else attr, tensor)
+            for prefix, module in self.modules
+            for attr, tensor in itertools.chain(module._parameters.items(), module._buffers.items())
+            if tensor is not None
+        ]
 
-    def slots(self) -> Iterator[tuple[nn.Module, str, str, torch.Tensor]]:
-        """Each (module, attribute, qualified name, tensor) of the unit's parameters and buffers."""
-        for prefix, module in self.modules:
-            for attr, tensor in itertools.chain(module._parameters.items(), module._buffers.items()):
-                if tensor is not None:
-                    yield module, attr, f"{prefix}.{attr}" if prefix else attr, tensor
+    def slots(self) -> list[tuple[nn.Module, str, str, torch.Tensor]]:
+        """Each (module, attribute, qualified name, tensor) of the unit's parameters and buffers, as built."""
+        return self.as_built
 
     def tensors(self) -> list[torch.Tensor]:
         """The unit's tensors, each once."""
