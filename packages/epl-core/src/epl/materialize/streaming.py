@@ -26,6 +26,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from epl.materialize.heap import FreedMemory
 from epl.materialize.initialize import hf_owners, initialize_unit
 from epl.materialize.swap import swap_values, to_meta
 from epl.materialize.units import InitUnit, has_meta_tensors, init_units, named_tensors, unit_of_tensors
@@ -95,6 +96,7 @@ class _Live:
         self.frames: list[list[torch.Tensor]] = [[]]
         self.live: set[int] = set()
         self.kept: list[torch.Tensor] = []  # could not be taken back when their module returned
+        self.heap = FreedMemory()
 
     def before(self, module: nn.Module, args: Any) -> None:
         self.frames.append([])
@@ -111,23 +113,33 @@ class _Live:
 
         Out of sight of the torch function modes of the example run (the split layout's recorder, a pipeline's
         record): initialising a layer is no computation of the model's, and a record that saw it would analyse
-        the initialisation's operations as the model's.
+        the initialisation's operations as the model's. Even reading ``tensor.is_meta`` passes through those
+        modes (and through :class:`_OnTouch`, which would give each tensor alone, initialising its unit once per
+        tensor). A unit's values go to all of its tensors still on meta, not only those asked for.
         """
-        wanted = [t for t in tensors if t.is_meta and id(t) in self.stream.first and id(t) not in self.live]
         with torch._C.DisableTorchFunction():
-            for unit, members in self.stream.by_unit(wanted, lambda tensor: tensor):
+            wanted = [t for t in tensors if self._waiting(t)]
+            for unit, _ in self.stream.by_unit(wanted, lambda tensor: tensor):
                 values = self.stream.values(unit)
-                for tensor in members:
-                    swap_values(tensor, values[id(tensor)].to(self.stream.device))
-                    self.live.add(id(tensor))
-                    self.frames[-1].append(tensor)
+                for tensor in unit.tensors():
+                    if self._waiting(tensor) and self.stream.first[id(tensor)] is unit:
+                        swap_values(tensor, values[id(tensor)].to(self.stream.device))
+                        self.live.add(id(tensor))
+                        self.frames[-1].append(tensor)
+
+    def _waiting(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is the model's and still waits for its values."""
+        return tensor.is_meta and id(tensor) in self.stream.first and id(tensor) not in self.live
 
     def release(self, tensors: list[torch.Tensor]) -> None:
         """Take the values of ``tensors`` back (out of sight of the example run's modes, as :meth:`give`)."""
         with torch._C.DisableTorchFunction():
             for tensor in tensors:
                 self.live.discard(id(tensor))
-                if not to_meta(tensor):
+                nbytes = tensor.nbytes
+                if to_meta(tensor):
+                    self.heap.freed(nbytes)
+                else:
                     self.kept.append(tensor)
 
     def release_all(self) -> None:
@@ -137,6 +149,7 @@ class _Live:
         kept, self.kept = self.kept, []
         for tensor in kept:
             to_meta(tensor)  # a record that held a view of it is gone by now; if not, its values stay
+        self.heap.trim()
 
 
 class _OnTouch(TorchFunctionMode):
