@@ -77,3 +77,23 @@ def test_values_swapped_in_keep_the_gradient_hooks() -> None:
     swap_values(param, torch.ones(3))
     (param * 1).sum().backward()
     assert torch.equal(param.grad, torch.full((3,), 2.0)) and accumulated == [1]
+
+
+def test_what_transformers_init_leaves_unset_gets_torch_init_first() -> None:
+    """A transformers model's unit is initialised by its ``_init_weights`` alone (as transformers fills the weights
+    a checkpoint lacks); a module that ``_init_weights`` does not know (here a gain set by its ``reset_parameters``)
+    makes that unit initialise again, torch's ``reset_parameters`` first, then ``_init_weights``."""
+    from epl.materialize.initialize import hf_owners, initialize_unit
+
+    with torch.device("meta"):
+        model = models.llama(tied=False)
+        model.model.layers[0].gain = models.Scale(32)
+    owners = hf_owners(model)
+    units = {unit.name: unit for unit in init_units(model)}
+    values = initialize_unit(units["model.layers.0"], 0, owners)
+    layer = model.model.layers[0]
+    gain = values[id(layer.gain.gain)]
+    assert bool(((gain >= 0.5) & (gain <= 1.5)).all())
+    std = model.config.initializer_range
+    assert abs(float(values[id(layer.mlp.up_proj.weight)].std()) - std) < 0.2 * std  # then _init_weights
+    assert torch.equal(values[id(layer.input_layernorm.weight)], torch.ones(32))

@@ -16,5 +16,5 @@ seed and the unit's name (:mod:`epl.materialize.initialize`): the same numbers o
 layout, so a run on any number of processes equals the same script in one process.
 
 The modules: :mod:`~epl.materialize.units` · :mod:`~epl.materialize.initialize` · :mod:`~epl.materialize.swap` ·
-:mod:`~epl.materialize.streaming` · :mod:`~epl.materialize.placing`.
+:mod:`~epl.materialize.streaming` · :mod:`~epl.materialize.placing` · :mod:`~epl.materialize.heap`.
 """

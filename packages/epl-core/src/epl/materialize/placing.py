@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from epl.errors import EplError
+from epl.materialize.heap import FreedMemory
 from epl.materialize.streaming import StreamedInit
 from epl.materialize.swap import swap_values
 from epl.materialize.units import named_tensors
@@ -36,13 +37,16 @@ def materialize_kept(model: nn.Module, stream: StreamedInit, device: torch.devic
             )
         wanted.append((name, local, original))
     count = 0
+    heap = FreedMemory()
     for unit, members in stream.by_unit(wanted, lambda item: item[2]):
         values = stream.values(unit)
         for name, local, original in members:
             whole = values[id(original)]
             swap_values(local, _part(name, local, whole).to(device).contiguous())
             count += local.numel()
+        heap.freed(sum(value.nbytes for value in values.values()))
         del values  # before the next unit's values: one unit at a time
+    heap.trim()
     return count
 
 
