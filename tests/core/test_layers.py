@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("annotations", ["epl.annotations"]),
     ("placement", ["epl.placement"]),
     ("plugins", ["epl.plugins"]),
-    ("runtime", ["epl.runtime", "epl.io", "epl.progress"]),
+    ("runtime", ["epl.runtime", "epl.pretrained", "epl.io", "epl.progress"]),
     ("built-in plugins", ["epl.builtin", "epl.cli", "epl.examples"]),
     ("public API", ["=epl", "epl.plugin_api"]),
 ]

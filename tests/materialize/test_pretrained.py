@@ -34,12 +34,12 @@ def sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.5)
 
 
-def train_from(folder: str, out: str, config: dict[str, Any], split: int) -> dict[str, Any]:
+def train_from(folder: str, out: str, config: dict[str, Any], split: int, model_name: str = "llama") -> dict[str, Any]:
     """One rank: build on meta, load the folder, train 2 steps on the model's own loss, save_pretrained."""
     torch.manual_seed(0)
     epl.init(epl.Config(config))
     with torch.device("meta"), epl.split(split) if split > 1 else nullcontext():
-        model = models.llama(tied=True).double()
+        model = models.MODELS[model_name]().double()
     engine = epl.parallelize(model, optimizer=sgd)
     read = engine.load_pretrained(folder)
     losses = [float(engine.step({"input_ids": tokens(s), "labels": tokens(s)})) for s in range(2)]
@@ -66,7 +66,7 @@ def trained_here(model: torch.nn.Module) -> list[float]:
         loss = model(input_ids=tokens(step), labels=tokens(step)).loss
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -124,3 +124,53 @@ def test_pickled_checkpoints_are_refused(tmp_path: Path) -> None:
     engine = epl.parallelize(models.HandWritten())
     with pytest.raises(epl.EplError, match="pickle-based checkpoint.*safetensors"):
         engine.load_pretrained(tmp_path)
+
+
+#: Two more layouts on 2 processes: ZeRO v2 over 2 replicas (each fed the same rows), and Mixtral's experts split
+#: over the ranks from a folder in transformers' stored format (experts one by one, converted at load time).
+TWO_PROCESS_CASES = {
+    "llama zero v2": {"model": "llama", "config": {"zero.level": "v2"}, "split": 1},
+    "mixtral split": {"model": "mixtral", "config": {}, "split": 2},
+}
+
+
+def train_cases(folders: dict[str, str], out: str) -> dict[str, dict[str, Any]]:
+    return {
+        name: train_from(folders[name], f"{out}/{name}", case["config"], case["split"], case["model"])
+        for name, case in TWO_PROCESS_CASES.items()
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_zero_v2_and_split_experts_load_train_as_one_process_and_save(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    originals, folders = {}, {}
+    for name, case in TWO_PROCESS_CASES.items():
+        torch.manual_seed(5)
+        originals[name] = models.MODELS[case["model"]]().double()
+        folders[name] = str(tmp_path / name)
+        originals[name].save_pretrained(folders[name])
+    with safe_open(f"{folders['mixtral split']}/model.safetensors", framework="pt") as handle:
+        assert any(".experts.0.w1.weight" in key for key in handle.keys())  # the stored format, not the model's
+    results = run_ranks(train_cases, 2, folders, str(tmp_path / "out"), timeout=500)
+    for name, case in TWO_PROCESS_CASES.items():
+        model = copy.deepcopy(originals[name])
+        expected = trained_here(model)
+        size = sum(f.stat().st_size for f in Path(folders[name]).glob("*.safetensors"))
+        for result in results:
+            torch.testing.assert_close(result[name]["losses"], expected, rtol=LOSS_TOLERANCE, atol=LOSS_TOLERANCE)
+            if case["split"] > 1:  # each rank reads its experts' tensors and its shards' slices
+                assert result[name]["read"] < 0.75 * size, (name, result[name]["read"], size)
+        back = type(model).from_pretrained(tmp_path / "out" / name, dtype=torch.float64, **_eager(model))
+        with torch.no_grad():
+            torch.testing.assert_close(
+                back(input_ids=tokens(9)).logits, model(input_ids=tokens(9)).logits, rtol=TOLERANCE, atol=TOLERANCE
+            )
+
+
+def _eager(model: torch.nn.Module) -> dict[str, str]:
+    """The experts' implementation of ``model`` (the grouped kernels take no float64)."""
+    implementation = getattr(model.config, "_experts_implementation", None)
+    return {"experts_implementation": implementation} if implementation else {}

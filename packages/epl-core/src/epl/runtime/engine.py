@@ -316,9 +316,9 @@ class Engine:
         model's (also under a prefix one side lacks, as transformers' ``base_model_prefix``); dtypes are converted
         to the model's. ``strict`` (default): a name the model has and the folder lacks, or the reverse, is an
         error; ``strict=False`` loads what matches. Pickle-based ``.bin`` checkpoints are refused. Returns the
-        bytes this rank read. See :mod:`epl.runtime.pretrained`.
+        bytes this rank read. See :mod:`epl.pretrained`.
         """
-        from epl.runtime.pretrained import load_pretrained
+        from epl.pretrained import load_pretrained
 
         return load_pretrained(self, path, strict=strict)
 
@@ -326,9 +326,9 @@ class Engine:
         """Write the model as a transformers checkpoint folder at ``path`` (every rank calls it): safetensors
         under the original names, several files with ``model.safetensors.index.json`` past ``max_shard_size``,
         and ``config.json`` when the model has a ``config``; ``AutoModel...from_pretrained(path)`` reads it.
-        Each rank writes its own pieces into the files; nothing is gathered. See :mod:`epl.runtime.pretrained`.
+        Each rank writes its own pieces into the files; nothing is gathered. See :mod:`epl.pretrained`.
         """
-        from epl.runtime.pretrained import save_pretrained
+        from epl.pretrained import save_pretrained
 
         save_pretrained(self, path, max_shard_size=max_shard_size)
 

@@ -1,0 +1,176 @@
+"""Reading this rank's slices of a transformers checkpoint folder into an engine's model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from epl.errors import EplError
+from epl.pretrained.conversion import conversions
+from epl.pretrained.pieces import _ITEMSIZE, INDEX, SINGLE, Piece, local_tensors
+from epl.runtime.checkpoint import _agree, _alone
+
+if TYPE_CHECKING:
+    from epl.runtime.checkpoint import CheckpointedEngine
+
+
+def checkpoint_files(folder: Path) -> dict[str, Path]:
+    """Each tensor name of the transformers checkpoint ``folder`` -> the safetensors file holding it."""
+    if not folder.is_dir():
+        raise EplError(f"{folder} is not a folder; load_pretrained takes a transformers checkpoint folder.")
+    if (folder / INDEX).exists():
+        index = json.loads((folder / INDEX).read_text())
+        return {name: folder / file for name, file in index["weight_map"].items()}
+    if (folder / SINGLE).exists():
+        from safetensors import safe_open
+
+        with safe_open(str(folder / SINGLE), framework="pt") as handle:
+            return dict.fromkeys(handle.keys(), folder / SINGLE)
+    pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    if pickled:
+        raise EplError(
+            f"{folder} holds {pickled[0]}, a pickle-based checkpoint: loading it runs code from the file, so EPL "
+            "does not read it. Convert it once where you trust it: transformers' "
+            "Model.from_pretrained(folder).save_pretrained(out) writes safetensors (model.safetensors)."
+        )
+    raise EplError(f"{folder} holds neither {SINGLE} nor {INDEX}; is it a transformers checkpoint folder?")
+
+
+def name_map(model_names: list[str], saved: set[str]) -> dict[str, str]:
+    """The model's name -> the checkpoint's name: the same, or the same under a prefix one side has and the other
+    lacks (a ``LlamaModel`` checkpoint in a ``LlamaForCausalLM``, whose names start with ``model.``, or a model
+    wrapped in one of the user's own modules); the prefix that matches the most names wins."""
+    best: tuple[int, dict[str, str]] = (sum(name in saved for name in model_names), {n: n for n in model_names})
+    prefixes = {name[: i + 1] for name in [*model_names, *saved] for i, c in enumerate(name) if c == "."}
+    for prefix in sorted(prefixes):
+        strip = {n: n[len(prefix) :] for n in model_names if n.startswith(prefix)}
+        add = {n: prefix + n for n in model_names}
+        for mapping in (strip, add):
+            hits = sum(m in saved for m in mapping.values())
+            if hits > best[0]:
+                best = (hits, {n: mapping.get(n, n) for n in model_names})
+    return best[1]
+
+
+def load_pretrained(engine: CheckpointedEngine, path: str | os.PathLike[str], *, strict: bool = True) -> int:
+    """Read this rank's part of the transformers checkpoint folder ``path`` into ``engine``'s model (a collective:
+    every rank calls it). Returns the bytes of the slices this rank read."""
+    folder = Path(path)
+    problem: str | None = None
+    try:
+        files = checkpoint_files(folder)
+    except EplError as error:
+        files, problem = {}, str(error)
+    _agree(engine, problem)
+    local = list(local_tensors(engine))
+    tied = _tied_names(engine)
+    # Each name of this rank's and the names tied to it: a checkpoint holds one name of a tied tensor.
+    candidates = {name: [name, *tied.get(name, ())] for name, *_ in local}
+    names = name_map(list(dict.fromkeys(n for group in candidates.values() for n in group)), set(files))
+    sources = {name: next((names[n] for n in group if names[n] in files), None) for name, group in candidates.items()}
+    # Names transformers renames or builds from several tensors at load (Mixtral's experts stored one by one).
+    renamed, converted = conversions(engine.model, sorted(files), {n for n, s in sources.items() if s is None})
+    sources.update({name: source for name, source in renamed.items() if sources.get(name) is None})
+    missing = [name for name, source in sources.items() if source is None and name not in converted]
+    mine = {names[n] for group in candidates.values() for n in group} | set(renamed.values())
+    mine.update(source for entry in converted.values() for source in entry.names())
+    unexpected = _held_by_no_rank(engine, sorted(files), mine)
+    if strict and (missing or unexpected):
+        problem = (
+            f"{folder} does not fit the model: missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}. Load the checkpoint of this "
+            "model's class and config, or pass strict=False to load the tensors that match."
+        )
+    _agree(engine, problem)
+    reader = _Reader(files)
+    values: dict[str, torch.Tensor] = {}
+    try:
+        for name, tensor, piece in local:
+            expected = piece.whole_shape(tuple(tensor.shape))
+            if name in converted and sources[name] is None:
+                value = converted[name].read(name, piece, reader.read)
+                if tuple(value.shape) != tuple(tensor.shape):
+                    problem = f"{name!r} converted from {folder} has shape {list(value.shape)}, this rank's is " + (
+                        f"{list(tensor.shape)}."
+                    )
+                    break
+                values[name] = value.to(tensor.dtype)
+                continue
+            source = sources[name]
+            if source is None:
+                continue
+            whole = reader.shape(source)
+            if whole != expected:
+                where = files[source].name
+                problem = f"{source!r} has shape {list(whole)} in {where}, the model's is {list(expected)}."
+                break
+            values[name] = reader.read(source, piece).to(tensor.dtype)
+    except EplError as error:
+        problem = str(error)
+    finally:
+        reader.close()
+    _agree(engine, problem)
+    current = engine.state_dict()["model"]
+    current.update(values)
+    engine.load_state_dict({"version": 1, "model": current, "optimizer": None, "global_step": engine.global_step})
+    return reader.bytes_read
+
+
+class _Reader:
+    """Slices of the checkpoint's tensors, each file opened once, counting the bytes read."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self.files = files
+        self.handles: dict[Path, Any] = {}
+        self.bytes_read = 0
+
+    def _view(self, name: str) -> Any:
+        from safetensors import safe_open
+
+        file = self.files[name]
+        if file not in self.handles:
+            self.handles[file] = safe_open(str(file), framework="pt")
+        return self.handles[file].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The whole shape of the checkpoint's tensor ``name``."""
+        return tuple(self._view(name).get_shape())
+
+    def read(self, name: str, piece: Piece) -> torch.Tensor:
+        """The ``piece`` of the checkpoint's tensor ``name``, in its stored dtype."""
+        view = self._view(name)
+        value = piece.read(view)
+        self.bytes_read += value.numel() * _ITEMSIZE[view.get_dtype()]
+        return value
+
+    def close(self) -> None:
+        self.handles.clear()
+
+
+def _tied_names(engine: CheckpointedEngine) -> dict[str, list[str]]:
+    """Each name of this rank's model -> the other names of the same tensor (tied weights): one object under
+    several names here, or a tie transformers declares (``get_expanded_tied_weights_keys``: the LM head's weight
+    is the embedding's, on another pipeline stage), whose checkpoints hold one of the names only."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in engine.model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+    tied = {name: [other for other in group if other != name] for group in groups.values() for name in group}
+    declared = getattr(engine.model, "get_expanded_tied_weights_keys", None)
+    if callable(declared):
+        for target, source in declared(all_submodels=True).items():
+            tied.setdefault(target, []).append(source)
+            tied.setdefault(source, []).append(target)
+    return tied
+
+
+def _held_by_no_rank(engine: CheckpointedEngine, saved: list[str], mine: set[str]) -> list[str]:
+    """The checkpoint's names (``saved``, the same list on every rank) that no rank's model holds (a pipeline
+    rank holds its stage's names only): one all-reduce of a flag per name."""
+    held = torch.tensor([name in mine for name in saved], dtype=torch.int64)
+    if not _alone(engine) and held.numel():
+        engine.context.communicator.all_reduce(held).wait()
+    return [name for name, count in zip(saved, held.tolist(), strict=True) if not count]
