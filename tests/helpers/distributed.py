@@ -90,11 +90,15 @@ def run_ranks(
             processes.append(process)
         deadline = time.monotonic() + timeout
         failed_early = False
-        while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
-            if any(p.exitcode not in (None, 0) for p in processes):
-                failed_early = True
-                break
-            time.sleep(0.05)
+        try:
+            while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+                if any(p.exitcode not in (None, 0) for p in processes):
+                    failed_early = True
+                    break
+                time.sleep(0.05)
+        except BaseException:  # the test's own timeout (pytest-timeout), Ctrl-C: leave no rank running
+            _stop(processes)
+            raise
         timed_out = not failed_early and any(p.is_alive() for p in processes)
         running = [rank for rank, p in enumerate(processes) if p.is_alive()]
         _stop(processes)
