@@ -103,6 +103,15 @@ def bench_short(session: nox.Session) -> None:
 
 
 @nox.session
+def bigmem(session: nox.Session) -> None:
+    """The big-memory run alone: a 1.5B-parameter Llama (5.6 GiB in float32) built on meta under split(2) x 2
+    stages on 4 processes, one step, each rank's peak memory at most 0.6x the model (about 10 minutes on 2
+    cores; benchmarks/results/big_memory.json). CI runs it on a 0.10B model, in bench-short."""
+    install_packages(session, *TEST_TOOLS, *BENCH_TOOLS)
+    session.run("pytest", "benchmarks/test_big_memory.py", "-s", *session.posargs, env=SINGLE_THREAD)
+
+
+@nox.session
 def zoo(session: nox.Session) -> None:
     """The model-zoo conformance run: every architecture of tests/zoo/architectures.py's full matrix under every
     layout (data parallel, split, pipeline, 3D, ZeRO v1, clipping) and every other causal-LM and seq2seq
