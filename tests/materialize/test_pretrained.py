@@ -35,7 +35,8 @@ def sgd(params: Any) -> torch.optim.Optimizer:
 
 
 def train_from(folder: str, out: str, config: dict[str, Any], split: int, model_name: str = "llama") -> dict[str, Any]:
-    """One rank: build on meta, load the folder, train 2 steps on the model's own loss, save_pretrained."""
+    """One rank: build on meta, load the folder, train 2 steps on the model's own loss, save_pretrained, and
+    checkpoint with ``engine.save`` (at ``out``.ckpt)."""
     torch.manual_seed(0)
     epl.init(epl.Config(config))
     with torch.device("meta"), epl.split(split) if split > 1 else nullcontext():
@@ -44,6 +45,7 @@ def train_from(folder: str, out: str, config: dict[str, Any], split: int, model_
     read = engine.load_pretrained(folder)
     losses = [float(engine.step({"input_ids": tokens(s), "labels": tokens(s)})) for s in range(2)]
     engine.save_pretrained(out, max_shard_size="40KB")
+    engine.save(f"{out}.ckpt")
     return {"read": read, "losses": losses}
 
 
@@ -127,7 +129,8 @@ def test_pickled_checkpoints_are_refused(tmp_path: Path) -> None:
 
 
 #: Two more layouts on 2 processes: ZeRO v2 over 2 replicas (each fed the same rows), and Mixtral's experts split
-#: over the ranks from a folder in transformers' stored format (experts one by one, converted at load time).
+#: over the ranks from a folder in transformers' stored format (experts one by one, converted at load time). Each
+#: run's ``engine.save`` checkpoint resumes in one process (another layout) as the model trained here.
 TWO_PROCESS_CASES = {
     "llama zero v2": {"model": "llama", "config": {"zero.level": "v2"}, "split": 1},
     "mixtral split": {"model": "mixtral", "config": {}, "split": 2},
@@ -163,11 +166,22 @@ def test_zero_v2_and_split_experts_load_train_as_one_process_and_save(tmp_path: 
             torch.testing.assert_close(result[name]["losses"], expected, rtol=LOSS_TOLERANCE, atol=LOSS_TOLERANCE)
             if case["split"] > 1:  # each rank reads its experts' tensors and its shards' slices
                 assert result[name]["read"] < 0.75 * size, (name, result[name]["read"], size)
+        resumed = _resumed_in_one_process(case["model"], tmp_path / "out" / f"{name}.ckpt")
+        for key, value in model.state_dict().items():  # another layout (one process) resumes the trained model
+            torch.testing.assert_close(resumed[key], value, rtol=LOSS_TOLERANCE, atol=LOSS_TOLERANCE, msg=key)
         back = type(model).from_pretrained(tmp_path / "out" / name, dtype=torch.float64, **_eager(model))
         with torch.no_grad():
             torch.testing.assert_close(
                 back(input_ids=tokens(9)).logits, model(input_ids=tokens(9)).logits, rtol=TOLERANCE, atol=TOLERANCE
             )
+
+
+def _resumed_in_one_process(model_name: str, checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model of the checkpoint a distributed run wrote with ``engine.save``, loaded by one process."""
+    epl.init()
+    engine = epl.parallelize(models.MODELS[model_name]().double(), optimizer=sgd)
+    engine.load(str(checkpoint))
+    return {key: value.detach().clone() for key, value in engine.model.state_dict().items()}
 
 
 def _eager(model: torch.nn.Module) -> dict[str, str]:
