@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("parallel layers", ["epl.nn", "epl.sharding", "epl.materialize"]),
     ("config", ["epl.config"]),
     ("annotations", ["epl.annotations"]),
-    ("placement", ["epl.placement"]),
+    ("placement", ["epl.placement", "epl.planner"]),
     ("plugins", ["epl.plugins"]),
     ("runtime", ["epl.runtime", "epl.pretrained", "epl.io", "epl.progress"]),
     ("built-in plugins", ["epl.builtin", "epl.cli", "epl.examples"]),

@@ -36,9 +36,12 @@ class PlanReady(BaseException):
     A BaseException so that a script's ``except Exception`` does not swallow it.
     """
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, model: Any = None, config: Any = None) -> None:
         super().__init__("plan ready")
         self.plan = plan
+        #: The model as planned (on meta for a plan-only run) and the run's ``epl.Config``, for the planner.
+        self.model = model
+        self.config = config
 
 
 _request: PlanRequest | None = None

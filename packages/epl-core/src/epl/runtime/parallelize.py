@@ -76,7 +76,7 @@ def parallelize(
 
             optimizer = optimizer_class(request.optimizer)
         with streamed(lazy):
-            raise PlanReady(_with_memory(plan, model, taskgraphs, env, optimizer))
+            raise PlanReady(_with_memory(plan, model, taskgraphs, env, optimizer), model=model, config=env.config)
     model = _to_device(model, env.cluster.device)
     assert env.communicator is not None, "only a plan-only run has no communicator, and it stopped above"
     context = ParallelContext(

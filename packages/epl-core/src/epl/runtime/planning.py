@@ -21,6 +21,11 @@ from epl.runtime.parallelize import parallelize
 
 def plan_script(path: str, args: Sequence[str], request: PlanRequest) -> Plan:
     """Run the script at ``path`` up to ``epl.parallelize`` and return the Plan it would run."""
+    return planned_script(path, args, request).plan
+
+
+def planned_script(path: str, args: Sequence[str], request: PlanRequest) -> PlanReady:
+    """Run the script at ``path`` up to ``epl.parallelize``: the Plan, the model (on meta) and the config."""
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [path, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # as `python SCRIPT` would
@@ -29,7 +34,7 @@ def plan_script(path: str, args: Sequence[str], request: PlanRequest) -> Plan:
         with planning(request), contextlib.redirect_stdout(sys.stderr):
             runpy.run_path(path, run_name="__main__")
     except PlanReady as ready:
-        return ready.plan
+        return ready
     except SystemExit as exc:
         raise EplError(f"{path} exited (code {exc.code}) before calling epl.parallelize(); nothing to plan.") from None
     finally:
@@ -41,12 +46,19 @@ def plan_script(path: str, args: Sequence[str], request: PlanRequest) -> Plan:
 
 def plan_model(config: Config | Mapping[str, Any] | None, build: Callable[[], nn.Module], request: PlanRequest) -> Plan:
     """The Plan of the model ``build()`` makes after ``epl.init(config)``, for ``request`` (``epl plan --example``)."""
+    return planned_model(config, build, request).plan
+
+
+def planned_model(
+    config: Config | Mapping[str, Any] | None, build: Callable[[], nn.Module], request: PlanRequest
+) -> PlanReady:
+    """:func:`plan_model`'s run: the Plan, the model (on meta) and the config."""
     try:
         with planning(request):
             init(config)
             parallelize(build())
     except PlanReady as ready:
-        return ready.plan
+        return ready
     finally:
         if Env._current is not None:
             Env._current.close()

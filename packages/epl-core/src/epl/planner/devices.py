@@ -1,0 +1,134 @@
+"""Device profiles for the planner: peak FLOPs, memory and bandwidths of the GPUs people train on.
+
+Figures are the vendors' datasheet numbers for dense math (no structured sparsity) and one GPU of the usual
+server (SXM boards in HGX/DGX systems, one 400 Gb/s or 200 Gb/s NIC per GPU). Bandwidths are bytes per second in
+one direction. ``efficiency`` is the fraction of peak a large bf16 GEMM reaches in training, the one number the
+planner fits (``epl calibrate`` measures it on the local machine); the defaults are first guesses until fitted.
+Any profile can be overridden from a JSON file: :func:`device_profile` takes a name or a path.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from epl.errors import EplError
+
+TERA = 10**12
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One device's peak FLOP rates by dtype (FLOP/s), memory (bytes), bandwidths (bytes/s, one direction) inside a
+    node and between nodes, the fraction of peak training GEMMs reach, and where each figure comes from."""
+
+    name: str
+    flops: dict[str, float]
+    memory_bytes: int
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    efficiency: float = 0.5
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype`` (``bf16``, ``fp16``, ``fp32``)."""
+        if dtype not in self.flops:
+            raise EplError(
+                f"The device profile {self.name!r} gives no peak for {dtype!r}; it has {sorted(self.flops)}."
+            )
+        return self.flops[dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The profile as JSON data (what :func:`load_profile` reads)."""
+        return asdict(self)
+
+
+_NVIDIA = "NVIDIA {} datasheet (dense Tensor Core figures, no sparsity)"
+_NVLINK3 = {"intra_node": "NVLink 3: 600 GB/s per GPU both ways", "inter_node": "HDR InfiniBand 200 Gb/s per GPU"}
+_NVLINK4 = {"intra_node": "NVLink 4: 900 GB/s per GPU both ways", "inter_node": "NDR InfiniBand 400 Gb/s per GPU"}
+PROFILES: dict[str, DeviceProfile] = {
+    "a100-40gb": DeviceProfile(
+        "a100-40gb", {"bf16": 312 * TERA, "fp16": 312 * TERA, "fp32": 19.5 * TERA}, 40 * 2**30,
+        intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
+        sources={"flops": _NVIDIA.format("A100"), "memory": _NVIDIA.format("A100"),
+                 **_NVLINK3},
+    ),
+    "a100-80gb": DeviceProfile(
+        "a100-80gb", {"bf16": 312 * TERA, "fp16": 312 * TERA, "fp32": 19.5 * TERA}, 80 * 2**30,
+        intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
+        sources={"flops": _NVIDIA.format("A100"), "memory": _NVIDIA.format("A100 80GB"),
+                 **_NVLINK3},
+    ),
+    "h100-sxm": DeviceProfile(
+        "h100-sxm", {"bf16": 989 * TERA, "fp16": 989 * TERA, "fp32": 67 * TERA}, 80 * 2**30,
+        intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
+        sources={"flops": _NVIDIA.format("H100 SXM"), "memory": _NVIDIA.format("H100 SXM"),
+                 **_NVLINK4},
+    ),
+    "h100-pcie": DeviceProfile(
+        "h100-pcie", {"bf16": 756 * TERA, "fp16": 756 * TERA, "fp32": 51 * TERA}, 80 * 2**30,
+        intra_node_bandwidth=64 * GB, inter_node_bandwidth=25 * GB,
+        sources={"flops": _NVIDIA.format("H100 PCIe"), "memory": _NVIDIA.format("H100 PCIe"),
+                 "intra_node": "PCIe Gen5 x16: 64 GB/s per direction (no NVLink bridge)",
+                 "inter_node": "200 Gb/s NIC per GPU"},
+    ),
+    "h200": DeviceProfile(
+        "h200", {"bf16": 989 * TERA, "fp16": 989 * TERA, "fp32": 67 * TERA}, 141 * GB,
+        intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
+        sources={"flops": _NVIDIA.format("H200 SXM"), "memory": _NVIDIA.format("H200 SXM") + ": 141 GB HBM3e",
+                 **_NVLINK4},
+    ),
+    "b200": DeviceProfile(
+        "b200", {"bf16": 2250 * TERA, "fp16": 2250 * TERA, "fp32": 80 * TERA}, 180 * GB,
+        intra_node_bandwidth=900 * GB, inter_node_bandwidth=50 * GB,
+        sources={"flops": _NVIDIA.format("HGX B200") + ": 36 PFLOPS sparse bf16 per 8 GPUs",
+                 "memory": _NVIDIA.format("HGX B200") + ": 1.4 TB per 8 GPUs",
+                 "intra_node": "NVLink 5: 1.8 TB/s per GPU, both directions",
+                 "inter_node": _NVLINK4["inter_node"]},
+    ),
+    "l40s": DeviceProfile(
+        "l40s", {"bf16": 362 * TERA, "fp16": 362 * TERA, "fp32": 91.6 * TERA}, 48 * GB,
+        intra_node_bandwidth=32 * GB, inter_node_bandwidth=25 * GB,
+        sources={"flops": _NVIDIA.format("L40S"), "memory": _NVIDIA.format("L40S"),
+                 "intra_node": "PCIe Gen4 x16: 32 GB/s per direction (no NVLink)",
+                 "inter_node": "200 Gb/s NIC per GPU"},
+    ),
+}  # fmt: skip
+
+
+def device_profile(name_or_path: str) -> DeviceProfile:
+    """The named profile (:data:`PROFILES`), or the one a JSON file at ``name_or_path`` gives
+    (:func:`load_profile`)."""
+    if name_or_path in PROFILES:
+        return PROFILES[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.exists():
+        return load_profile(path)
+    raise EplError(
+        f"Unknown device {name_or_path!r}: name one of {', '.join(PROFILES)}, or give a JSON file of a profile "
+        "(`epl calibrate` writes one)."
+    )
+
+
+def load_profile(path: str | Path) -> DeviceProfile:
+    """A profile from a JSON file: a whole profile, or ``{"base": NAME, ...}`` overriding some fields of a named one."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise EplError(f"Cannot read the device profile {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise EplError(f"The device profile {path} must be a JSON object.")
+    base = data.pop("base", None)
+    try:
+        if base is not None:
+            if base not in PROFILES:
+                raise EplError(
+                    f"The device profile {path} is based on {base!r}, which is not one of {', '.join(PROFILES)}."
+                )
+            return replace(PROFILES[base], **data)
+        return DeviceProfile(**data)
+    except TypeError as exc:
+        raise EplError(f"The device profile {path} has fields DeviceProfile does not: {exc}") from exc

@@ -1,0 +1,48 @@
+"""The planner's :class:`~epl.planner.layout.Layout` of what a script asks for: its Plan and its config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from epl.errors import EplError
+from epl.placement.plan import Plan
+from epl.planner.layout import Layout
+
+#: epl-pipeline's schedule names (``pipeline.strategy``) -> the planner's.
+SCHEDULES = {
+    "PreferBackward": "1F1B", "PreferForward": "GPipe", "ZeroBubble": "ZeroBubble", "Interleaved1F1B": "interleaved",
+}  # fmt: skip
+
+
+def layout_of(plan: Plan, config: Any, global_batch: int) -> Layout:
+    """The layout the script's Plan and config make, for ``global_batch`` sequences per step."""
+    tensor = max((tg.device_count for tg in plan.taskgraphs if tg.strategy == "split"), default=1)
+    pipeline = plan.pipeline_size
+    data = plan.world_size // (tensor * pipeline)
+    micro_batches = plan.num_micro_batch
+    if global_batch % (data * micro_batches):
+        raise EplError(
+            f"--global-batch-size {global_batch} does not divide into {data} data-parallel replicas x "
+            f"{micro_batches} micro-batches: give a multiple of {data * micro_batches}."
+        )
+    zero = _get(config, "zero.level", "") or "none"
+    checkpoint = "full" if _get(config, "gradient_checkpoint.type", "") == "auto" else "none"
+    schedule = SCHEDULES.get(_get(config, "pipeline.strategy", "PreferBackward"), "1F1B")
+    return Layout(
+        data=data,
+        tensor=tensor,
+        pipeline=pipeline,
+        micro_batches=micro_batches,
+        micro_batch_size=global_batch // (data * micro_batches),
+        zero=zero,
+        gradient_checkpoint=checkpoint,  # type: ignore[arg-type]
+        schedule=schedule,  # type: ignore[arg-type]
+        virtual_stages=plan.stages_per_rank,
+    )
+
+
+def _get(config: Any, key: str, default: Any) -> Any:
+    try:
+        return config[key]
+    except (KeyError, TypeError):
+        return default

@@ -1,0 +1,106 @@
+"""What the planner chooses (:class:`Layout`) and what it is given (:class:`Workload`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from epl.errors import EplError
+
+Checkpointing = Literal["none", "auto", "full"]
+Schedule = Literal["GPipe", "1F1B", "interleaved", "ZeroBubble"]
+ZeroLevel = Literal["none", "v0", "v1", "v2"]
+CHECKPOINTING: tuple[Checkpointing, ...] = ("none", "auto", "full")
+SCHEDULES: tuple[Schedule, ...] = ("GPipe", "1F1B", "interleaved", "ZeroBubble")
+ZERO_LEVELS: tuple[ZeroLevel, ...] = ("none", "v0", "v1", "v2")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Data x tensor x pipeline degrees, micro-batches, ZeRO level, checkpointing and schedule: one plan's layout.
+
+    ``zero``: which of the optimizer states (v0), gradients (v1) and parameters (v2) are sharded over the data
+    parallel devices. ``gradient_checkpoint``: ``auto`` recomputes the attention core and the MLP's activation
+    (Korthikanti's selective recomputation), ``full`` each block from its input. ``interleaved`` runs
+    ``virtual_stages`` model chunks per device.
+    """
+
+    data: int
+    tensor: int
+    pipeline: int
+    micro_batches: int
+    micro_batch_size: int
+    zero: ZeroLevel = "none"
+    gradient_checkpoint: Checkpointing = "none"
+    schedule: Schedule = "1F1B"
+    virtual_stages: int = 1
+    #: Megatron's sequence parallelism inside the tensor groups (published runs use it; EPL's comes with issue 30,
+    #: so the search does not choose it yet).
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("data", "tensor", "pipeline", "micro_batches", "micro_batch_size", "virtual_stages"):
+            if getattr(self, name) < 1:
+                raise EplError(f"A layout's {name} must be at least 1, not {getattr(self, name)}.")
+        if self.zero not in ZERO_LEVELS or self.gradient_checkpoint not in CHECKPOINTING:
+            raise EplError(f"Unknown ZeRO level {self.zero!r} or checkpointing {self.gradient_checkpoint!r}.")
+        if self.schedule not in SCHEDULES:
+            raise EplError(f"Unknown schedule {self.schedule!r}: one of {', '.join(SCHEDULES)}.")
+
+    @property
+    def devices(self) -> int:
+        """Devices the layout uses: data x tensor x pipeline."""
+        return self.data * self.tensor * self.pipeline
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``layout`` object of ``epl plan --json``."""
+        data = asdict(self)
+        if self.schedule != "interleaved":
+            data.pop("virtual_stages")
+        if not self.sequence_parallel:
+            data.pop("sequence_parallel")
+        return data
+
+    def annotation(self) -> str:
+        """The annotation to write around the model for this layout."""
+        return f"with epl.split({self.tensor}):" if self.tensor > 1 else "(no annotation: data parallel)"
+
+    def config(self) -> dict[str, Any]:
+        """The ``epl.Config`` dict of this layout."""
+        config: dict[str, Any] = {}
+        if self.pipeline > 1:
+            config.update(
+                {"pipeline.num_stages": self.pipeline, "auto.auto_parallel": True, "pipeline.strategy": self.schedule}
+            )
+            if self.schedule == "interleaved":
+                config["pipeline.stages_per_rank"] = self.virtual_stages
+        if self.micro_batches > 1:
+            config["pipeline.num_micro_batch"] = self.micro_batches
+        if self.zero != "none":
+            config["zero.level"] = self.zero
+        if self.gradient_checkpoint != "none":
+            config["gradient_checkpoint.type"] = self.gradient_checkpoint
+        return config
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The training job: global batch (sequences), sequence length, the compute dtype, the optimizer's states
+    per parameter, whether attention saves its scores (eager) or not (SDPA/flash), and the devices per node."""
+
+    global_batch: int
+    sequence: int
+    dtype: str = "bf16"
+    optimizer_states: int = 2  # Adam's two moments
+    sdpa: bool = True
+    devices_per_node: int = 8
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes of one activation or working weight element."""
+        return 4 if self.dtype == "fp32" else 2
+
+    @property
+    def mixed(self) -> bool:
+        """Whether a float32 master copy of the weights is kept (bf16/fp16 training)."""
+        return self.dtype != "fp32"

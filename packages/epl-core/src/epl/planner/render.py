@@ -1,0 +1,63 @@
+"""The planner's estimates as text for ``epl plan``: one plan, or ``--auto``'s best plans and why the others lost."""
+
+from __future__ import annotations
+
+from epl.placement.render import format_bytes
+from epl.planner.devices import DeviceProfile
+from epl.planner.estimate import MFU_FORMULA, Estimate
+from epl.planner.layout import Layout, Workload
+from epl.planner.search import SearchResult
+
+
+def describe_layout(layout: Layout) -> str:
+    """``data 32 x tensor 8 x pipeline 4, 16 micro-batches of 1, ZeRO v1, checkpointing none, 1F1B``."""
+    schedule = layout.schedule + (f" ({layout.virtual_stages} chunks)" if layout.schedule == "interleaved" else "")
+    return (
+        f"data {layout.data} x tensor {layout.tensor} x pipeline {layout.pipeline}, {layout.micro_batches} "
+        f"micro-batch(es) of {layout.micro_batch_size}, ZeRO {layout.zero}, checkpointing "
+        f"{layout.gradient_checkpoint}" + (f", {schedule}" if layout.pipeline > 1 else "")
+    )
+
+
+def describe(result: Estimate, device: DeviceProfile) -> str:
+    """The estimate's lines: layout, memory of the most loaded device, step time and its parts, tokens/s, MFU."""
+    parts = ", ".join(f"{name.replace('_', ' ')} {seconds:.3g} s" for name, seconds in result.time_parts.items())
+    fits = "fits" if result.fits else "DOES NOT FIT"
+    return "\n".join(
+        [
+            f"  layout: {describe_layout(result.layout)}",
+            f"  memory per device (most loaded stage): parameters {format_bytes(int(result.parameters))}, "
+            f"gradients {format_bytes(int(result.gradients))}, optimizer {format_bytes(int(result.optimizer))}, "
+            f"activations {format_bytes(int(result.activations))}; peak {format_bytes(int(result.peak))} of "
+            f"{format_bytes(device.memory_bytes)}: {fits}",
+            f"  step time {result.step_time_s:.3g} s: {parts}",
+            f"  {result.tokens_per_second:,.0f} tokens/s, MFU {100 * result.mfu:.1f}%",
+        ]
+    )
+
+
+def heading(device: DeviceProfile, workload: Workload, devices: int) -> str:
+    """What the estimates assume."""
+    return (
+        f"Estimate on {devices} x {device.name} (global batch {workload.global_batch} x sequence {workload.sequence}, "
+        f"{workload.dtype}, {workload.devices_per_node} devices per node, GEMM efficiency {device.efficiency:.0%}); "
+        f"{MFU_FORMULA}"
+    )
+
+
+def describe_search(result: SearchResult, device: DeviceProfile, runners_up: int = 5) -> str:
+    """The best plan with what to paste, then the runners-up and why each lost."""
+    if not result.plans:
+        return "No layout divides the cluster, the batch and the model: change the global batch or the world size."
+    best = result.plans[0]
+    lines = [f"Searched {result.searched} layouts in {result.search_seconds:.2f} s. Best:", describe(best, device)]
+    lines += [f"  annotation: {best.layout.annotation()}", f"  epl.Config({best.layout.config()!r})"]
+    if runners_up and len(result.plans) > 1:
+        lines.append("Runners-up:")
+        for other in result.plans[1 : 1 + runners_up]:
+            if not other.fits:
+                why = f"does not fit ({format_bytes(int(other.peak))})"
+            else:
+                why = f"slower by {100 * (other.step_time_s / best.step_time_s - 1):.1f}%"
+            lines.append(f"  {describe_layout(other.layout)}: {why}")
+    return "\n".join(lines)

@@ -1,0 +1,67 @@
+"""The planner's estimates: the JSON keys of the contract, memory under ZeRO, fitting, and the search's speed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from epl.errors import EplError
+from epl.planner import PROFILES, Layout, ModelShape, Workload, device_profile, estimate, search
+
+LLAMA_8B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
+LLAMA_70B = ModelShape(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256)
+
+
+def test_a_shape_counts_llama_3_8b_parameters() -> None:
+    assert LLAMA_8B.parameters == pytest.approx(8.03e9, rel=0.01)
+    assert LLAMA_70B.parameters == pytest.approx(70.6e9, rel=0.01)
+
+
+def test_an_estimate_has_the_contract_keys() -> None:
+    layout = Layout(data=8, tensor=8, pipeline=1, micro_batches=1, micro_batch_size=1, zero="v1")
+    result = estimate(LLAMA_8B, layout, Workload(global_batch=8, sequence=8192), PROFILES["h100-sxm"]).to_dict()
+    assert set(result["layout"]) == {
+        "data", "tensor", "pipeline", "micro_batches", "micro_batch_size", "zero", "gradient_checkpoint", "schedule"
+    }  # fmt: skip
+    assert set(result["memory_per_device"]) == {"parameters", "gradients", "optimizer", "activations", "peak"}
+    assert {"step_time_s", "tokens_per_second", "mfu", "fits"} <= set(result)
+    assert 0 < result["mfu"] < 1 and result["fits"] is True
+
+
+def test_zero_levels_divide_states_then_gradients_then_weights() -> None:
+    work, device = Workload(global_batch=64, sequence=2048), PROFILES["a100-80gb"]
+    held = {
+        zero: estimate(LLAMA_8B, Layout(8, 1, 1, 8, 1, zero=zero), work, device)  # type: ignore[arg-type]
+        for zero in ("none", "v0", "v1", "v2")
+    }
+    assert held["v0"].optimizer == pytest.approx(held["none"].optimizer / 8)
+    assert held["v1"].gradients == pytest.approx(held["none"].gradients / 8)
+    assert held["v2"].parameters < held["v1"].parameters < held["none"].parameters
+    assert not held["none"].fits and held["v2"].fits  # 8B with Adam replicated needs ~130 GiB
+
+
+def test_checkpointing_trades_activations_for_time() -> None:
+    work, device = Workload(global_batch=8, sequence=8192), PROFILES["h100-sxm"]
+    plain = estimate(LLAMA_8B, Layout(8, 1, 1, 1, 1, zero="v2"), work, device)
+    full = estimate(LLAMA_8B, Layout(8, 1, 1, 1, 1, zero="v2", gradient_checkpoint="full"), work, device)
+    assert full.activations < plain.activations / 4  # what remains is mostly the float32 logits
+    assert full.step_time_s > plain.step_time_s
+
+
+@pytest.mark.parametrize(("devices", "limit"), [(1024, 5.0), (16384, 60.0)])
+def test_the_search_is_fast_and_its_best_plan_fits(devices: int, limit: float) -> None:
+    start = time.perf_counter()
+    result = search(LLAMA_70B, Workload(global_batch=2048, sequence=4096), PROFILES["h100-sxm"], devices)
+    assert time.perf_counter() - start < limit
+    assert result.searched > 50 and result.plans[0].fits
+    assert result.plans[0].step_time_s == min(p.step_time_s for p in result.plans if p.fits)
+
+
+def test_a_device_profile_comes_by_name_or_from_a_file(tmp_path) -> None:
+    path = tmp_path / "mine.json"
+    path.write_text('{"base": "h100-sxm", "efficiency": 0.42}')
+    assert device_profile(str(path)).efficiency == 0.42
+    assert device_profile("b200").peak("bf16") > device_profile("h200").peak("bf16")
+    with pytest.raises(EplError, match="Unknown device 'h300'.*h100-sxm"):
+        device_profile("h300")
