@@ -38,9 +38,9 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("parallel layers", ["epl.nn", "epl.sharding", "epl.materialize"]),
     ("config", ["epl.config"]),
     ("annotations", ["epl.annotations"]),
-    ("placement", ["epl.placement", "epl.planner"]),
+    ("placement", ["epl.placement"]),
     ("plugins", ["epl.plugins"]),
-    ("runtime", ["epl.runtime", "epl.pretrained", "epl.io", "epl.progress"]),
+    ("runtime", ["epl.runtime", "epl.pretrained", "epl.planner", "epl.io", "epl.progress"]),
     ("built-in plugins", ["epl.builtin", "epl.cli", "epl.examples"]),
     ("public API", ["=epl", "epl.plugin_api"]),
 ]

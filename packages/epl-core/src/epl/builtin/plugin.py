@@ -84,10 +84,11 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
 
 @hookimpl
 def epl_cli_commands(cli: click.Group) -> None:
-    """``epl config``, ``epl plan`` and ``epl plugins``."""
+    """``epl config``, ``epl plan``, ``epl calibrate`` and ``epl plugins``."""
+    from epl.cli.calibrate_command import calibrate_command
     from epl.cli.config_command import config_command
     from epl.cli.plan_command import plan_command
     from epl.cli.plugins_command import plugins_command
 
-    for command in (config_command, plan_command, plugins_command):
+    for command in (config_command, plan_command, calibrate_command, plugins_command):
         cli.add_command(command)

@@ -6,10 +6,12 @@ in elements of the activation dtype:
 
 - the two norms' inputs (2h), the inputs of the q/k/v projection (h), of the output projection (h), of the MLP's
   first projection (h) and of its last (f);
-- the attention core: q (h), k and v (h_kv each), and either its output (h, fused SDPA/flash kernels) or, eager,
-  the softmax output (a·s) and, with dropout, its dropout output (a·s) and mask (a·s bytes);
-- the MLP's activation: the activation's input (f), and for a gated MLP the gate's activation and the up
-  projection (2f);
+- the attention core: q (h), k and v (h_kv each) and its output (h) with fused SDPA/flash kernels; eager (as
+  transformers' eager attention runs it), k and v repeated to every head (h each), the softmax output and its
+  dropout's (a·s each, the dropout runs even at p=0) and, with dropout, its mask (a·s bytes);
+- the MLP's activation: what the activation function saves (its input, f, for torch's fused functions;
+  measured once per function, :func:`epl.planner.shape.activation_saves`), and for a gated MLP the gate's
+  activation and the up projection (2f);
 - with dropout, the masks of the attention's and the MLP's residual dropouts (h bytes each).
 
 With GPT's shapes (h_kv = h, f = 4h, no gate, LayerNorm, dropout, eager attention, 2-byte activations) this is
@@ -64,13 +66,14 @@ def block_activations(
         return BlockActivations(replicated=tokens * h * e, sharded=0.0)
     replicated = tokens * (2 * h + h + h) * e  # norm inputs, q/k/v and MLP inputs
     sharded = tokens * (h + f) * e  # the output projection's and the last MLP projection's inputs
-    core = tokens * (h + 2 * kv) * e  # q, k, v
     scores = 0.0
     if sdpa:
+        core = tokens * (h + 2 * kv) * e  # q, k, v
         core += tokens * h * e  # the fused kernel's output (its log-sum-exp is a few floats per row)
-    else:
-        scores = tokens * a * sequence * e * (2 if dropout else 1) + (tokens * a * sequence if dropout else 0)
-    mlp = tokens * (3 * f if shape.gated else f) * e
+    else:  # eager: k and v repeated to every head, the softmax's output and its dropout's (even at p=0)
+        core = tokens * 3 * h * e
+        scores = tokens * a * sequence * e * 2 + (tokens * a * sequence if dropout else 0)
+    mlp = tokens * (shape.activation_saves + (2 if shape.gated else 0)) * f * e
     if dropout:  # the masks of the attention's and the MLP's residual dropouts, a byte per element
         replicated += 2 * tokens * h
     if checkpoint == "auto":  # selective: the score-sized tensors are recomputed

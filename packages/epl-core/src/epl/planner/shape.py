@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from epl.errors import EplError
@@ -25,6 +27,9 @@ class ModelShape:
     gated: bool = True
     tied: bool = False
     parameters: int = 0
+    #: Tensors of the MLP's width the activation function saves for backward: 1 for torch's fused ones (SiLU,
+    #: GELU), 4 for GPT-2's ``gelu_new`` written in Python (:func:`activation_saves`).
+    activation_saves: float = 1.0
 
     def __post_init__(self) -> None:
         if self.parameters == 0:
@@ -71,7 +76,35 @@ class ModelShape:
             gated=any(name.endswith("gate_proj") for name in names),
             tied=bool(getattr(text, "tie_word_embeddings", False)),
             parameters=sum(p.numel() for p in model.parameters()),
+            activation_saves=activation_saves(get_name(text, "hidden_act", "activation_function")),
         )
+
+
+@functools.cache
+def activation_saves(name: str | None) -> float:
+    """How many tensors of its input's size transformers' activation ``name`` saves for backward, measured once on
+    a small input (1.0 when unknown)."""
+    if not isinstance(name, str):
+        return 1.0
+    try:
+        from transformers.activations import ACT2FN
+
+        function = ACT2FN[name]
+    except (ImportError, KeyError):
+        return 1.0
+    from epl.runtime.activations import SavedActivations
+
+    x = torch.randn(8, 64, requires_grad=True)
+    inner = x * 1.0
+    meter = SavedActivations(exclude=[x])
+    with meter:
+        function(inner)
+    return max(1.0, meter.peak / (inner.numel() * inner.element_size()))
+
+
+def get_name(config: Any, *names: str) -> str | None:
+    """The first of ``names`` the config sets (a string), or None."""
+    return next((value for name in names if isinstance(value := getattr(config, name, None), str)), None)
 
 
 def _getter(config: Any) -> Any:
