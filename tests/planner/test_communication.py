@@ -1,0 +1,93 @@
+"""The planner's payload bytes per step against the collectives EPL issues, counted with the profiler, on 2
+processes: data parallel, split(2) and 2 pipeline stages of a transformers Llama (float32) trained on its own loss.
+
+Equal to the byte, each kind. What else is sent is small and named here:
+
+- split: the head's logits, all-gathered once per micro-batch because the model computes its own loss on whole
+  logits (a ``loss_fn`` on logits runs the parallel cross-entropy instead, with no gather);
+- pipeline: the rotary position embeddings (cos and sin, ``s x head_dim`` each) sent with the activations, and the
+  loss, all-reduced once so that every stage returns it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.helpers.distributed import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+BATCH, SEQUENCE, MICRO = 4, 16, 2
+CASES = {
+    "data parallel": ({}, 1),
+    "split(2)": ({}, 2),
+    "2 stages": ({"pipeline.num_stages": 2, "auto.auto_parallel": True}, 1),
+}
+
+
+def count(name: str) -> dict[str, Any]:
+    """One rank: the case's step, its collectives counted, and the planner's prediction for the layout."""
+    from contextlib import nullcontext
+
+    import torch
+    from benchmarks.collectives import collectives_of, less_batch_check
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import epl
+    from epl.planner import ModelShape, Workload
+    from epl.planner.communication import payload_bytes
+    from epl.planner.from_plan import layout_of
+
+    config, split = CASES[name]
+    epl.init(epl.Config({"pipeline.num_micro_batch": MICRO, "io.check_batches": False, **config}))
+    torch.manual_seed(0)
+    llama = LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=128, max_position_embeddings=SEQUENCE)  # fmt: skip
+    with epl.split(split) if split > 1 else nullcontext():
+        model = LlamaForCausalLM(llama)
+    engine = epl.parallelize(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    tokens = torch.randint(0, 128, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1))
+    engine.step({"input_ids": tokens, "labels": tokens})  # the first step sets things up
+    counted = collectives_of(lambda: engine.step({"input_ids": tokens, "labels": tokens}))
+    counts, _ = less_batch_check(counted.counts)
+    layout = layout_of(engine.context.plan, engine.context.config, BATCH * engine.num_replicas)
+    predicted = payload_bytes(ModelShape.of(model), layout, Workload(BATCH * engine.num_replicas, SEQUENCE, "fp32"))
+    return {"counts": counts, "bytes": counted.bytes, "predicted": predicted}
+
+
+def counts_of(names: list[str]) -> dict[str, dict[str, Any]]:
+    return {name: count(name) for name in names}
+
+
+@pytest.fixture(scope="module")
+def counted() -> list[dict[str, dict[str, Any]]]:
+    return run_ranks(counts_of, 2, list(CASES), timeout=300)
+
+
+def payload(counts: dict[str, int], *operations: str) -> int:
+    """Bytes (float32) of the counted collectives of ``operations`` whose tensor is an activation [b, s, h]."""
+    total = 0
+    for key, times in counts.items():
+        operation, _, shape = key.partition(" ")
+        dims = [int(n) for n in shape.strip("[]").split(",") if n.strip()]
+        if operation in operations and dims == [BATCH // MICRO, SEQUENCE, 64]:
+            total += times * 4 * BATCH // MICRO * SEQUENCE * 64
+    return total
+
+
+@pytest.mark.timeout(400)
+def test_payloads_are_the_predicted_ones(counted: list[dict[str, dict[str, Any]]]) -> None:
+    for ranks in counted:
+        data, split, stages = ranks["data parallel"], ranks["split(2)"], ranks["2 stages"]
+        buckets = sum(n * 4 * int(k.split("[")[1].rstrip("]")) for k, n in data["counts"].items())
+        assert set(k.split(" ")[0] for k in data["counts"]) == {"allreduce"}, data["counts"]
+        assert buckets == data["predicted"]["data_parallel"], data
+        assert payload(split["counts"], "allreduce") == split["predicted"]["tensor_parallel"], split
+        others = {k: n for k, n in split["counts"].items() if not k.startswith("allreduce")}
+        assert list(others.values()) == [MICRO] and all("allgather" in k for k in others), others  # the logits
+        moved = payload(stages["counts"], "send", "recv")
+        assert moved == stages["predicted"]["pipeline"], stages
+        rotary = {k: n for k, n in stages["counts"].items() if k.startswith("send [1,")}
+        assert sum(rotary.values()) in (0, 2 * MICRO), stages["counts"]  # the last stage sends none
