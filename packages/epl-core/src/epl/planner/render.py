@@ -53,11 +53,25 @@ def describe_search(result: SearchResult, device: DeviceProfile, runners_up: int
     lines = [f"Searched {result.searched} layouts in {result.search_seconds:.2f} s. Best:", describe(best, device)]
     lines += [f"  annotation: {best.layout.annotation()}", f"  epl.Config({best.layout.config()!r})"]
     if runners_up and len(result.plans) > 1:
-        lines.append("Runners-up:")
-        for other in result.plans[1 : 1 + runners_up]:
+        lines.append("Runners-up (the best of each other layout; ZeRO levels alone are not listed):")
+        seen = {_shape_of(best.layout)}
+        others = []
+        for other in result.plans[1:]:
+            if _shape_of(other.layout) not in seen:
+                seen.add(_shape_of(other.layout))
+                others.append(other)
+            if len(others) == runners_up:
+                break
+        for other in others:
             if not other.fits:
                 why = f"does not fit ({format_bytes(int(other.peak))})"
             else:
                 why = f"slower by {100 * (other.step_time_s / best.step_time_s - 1):.1f}%"
             lines.append(f"  {describe_layout(other.layout)}: {why}")
     return "\n".join(lines)
+
+
+def _shape_of(layout: Layout) -> tuple[object, ...]:
+    """A layout without its ZeRO level: runners-up differing only in it are left out."""
+    return (layout.data, layout.tensor, layout.pipeline, layout.micro_batches, layout.micro_batch_size,
+            layout.gradient_checkpoint, layout.schedule, layout.virtual_stages)  # fmt: skip
