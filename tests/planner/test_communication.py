@@ -1,5 +1,6 @@
 """The planner's payload bytes per step against the collectives EPL issues, counted with the profiler, on 2
-processes: data parallel, split(2) and 2 pipeline stages of a transformers Llama (float32) trained on its own loss.
+processes: data parallel, ZeRO v0-v2, split(2) and 2 pipeline stages of a transformers Llama (float32) trained on
+its own loss.
 
 Equal to the byte, each kind. What else is sent is small and named here:
 
@@ -24,7 +25,10 @@ CASES = {
     "data parallel": ({}, 1),
     "split(2)": ({}, 2),
     "2 stages": ({"pipeline.num_stages": 2, "auto.auto_parallel": True}, 1),
-}
+    "ZeRO v0": ({"zero.level": "v0"}, 1),
+    "ZeRO v1": ({"zero.level": "v1"}, 1),
+    "ZeRO v2": ({"zero.level": "v2"}, 1),
+}  # the ZeRO levels as EPL runs them on gloo: gradients reduced to their owners, weights broadcast by them
 
 
 def count(name: str) -> dict[str, Any]:
@@ -91,3 +95,11 @@ def test_payloads_are_the_predicted_ones(counted: list[dict[str, dict[str, Any]]
         assert moved == stages["predicted"]["pipeline"], stages
         rotary = {k: n for k, n in stages["counts"].items() if k.startswith("send [1,")}
         assert sum(rotary.values()) in (0, 2 * MICRO), stages["counts"]  # the last stage sends none
+        for level in ("v0", "v1", "v2"):
+            zero = ranks[f"ZeRO {level}"]
+            kinds = {"allreduce": 0, "reduce": 0, "broadcast": 0}
+            for key, times in zero["counts"].items():
+                operation, _, shape = key.partition(" ")
+                kinds[operation] += times * 4 * int(shape.strip("[]"))
+            assert kinds["allreduce"] + kinds["reduce"] == zero["predicted"]["data_parallel"], (level, zero)
+            assert kinds["broadcast"] == zero["predicted"]["zero_parameters"], (level, zero)

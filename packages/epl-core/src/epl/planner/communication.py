@@ -11,7 +11,10 @@ pipeline stage:
 - **pipeline**: per micro-batch, the activations sent forward and their gradient received back across each
   boundary the device sits on;
 - **data parallel**: the gradients of the weights the device holds (its shards, and the norms whole), all-reduced
-  once per step.
+  once per step (reduced to their owners under ZeRO v1 and v2);
+- **ZeRO's weights** (``zero_parameters``): under v0 and v1 each owner broadcasts its updated shard after the
+  step (the whole weights, over the owners); under v2 the weights are gathered (broadcast by their owners) before
+  each micro-batch's forward and again for its backward.
 
 Left out, and small: the parallel cross-entropy's all-reduces of a max and a sum per token, and a norm's
 gradient summed over a shard group.
@@ -35,10 +38,14 @@ def payload_bytes(shape: ModelShape, layout: Layout, workload: Workload, grad_by
         per_micro_batch = 4 * blocks + (2 if p == 1 else 1)  # the first stage has the embedding, the last the head
         tensor = per_micro_batch * m * message
     pipeline = 2 * m * message if p > 1 else 0.0
-    data = 0.0
+    data = parameters = 0.0
     if d > 1:
         embedding = shape.vocab * shape.hidden * (1 if p > 1 or shape.tied else 2)
         norms = 2 * shape.hidden * blocks + (shape.hidden if p == 1 else 0)  # whole on every tensor device
         weights = (blocks * (shape.layer_parameters() - 2 * shape.hidden) + embedding) / t + norms
         data = weights * grad_bytes
-    return {"tensor_parallel": tensor, "pipeline": pipeline, "data_parallel": data}
+        if layout.zero in ("v0", "v1"):  # each owner broadcasts its updated shard after the step
+            parameters = weights * workload.dtype_bytes
+        elif layout.zero == "v2":  # the whole weights gathered before each micro-batch's forward and backward
+            parameters = 2 * m * weights * workload.dtype_bytes
+    return {"tensor_parallel": tensor, "pipeline": pipeline, "data_parallel": data, "zero_parameters": parameters}

@@ -17,7 +17,8 @@ attention core's under ``auto``. Parts of a step, on one device:
 - tensor parallel: 4 all-reduces of a micro-batch's activations per block and micro-batch (6 under ``full``
   checkpointing), ``2(t-1)/t`` of the bytes each, not overlapped (as Megatron without overlap);
 - pipeline: a micro-batch's activations forward and their gradient back per stage boundary and micro-batch;
-- data parallel: float32 gradients, ``2(d-1)/d`` of their bytes (ZeRO v2 also all-gathers the weights twice),
+- data parallel: float32 gradients, ``2(d-1)/d`` of their bytes, and ZeRO's weights (``(d-1)/d`` of them after
+  the step under v0 and v1, before each micro-batch's forward and backward under v2: :mod:`epl.planner.communication`),
   overlapped with the backward of the last micro-batch;
 - bubble: ``(p-1)`` micro-batch times under GPipe and 1F1B, divided by the virtual stages under interleaved
   1F1B, and a third of it under ZeroBubble (ZB-H1, Qi et al. 2023).
@@ -138,8 +139,10 @@ def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: Devi
     if d > 1:
         bandwidth = device.inter_node_bandwidth if t * d > in_node else device.intra_node_bandwidth
         moved = 2 * (d - 1) / d * weights * 4
-        if layout.zero == "v2":
-            moved += 2 * (d - 1) / d * weights * e
+        if layout.zero in ("v0", "v1"):
+            moved += (d - 1) / d * weights * e
+        elif layout.zero == "v2":
+            moved += 2 * m * (d - 1) / d * weights * e
         data_comm = max(0.0, moved / bandwidth - per_micro_batch * 2 / 3)
     bubble = 0.0
     if p > 1:
