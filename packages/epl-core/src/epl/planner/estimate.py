@@ -1,7 +1,8 @@
 """One layout's predicted memory per device, step time and its parts, tokens/s and MFU.
 
 **Memory** of the most loaded device (the first pipeline stage, or the last when its head is larger): the
-weights of ``ceil(L/p)`` blocks and the embedding or head, divided over the tensor devices; in bf16/fp16 a
+weights of ``ceil(L/p)`` blocks and the embedding or head, divided over the tensor devices, the norms whole
+(:func:`epl.planner.communication.weights_per_device`); in bf16/fp16 a
 float32 master copy besides; float32 gradients; the optimizer's states (float32); ZeRO v0 divides the states
 and master weights over the data devices, v1 the gradients too, v2 the weights too. Activations: a block's per
 micro-batch (:mod:`epl.planner.activations`) times the stage's blocks times the micro-batches the schedule keeps,
@@ -14,8 +15,9 @@ peak. The hardware also runs the recomputation: a block's forward again under ``
 attention core's under ``auto``. Parts of a step, on one device:
 
 - compute: hardware FLOPs / (peak x the profile's efficiency);
-- tensor parallel: 4 all-reduces of a micro-batch's activations per block and micro-batch (6 under ``full``
-  checkpointing), ``2(t-1)/t`` of the bytes each, not overlapped (as Megatron without overlap);
+- tensor parallel: the activation all-reduces of :func:`epl.planner.communication.payload_bytes` (4 per block and
+  micro-batch, 6 under ``full`` checkpointing, and the embedding's and head's), ``2(t-1)/t`` of the bytes each,
+  not overlapped (as Megatron without overlap);
 - pipeline: a micro-batch's activations forward and their gradient back per stage boundary and micro-batch;
 - data parallel: float32 gradients, ``2(d-1)/d`` of their bytes, and ZeRO's weights (``(d-1)/d`` of them after
   the step under v0 and v1, before each micro-batch's forward and backward under v2: :mod:`epl.planner.communication`),
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epl.planner.activations import block_activations, micro_batches_in_flight
+from epl.planner.communication import payload_bytes, weights_per_device
 from epl.planner.devices import DeviceProfile
 from epl.planner.layout import Layout, Workload
 from epl.planner.shape import ModelShape
@@ -83,8 +86,7 @@ def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: Devi
     s, e = workload.sequence, workload.dtype_bytes
     sequence_parallel = layout.sequence_parallel and t > 1
     blocks = math.ceil(shape.layers / p)
-    embedding = shape.vocab * shape.hidden
-    weights = (blocks * shape.layer_parameters() + (embedding if p == 1 and not shape.tied else 0) + embedding) / t
+    weights = weights_per_device(shape, layout)
     master = 4 if workload.mixed else 0
     parameter_bytes = weights * (e + master)
     gradient_bytes = weights * 4
@@ -124,25 +126,16 @@ def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: Devi
     per_micro_batch = compute / m
 
     in_node = workload.devices_per_node
-    message = b * s * shape.hidden * e
+    payload = payload_bytes(shape, layout, workload)
     tp_bandwidth = device.intra_node_bandwidth if t <= in_node else device.inter_node_bandwidth
-    reduces = 6 if layout.gradient_checkpoint == "full" else 4
-    tensor_comm = 0.0
-    if t > 1:
-        tensor_comm = blocks * m * reduces * 2 * (t - 1) / t * message / tp_bandwidth
+    tensor_comm = 2 * (t - 1) / t * payload["tensor_parallel"] / tp_bandwidth  # ring all-reduces
     cross = t * d >= in_node
-    pipeline_comm = 0.0
-    if p > 1:
-        bandwidth = device.inter_node_bandwidth if cross else device.intra_node_bandwidth
-        pipeline_comm = 2 * m * message / t / bandwidth
+    bandwidth = device.inter_node_bandwidth if cross else device.intra_node_bandwidth
+    pipeline_comm = payload["pipeline"] / t / bandwidth  # each tensor device sends its part (Megatron's scatter)
     data_comm = 0.0
     if d > 1:
         bandwidth = device.inter_node_bandwidth if t * d > in_node else device.intra_node_bandwidth
-        moved = 2 * (d - 1) / d * weights * 4
-        if layout.zero in ("v0", "v1"):
-            moved += (d - 1) / d * weights * e
-        elif layout.zero == "v2":
-            moved += 2 * m * (d - 1) / d * weights * e
+        moved = (d - 1) / d * (2 * payload["data_parallel"] + payload["zero_parameters"])
         data_comm = max(0.0, moved / bandwidth - per_micro_batch * 2 / 3)
     bubble = 0.0
     if p > 1:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from epl.config import Config
 from epl.errors import EplError
 from epl.placement.plan import Plan
 from epl.planner.layout import Layout
@@ -14,7 +13,7 @@ SCHEDULES = {
 }  # fmt: skip
 
 
-def layout_of(plan: Plan, config: Any, global_batch: int) -> Layout:
+def layout_of(plan: Plan, config: Config, global_batch: int) -> Layout:
     """The layout the script's Plan and config make, for ``global_batch`` sequences per step."""
     tensor = max((tg.device_count for tg in plan.taskgraphs if tg.strategy == "split"), default=1)
     pipeline = plan.pipeline_size
@@ -25,9 +24,9 @@ def layout_of(plan: Plan, config: Any, global_batch: int) -> Layout:
             f"--global-batch-size {global_batch} does not divide into {data} data-parallel replicas x "
             f"{micro_batches} micro-batches: give a multiple of {data * micro_batches}."
         )
-    zero = _get(config, "zero.level", "") or "none"
-    checkpoint = "full" if _get(config, "gradient_checkpoint.type", "") == "auto" else "none"
-    schedule = SCHEDULES.get(_get(config, "pipeline.strategy", "PreferBackward"), "1F1B")
+    zero = config.get("zero.level", "") or "none"
+    checkpoint = "full" if config.get("gradient_checkpoint.type", "") == "auto" else "none"
+    schedule = SCHEDULES.get(config.get("pipeline.strategy", "PreferBackward"), "1F1B")
     return Layout(
         data=data,
         tensor=tensor,
@@ -39,10 +38,3 @@ def layout_of(plan: Plan, config: Any, global_batch: int) -> Layout:
         schedule=schedule,  # type: ignore[arg-type]
         virtual_stages=plan.stages_per_rank,
     )
-
-
-def _get(config: Any, key: str, default: Any) -> Any:
-    try:
-        return config[key]
-    except (KeyError, TypeError):
-        return default
