@@ -120,3 +120,16 @@ def test_offload_keeps_weights_off_the_gpu_between_uses() -> None:
     print(f"offload: weights {weights / 2**20:.1f} MiB, step peak {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB")
     optimizer.step()
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+
+
+def test_a_transformers_model_is_fetched_a_block_at_a_time() -> None:
+    """transformers' LlamaModel holds its blocks in ``layers``: it is opened, so ZeRO v2 and offload fetch one
+    decoder layer at a time (as FSDP wraps each block), not the whole body at once."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=32)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    units = find_units(model)
+    body = model.model
+    assert units == [model, body.embed_tokens, *body.layers, body.norm, model.lm_head]

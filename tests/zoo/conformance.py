@@ -82,6 +82,7 @@ LAYOUTS: dict[str, Layout] = {
         Layout("pipeline 2 stages", world=2, micro_batches=2, config=PIPELINE),
         Layout("3D split(2) x 2 stages", world=4, split=2, micro_batches=2, config=PIPELINE),
         Layout("ZeRO v1 x 2", world=2, replicas=2, config=(("zero.level", "v1"),)),
+        Layout("ZeRO v2 x 2", world=2, replicas=2, config=(("zero.level", "v2"),)),
         Layout("split(2) + clipping", world=2, split=2, clip=True),
         Layout("meta split(2)", world=2, split=2, meta=True),
         Layout("meta pipeline 2 stages", world=2, micro_batches=2, config=PIPELINE, meta=True),

@@ -3,7 +3,8 @@
 ZeRO v2 keeps a parameter's data on its owner only; offload v0 keeps it in host
 memory. Either way the model is cut into *units*: the root and the blocks below it
 (the items of ``Sequential``/``ModuleList``/``ModuleDict`` containers, and the other
-children of the root that hold parameters). Modules a step runner calls directly
+children that hold parameters, opening the modules that hold containers below them, such as a transformer's
+body). Modules a step runner calls directly
 (pipeline stage roots: *entries*) are units too, and opened like the root. A unit's parameters are fetched before
 its forward, released after it, fetched again when the gradient of its output
 arrives in backward, and each released once its own gradient is accumulated.
@@ -50,6 +51,9 @@ class Residency(Protocol):
 def find_units(model: nn.Module, entries: Sequence[nn.Module] = ()) -> list[nn.Module]:
     """The root, and below it the items of containers and the other children that hold parameters.
 
+    A module that holds a container below it (a transformer's body holding its list of blocks, as transformers'
+    ``LlamaModel`` holds ``layers``) is opened too, so a block is fetched at a time, as FSDP wraps each block.
+
     ``entries`` (modules called directly, not through the root) are units, opened like the
     root; so are the modules above them, which are never called whole.
     """
@@ -66,7 +70,7 @@ def find_units(model: nn.Module, entries: Sequence[nn.Module] = ()) -> list[nn.M
             if id(child) in entry_ids:
                 units.append(child)
                 visit(child)
-            elif isinstance(child, _CONTAINERS) or id(child) in above_entries:
+            elif isinstance(child, _CONTAINERS) or id(child) in above_entries or _holds_blocks(child):
                 visit(child)
             elif any(True for _ in child.parameters()):
                 units.append(child)
@@ -203,6 +207,14 @@ def stage_entries(model: nn.Module, context: ParallelContext) -> list[nn.Module]
 
     visit(model)
     return entries
+
+
+def _holds_blocks(module: nn.Module) -> bool:
+    """Whether a container lies below ``module`` through modules that are not containers."""
+    for child in module.children():
+        if isinstance(child, _CONTAINERS) or _holds_blocks(child):
+            return True
+    return False
 
 
 def _own_parameters(unit: nn.Module, units: set[int]) -> list[nn.Parameter]:
