@@ -1,5 +1,6 @@
 """Does the planner order layouts as they run here? 10 layouts of a transformers Llama on 2 processes, each step
-timed, against the planner's prediction with this machine's profile from ``epl calibrate``.
+timed (the fastest of 3 rounds' medians; the layouts take turns), against the planner's prediction with this
+machine's profile from ``epl calibrate``.
 
 Reported: the Spearman rank correlation between predicted and measured step times (target >= 0.8, not met yet:
 0.73-0.76), and whether the fastest measured layout is among the planner's 2 fastest (asserted). The layouts: data
@@ -100,13 +101,15 @@ def test_the_planner_orders_layouts_as_they_run_here() -> None:
     from epl.planner.calibrate import calibrate
 
     profile = calibrate(dtype="fp32", seconds=1.0, size=512)
-    steps = 2 if short_mode() else 7
-    measured, predicted = {}, {}
-    for name in LAYOUTS:
-        first = run_ranks(time_layout, 2, name, steps, timeout=600)[0]
-        measured[name] = first["seconds"]
-        workload = Workload(BATCH, SEQUENCE, dtype="fp32", devices_per_node=2)
-        predicted[name] = estimate(first["shape"], first["layout"], workload, profile).step_time_s
+    steps, rounds = (2, 1) if short_mode() else (5, 3)
+    measured: dict[str, float] = {}
+    predicted: dict[str, float] = {}
+    for _ in range(rounds):  # the layouts in turn, each round: a slow minute of the machine hits them all alike
+        for name in LAYOUTS:
+            first = run_ranks(time_layout, 2, name, steps, timeout=600)[0]
+            measured[name] = min(measured.get(name, float("inf")), first["seconds"])
+            workload = Workload(BATCH, SEQUENCE, dtype="fp32", devices_per_node=2, gathered_logits=True)
+            predicted[name] = estimate(first["shape"], first["layout"], workload, profile).step_time_s
     names = list(LAYOUTS)
     correlation = spearman([measured[n] for n in names], [predicted[n] for n in names])
     fastest = min(names, key=measured.__getitem__)

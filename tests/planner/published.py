@@ -1,42 +1,99 @@
 """Published training runs the planner is checked against (docs/planner.md): model shape, hardware, layout,
-batch and sequence, and the throughput the authors report, with the source of each row.
+batch and sequence, and what the authors report, with the source of each row.
 
-Throughput is compared in each source's own accounting: Megatron-LM and BLOOM report hardware teraFLOP/s per GPU
-counting the activation recomputation they ran, by Narayanan et al.'s formula
-``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))`` per iteration (:func:`megatron_flops`).
+Each row is compared in its source's own terms (:func:`published_measure`):
+
+- Narayanan et al. 2021 (Megatron-LM) report hardware teraFLOP/s per GPU by their eq. (3),
+  ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))``, which counts the full recomputation they ran;
+- BLOOM reports hardware teraFLOP/s as ``8·P·s·B`` (its ``math/README.md``: 4 passes of 2 FLOPs per parameter
+  and token, recomputation counted, attention not);
+- Korthikanti et al. 2022 report seconds per iteration (Table 5), compared directly;
+- Llama 3 reports BF16 MFU (Table 4), compared as the planner's MFU (PaLM's model FLOPs, ``6·N + 12·L·h·s`` per
+  token, over the H100's 989 TFLOP/s);
+- torchtitan reports tokens per second per GPU, compared directly. Its rows with per-op or per-layer selective
+  recomputation are left out: those policies save other tensors than Korthikanti's selective recomputation
+  (the planner's ``auto``), so the planner has no layout for them.
+
+Rows of one source share a device efficiency, fitted on at most 3 of them (:data:`FITTED_ON`); the others are
+predicted. Figures were checked against the sources (see each constant); where a source leaves a setting out, the
+row says what was assumed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
-from epl.planner import Layout, ModelShape, Workload
+from epl.planner import PROFILES, DeviceProfile, Estimate, Layout, ModelShape, Workload
 
 NARAYANAN = (
-    "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, Table 1"
+    "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, "
+    "Table 1 (also NVIDIA/Megatron-LM images/cases_april2021.png)"
 )
-BLOOM = "Le Scao et al. 2022, BLOOM (section 3.4: 384 A100 80GB, TP 4 x PP 12 x DP 8, 150 TFLOP/s per GPU)"
+BLOOM = (
+    "bigscience-workshop/bigscience train/tr11-176B-ml (README, tr11-176B-ml.slurm, chronicles.md): 384 A100 80GB, "
+    "TP 4 x PP 12 x DP 8, micro-batch 2, global batch 2048, full recomputation, 149-150 TFLOP/s per GPU"
+)
+KORTHIKANTI = (
+    "Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models, Tables 3 and 5 "
+    "(A100 80GB, sequence 2048, vocabulary 51200, no data parallelism)"
+)
+LLAMA3 = "Llama Team 2024, The Llama 3 Herd of Models, Table 4 (405B pre-training on H100 80GB, 8192 tokens)"
+TORCHTITAN = (
+    "pytorch/torchtitan docs/performance.md at 3faaa1a0d (2024-08-23): 64 A100 80GB, FSDP2, bf16, PaLM-style MFU"
+)
+
+#: The group (source) of each row, and the rows each group's efficiency is fitted on (at most 3 per source; BLOOM,
+#: one row, is predicted from Megatron-LM's fit: same software family and hardware).
+FITTED_ON = {
+    "Megatron-LM": ("GPT 1.7B", "GPT 39.1B", "GPT 310.1B"),
+    "Korthikanti": ("22B, selective + SP", "530B, full recompute", "1T, selective + SP"),
+    "Llama 3": ("405B, 8,192 GPUs",),
+    "torchtitan": ("Llama 2 70B, full",),
+}
 
 
 @dataclass(frozen=True)
 class PublishedRun:
-    """One published run: what it trained, how, on what, and the teraFLOP/s per GPU its authors report."""
+    """One published run: what it trained, how, on what, and the figure its authors report in ``metric``
+    (``tflops`` per GPU by the source's ``flops``, ``iteration_s``, ``mfu`` or ``tokens_per_s`` per GPU)."""
 
     name: str
+    group: str
     source: str
     shape: ModelShape
     layout: Layout
     workload: Workload
     device: str
     devices: int
-    tflops_per_device: float
+    metric: str
+    published: float
+    flops: Callable[[PublishedRun], float] | None = None
+    assumed: str = ""
 
 
 def megatron_flops(run: PublishedRun) -> float:
-    """FLOPs of one iteration as Narayanan et al. count them (with full recomputation)."""
+    """FLOPs of one iteration as Narayanan et al. count them (eq. 3, with full recomputation)."""
     s, shape, batch = run.workload.sequence, run.shape, run.workload.global_batch
     layers, h, v = shape.layers, shape.hidden, shape.vocab
     return 96 * batch * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+
+
+def bloom_flops(run: PublishedRun) -> float:
+    """FLOPs of one iteration as BLOOM counts them: ``8·P·s·B``."""
+    return 8 * run.shape.parameters * run.workload.sequence * run.workload.global_batch
+
+
+def predicted_measure(run: PublishedRun, result: Estimate, device: DeviceProfile) -> float:
+    """The planner's prediction for ``run`` in the terms its source reports."""
+    if run.metric == "tflops":
+        assert run.flops is not None
+        return run.flops(run) / result.step_time_s / run.devices / 1e12
+    if run.metric == "iteration_s":
+        return result.step_time_s
+    if run.metric == "mfu":
+        return result.mfu
+    return result.tokens_per_second / run.devices
 
 
 def _gpt(layers: int, hidden: int, heads: int, vocab: int = 51200) -> ModelShape:
@@ -47,8 +104,43 @@ def _gpt(layers: int, hidden: int, heads: int, vocab: int = 51200) -> ModelShape
 def _megatron(name: str, heads: int, hidden: int, layers: int, t: int, p: int, gpus: int, batch: int, tf: float):
     d = gpus // (t * p)
     layout = Layout(d, t, p, batch // d, 1, "none", "full", "1F1B")
-    return PublishedRun(name, NARAYANAN, _gpt(layers, hidden, heads), layout, Workload(batch, 2048, sdpa=False),
-                        "a100-80gb", gpus, tf)  # fmt: skip
+    return PublishedRun(name, "Megatron-LM", NARAYANAN, _gpt(layers, hidden, heads), layout,
+                        Workload(batch, 2048, sdpa=False), "a100-80gb", gpus, "tflops", tf, megatron_flops,
+                        "micro-batch 1 and 1F1B (the paper interleaved; its chunks are not given)")  # fmt: skip
+
+
+def _korthikanti(name: str, heads: int, hidden: int, layers: int, p: int, batch: int, micro: int, seconds: float):
+    selective = "selective" in name
+    virtual = 3 if layers in (96, 105) else 1  # "interleaved schedule with 3 chunks for the 175B and 530B models"
+    layout = Layout(1, 8, p, batch // micro, micro, "none", "auto" if selective else "full",
+                    "interleaved" if virtual > 1 else "1F1B", virtual, sequence_parallel=selective)  # fmt: skip
+    return PublishedRun(name, "Korthikanti", KORTHIKANTI, _gpt(layers, hidden, heads), layout,
+                        Workload(batch, 2048, sdpa=False), "a100-80gb", 8 * p, "iteration_s", seconds)  # fmt: skip
+
+
+LLAMA3_8B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
+LLAMA3_70B = ModelShape(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256)
+LLAMA3_405B = ModelShape(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256)
+LLAMA2_13B = ModelShape(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000)
+LLAMA2_70B = ModelShape(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000)
+
+
+def _llama3(gpus: int, per_replica: int, mfu: float) -> PublishedRun:
+    d = gpus // (8 * 16)
+    layout = Layout(d, 8, 16, per_replica, 1, "v1", "full", "interleaved", 2, sequence_parallel=True)
+    return PublishedRun(f"405B, {gpus:,} GPUs", "Llama 3", LLAMA3, LLAMA3_405B, layout,
+                        Workload(d * per_replica, 8192), "h100-sxm", gpus, "mfu", mfu,
+                        assumed="full recomputation and 2 interleaved chunks (not given); ZeRO v1 for its FSDP, "
+                        "which shards optimizer states and gradients and keeps the weights")  # fmt: skip
+
+
+def _torchtitan(name: str, shape: ModelShape, sequence: int, batch: int, checkpoint: str, tokens: float):
+    layout = Layout(64, 1, 1, 1, batch, "v2", checkpoint)  # type: ignore[arg-type]
+    assumed = "sequence 8192 (the configs' default; not stated)" if sequence == 8192 else "sequence 4096"
+    assumed += "; FSDP2's gathers prefetched; 200 Gb/s between nodes per GPU"
+    workload = Workload(64 * batch, sequence, weights_prefetched=True)
+    return PublishedRun(name, "torchtitan", TORCHTITAN, shape, layout, workload,
+                        "a100-80gb", 64, "tokens_per_s", tokens, assumed=assumed)  # fmt: skip
 
 
 RUNS: tuple[PublishedRun, ...] = (
@@ -63,15 +155,26 @@ RUNS: tuple[PublishedRun, ...] = (
     _megatron("GPT 529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163),
     _megatron("GPT 1008B", 160, 25600, 128, 8, 64, 3072, 3072, 163),
     PublishedRun(
-        "BLOOM 176B",
-        BLOOM,
-        _gpt(70, 14336, 112, vocab=250880),
-        Layout(8, 4, 12, 128, 2, "v1", "full", "1F1B"),
-        Workload(2048, 2048, sdpa=False),
-        "a100-80gb",
-        384,
-        150,
+        "BLOOM 176B", "Megatron-LM", BLOOM, _gpt(70, 14336, 112, vocab=250880),
+        Layout(8, 4, 12, 128, 2, "v1", "full", "1F1B"), Workload(2048, 2048, sdpa=False), "a100-80gb", 384,
+        "tflops", 150, bloom_flops, "the 1F1B schedule; vocabulary 250,880 (the padded embedding)",
     ),
-)
-#: The rows each source's device efficiency is fitted on (at most 3 per source); the others are predicted.
-FITTED_ON = ("GPT 1.7B", "GPT 39.1B", "GPT 310.1B")
+    _korthikanti("22B, full recompute", 64, 6144, 48, 1, 4, 4, 1.42),
+    _korthikanti("22B, selective + SP", 64, 6144, 48, 1, 4, 4, 1.10),
+    _korthikanti("175B, full recompute", 96, 12288, 96, 8, 64, 1, 18.13),
+    _korthikanti("175B, selective + SP", 96, 12288, 96, 8, 64, 1, 13.75),
+    _korthikanti("530B, full recompute", 128, 20480, 105, 35, 280, 1, 49.05),
+    _korthikanti("530B, selective + SP", 128, 20480, 105, 35, 280, 1, 37.83),
+    _korthikanti("1T, full recompute", 160, 25600, 128, 64, 512, 1, 94.42),
+    _korthikanti("1T, selective + SP", 160, 25600, 128, 64, 512, 1, 71.49),
+    _llama3(8192, 32, 0.43),
+    _llama3(16384, 16, 0.41),
+    _torchtitan("Llama 3 70B, full", LLAMA3_70B, 8192, 1, "full", 331),
+    _torchtitan("Llama 2 13B, none", LLAMA2_13B, 4096, 2, "none", 2162),
+    _torchtitan("Llama 2 70B, full", LLAMA2_70B, 4096, 2, "full", 353),
+)  # fmt: skip
+
+
+def profile_for(run: PublishedRun, efficiency: float) -> DeviceProfile:
+    """``run``'s device profile with ``efficiency``."""
+    return replace(PROFILES[run.device], efficiency=efficiency)

@@ -2,10 +2,10 @@
 processes: data parallel, ZeRO v0-v2, split(2) and 2 pipeline stages of a transformers Llama (float32) trained on
 its own loss.
 
-Equal to the byte, each kind. What else is sent is small and named here:
+Equal to the byte, each kind, and so are the calls. Under split, the head's logits are all-gathered once per
+micro-batch because the model computes its own loss on whole logits (``Workload.gathered_logits``; a ``loss_fn`` on
+logits runs the parallel cross-entropy instead, with no gather). What else is sent is small and named here:
 
-- split: the head's logits, all-gathered once per micro-batch because the model computes its own loss on whole
-  logits (a ``loss_fn`` on logits runs the parallel cross-entropy instead, with no gather);
 - pipeline: the rotary position embeddings (cos and sin, ``s x head_dim`` each) sent with the activations, and the
   loss, all-reduced once so that every stage returns it.
 """
@@ -41,7 +41,7 @@ def count(name: str) -> dict[str, Any]:
 
     import epl
     from epl.planner import ModelShape, Workload
-    from epl.planner.communication import payload_bytes
+    from epl.planner.communication import collective_calls, payload_bytes
     from epl.planner.from_plan import layout_of
 
     config, split = CASES[name]
@@ -57,8 +57,11 @@ def count(name: str) -> dict[str, Any]:
     counted = collectives_of(lambda: engine.step({"input_ids": tokens, "labels": tokens}))
     counts, _ = less_batch_check(counted.counts)
     layout = layout_of(engine.context.plan, engine.context.config, BATCH * engine.num_replicas)
-    predicted = payload_bytes(ModelShape.of(model), layout, Workload(BATCH * engine.num_replicas, SEQUENCE, "fp32"))
-    return {"counts": counts, "bytes": counted.bytes, "predicted": predicted}
+    shape = ModelShape.of(model)
+    workload = Workload(BATCH * engine.num_replicas, SEQUENCE, "fp32", gathered_logits=True)  # the model's own loss
+    predicted = payload_bytes(shape, layout, workload)
+    return {"counts": counts, "bytes": counted.bytes, "predicted": predicted,
+            "calls": collective_calls(shape, layout, workload)}  # fmt: skip
 
 
 def counts_of(names: list[str]) -> dict[str, dict[str, Any]]:
@@ -91,6 +94,11 @@ def test_payloads_are_the_predicted_ones(counted: list[dict[str, dict[str, Any]]
         assert payload(split["counts"], "allreduce") == split["predicted"]["tensor_parallel"], split
         others = {k: n for k, n in split["counts"].items() if not k.startswith("allreduce")}
         assert list(others.values()) == [MICRO] and all("allgather" in k for k in others), others  # the logits
+        # the profiler records the gathered tensor's first dimension only: the vocabulary (the logits go vocabulary
+        # first), gathered whole from each device's half, for BATCH // MICRO x SEQUENCE tokens a micro-batch
+        assert all(k.endswith("[128]") for k in others), others
+        share = MICRO * (BATCH // MICRO) * SEQUENCE * 128 // 2 * 4
+        assert split["predicted"]["gathered_logits"] == share, split["predicted"]
         moved = payload(stages["counts"], "send", "recv")
         assert moved == stages["predicted"]["pipeline"], stages
         rotary = {k: n for k, n in stages["counts"].items() if k.startswith("send [1,")}
@@ -103,3 +111,28 @@ def test_payloads_are_the_predicted_ones(counted: list[dict[str, dict[str, Any]]
                 kinds[operation] += times * 4 * int(shape.strip("[]"))
             assert kinds["allreduce"] + kinds["reduce"] == zero["predicted"]["data_parallel"], (level, zero)
             assert kinds["broadcast"] == zero["predicted"]["zero_parameters"], (level, zero)
+
+
+def calls(counts: dict[str, int], *operations: str, activations: bool = False) -> int:
+    """How many of the counted collectives are of ``operations`` (of an activation's shape only, if asked)."""
+    total = 0
+    for key, times in counts.items():
+        operation, _, shape = key.partition(" ")
+        dims = [int(n) for n in shape.strip("[]").split(",") if n.strip()]
+        if operation in operations and (not activations or dims == [BATCH // MICRO, SEQUENCE, 64]):
+            total += times
+    return total
+
+
+@pytest.mark.timeout(400)
+def test_collective_calls_are_the_predicted_ones(counted: list[dict[str, dict[str, Any]]]) -> None:
+    for ranks in counted:
+        data, split, stages = ranks["data parallel"], ranks["split(2)"], ranks["2 stages"]
+        assert calls(data["counts"], "allreduce") == data["calls"]["data_parallel"], data
+        assert calls(split["counts"], "allreduce", activations=True) == split["calls"]["tensor_parallel"], split
+        assert calls(split["counts"], "_allgather_base") == split["calls"]["gathered_logits"], split
+        assert calls(stages["counts"], "send", "recv", activations=True) == stages["calls"]["pipeline"], stages
+        for level in ("v0", "v1", "v2"):
+            zero = ranks[f"ZeRO {level}"]
+            assert calls(zero["counts"], "allreduce", "reduce") == zero["calls"]["data_parallel"], (level, zero)
+            assert calls(zero["counts"], "broadcast") == zero["calls"]["zero_parameters"], (level, zero)

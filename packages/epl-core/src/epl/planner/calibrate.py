@@ -1,10 +1,20 @@
 """``epl calibrate``: measure this machine's GEMM throughput and collective bandwidth, as a planner device profile.
 
 - **GEMM**: square matrix products of ``size`` in the chosen dtype on the local device (the GPU when there is
-  one), timed for about ``seconds`` after a warm-up; FLOP/s = ``2·n³`` per product.
+  one), timed for about ``seconds`` after a warm-up; FLOP/s = ``2·n³`` per product. Measured in two processes at
+  once, as training runs (on a CPU they share its caches and memory bandwidth; 3% slower than one alone here),
+  except with one GPU, which only one process uses.
 - **Collectives**: two processes on this machine (loopback only; NCCL on two GPUs, else gloo) all-reduce a
   64 MiB tensor; the bus bandwidth is ``2(n-1)/n`` of the bytes over the time, as nccl-tests report it. Every
-  wait has a timeout.
+  wait has a timeout. Also timed there: a 1 MiB all-reduce, whose time beyond its bytes at that bandwidth is a
+  collective's latency (the alpha of the alpha-beta model, fitted on two sizes), and the 64 MiB all-reduce started
+  while matrix products of about its duration run (the fraction of it that hides: ``overlap``).
+- **Host overheads** (CPU only; a GPU's kernels outlast their launches): a tiny transformers Llama's forward and
+  backward at 1 and 3 layers, whose time is module calls and dispatch, not arithmetic: the time per block, and
+  per micro-batch besides.
+- **Memory bandwidth**: what an RMSNorm, a gated activation and a residual add over a float32 tensor move forward
+  and backward (the passes :mod:`epl.planner.memory_traffic` counts) over their time: the bandwidth eager
+  elementwise kernels reach, which is below the streaming figure of a datasheet.
 
 Given ``base`` (a named profile, the device this machine has), the result keeps the datasheet's peak and sets
 the efficiency to the measured fraction of it and the bandwidth inside a node to the measured one. Without it,
@@ -27,6 +37,8 @@ from epl.planner.devices import PROFILES, DeviceProfile
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COLLECTIVE_BYTES = 64 * 2**20
 TIMEOUT_S = 120
+LATENCY_ROUNDS = 20
+LATENCY_BYTES = 2**20
 
 
 def gemm_flops(dtype: str = "fp32", size: int = 2048, seconds: float = 1.0, device: str | None = None) -> float:
@@ -51,7 +63,56 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _all_reduce_rank(rank: int, port: int, rounds: int, results: Any) -> None:
+def memory_bandwidth(seconds: float = 0.5, rows: int = 2048, width: int = 1024, device: str | None = None) -> float:
+    """Bytes/s the memory-bound work of a block moves, as PyTorch's eager kernels run it: an RMSNorm, a gated
+    activation and a residual add over a ``rows`` x ``width`` float32 tensor, forward and backward, timed, over
+    the bytes :mod:`epl.planner.memory_traffic` counts for them (14 passes forward, twice that backward)."""
+    where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    x = torch.randn(rows, width, device=where, requires_grad=True)
+    weight = torch.ones(width, device=where, requires_grad=True)
+
+    def block() -> None:
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+        (torch.nn.functional.silu(normed) * normed + x).sum().backward()
+
+    block()
+    _sync(where)
+    rounds, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds or rounds < 3:
+        block()
+        rounds += 1
+    _sync(where)
+    passes = 3 * (6 + 5 + 3)
+    return passes * rows * width * 4 * rounds / (time.perf_counter() - start)
+
+
+def host_overheads(rounds: int = 30) -> tuple[float, float]:
+    """Seconds per block, and per micro-batch besides its blocks, of a tiny transformers Llama's forward and backward
+    (16 tokens, width 64: host time, not arithmetic), from models of 1 and 3 layers; (0, 0) without transformers."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return 0.0, 0.0
+
+    def median_seconds(layers: int) -> float:
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=2,
+                             num_key_value_heads=1, vocab_size=64, max_position_embeddings=16)  # fmt: skip
+        model = LlamaForCausalLM(config)
+        tokens = torch.randint(0, 64, (1, 16))
+        times = []
+        for round_ in range(rounds + 5):
+            start = time.perf_counter()
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            if round_ >= 5:
+                times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    one, three = median_seconds(1), median_seconds(3)
+    block = max(0.0, (three - one) / 2)
+    return block, max(0.0, one - block)
+
+
+def _collectives_rank(rank: int, port: int, rounds: int, gemm: tuple[str, int, float], results: Any) -> None:
     import torch.distributed as dist
 
     use_nccl = torch.cuda.device_count() >= 2
@@ -65,19 +126,45 @@ def _all_reduce_rank(rank: int, port: int, rounds: int, results: Any) -> None:
         dist.all_reduce(tensor)
         _sync(device)
         dist.barrier()
-        start = time.perf_counter()
-        for _ in range(rounds):
-            dist.all_reduce(tensor)
-        _sync(device)
-        elapsed = time.perf_counter() - start
+        alone = _timed(lambda: [dist.all_reduce(tensor) for _ in range(rounds)], device) / rounds
+        small = torch.ones(LATENCY_BYTES // 4, device=device)
+        small_time = _timed(lambda: [dist.all_reduce(small) for _ in range(LATENCY_ROUNDS)], device) / LATENCY_ROUNDS
+        latency = max(0.0, small_time - LATENCY_BYTES * alone / COLLECTIVE_BYTES)  # alpha of alpha-beta, from 2 sizes
+        a = torch.randn(512, 512, device=device)
+        products = max(1, int(alone / _timed(lambda: torch.matmul(a, a), device)))
+        compute = _timed(lambda: [torch.matmul(a, a) for _ in range(products)], device)
+        dist.barrier()
+
+        def both() -> None:
+            work = dist.all_reduce(tensor, async_op=True)
+            for _ in range(products):
+                torch.matmul(a, a)
+            work.wait()
+
+        together = _timed(both, device)
+        hidden = (alone + compute - together) / min(alone, compute)
+        dist.barrier()
+        concurrent = gemm_flops(*gemm, device=str(device))  # both ranks at once, as in training
         if rank == 0:
-            results.put(rounds * COLLECTIVE_BYTES / elapsed)  # algorithm bandwidth; bus = x 2(n-1)/n = x 1
+            overlap = min(1.0, max(0.0, hidden))
+            results.put({"bandwidth": COLLECTIVE_BYTES / alone, "latency": latency, "overlap": overlap,
+                         "concurrent_flops": concurrent})  # fmt: skip
     finally:
         dist.destroy_process_group()
 
 
-def all_reduce_bandwidth(rounds: int = 5) -> float:
-    """Bus bandwidth (bytes/s) of an all-reduce between two processes on this machine."""
+def _timed(work: Any, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    work()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def collectives(rounds: int = 5, gemm: tuple[str, int, float] = ("fp32", 512, 0.5)) -> dict[str, float]:
+    """Between two processes on this machine: the GEMM FLOP/s of ``gemm`` (dtype, size, seconds) while both
+    compute at once (on a CPU, or on one GPU each), an all-reduce's bus bandwidth (bytes/s), its latency (s),
+    and the fraction of an all-reduce that hides behind matrix products running meanwhile."""
     import torch.multiprocessing as mp
 
     from epl.ports import free_port
@@ -85,11 +172,11 @@ def all_reduce_bandwidth(rounds: int = 5) -> float:
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_all_reduce_rank, args=(r, port, rounds, results)) for r in range(2)]
+    processes = [context.Process(target=_collectives_rank, args=(r, port, rounds, gemm, results)) for r in range(2)]
     for process in processes:
         process.start()
     try:
-        bandwidth = results.get(timeout=TIMEOUT_S)
+        measured = results.get(timeout=TIMEOUT_S)
     except Exception as exc:  # queue.Empty, or a rank died
         raise EplError(
             f"The all-reduce between two local processes did not finish within {TIMEOUT_S} s; exit codes "
@@ -100,21 +187,36 @@ def all_reduce_bandwidth(rounds: int = 5) -> float:
             process.join(timeout=TIMEOUT_S)
             if process.is_alive():
                 process.kill()
-    return float(bandwidth)
+    return dict(measured)
 
 
 def calibrate(dtype: str = "fp32", base: str | None = None, seconds: float = 1.0, size: int = 2048) -> DeviceProfile:
     """A profile of this machine: measured GEMM FLOP/s and all-reduce bandwidth (see the module's documentation)."""
-    flops = gemm_flops(dtype, size, seconds)
-    bandwidth = all_reduce_bandwidth()
+    measured_collectives = collectives(gemm=(dtype, size, seconds))
+    flops = measured_collectives["concurrent_flops"]
+    if torch.cuda.device_count() == 1:  # the two ranks shared no GPU: their GEMMs ran on the CPU
+        flops = gemm_flops(dtype, size, seconds)
+    bandwidth = measured_collectives["bandwidth"]
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     measured = f"epl calibrate on {os.uname().nodename}, {when}"
+    block_overhead, micro_batch_overhead = (0.0, 0.0) if torch.cuda.is_available() else host_overheads()
+    local = {
+        "block_overhead_s": block_overhead,
+        "micro_batch_overhead_s": micro_batch_overhead,
+        "memory_bandwidth": memory_bandwidth(seconds / 2),
+        "collective_latency_s": measured_collectives["latency"],
+        "overlap": measured_collectives["overlap"],
+    }
+    local_sources = {key: measured for key in local}
     if base is not None:
         if base not in PROFILES:
             raise EplError(f"--base {base!r} is not a device profile: one of {', '.join(PROFILES)}.")
         named = PROFILES[base]
-        sources = {**named.sources, "efficiency": f"{measured}: {size}^2 {dtype} GEMMs", "intra_node": measured}
-        return replace(named, efficiency=flops / named.peak(dtype), intra_node_bandwidth=bandwidth, sources=sources)
+        sources = {**named.sources, "efficiency": f"{measured}: {size}^2 {dtype} GEMMs", "intra_node": measured,
+                   **local_sources}  # fmt: skip
+        return replace(
+            named, efficiency=flops / named.peak(dtype), intra_node_bandwidth=bandwidth, sources=sources, **local
+        )
     memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else _host_memory()
     return DeviceProfile(
         name=f"calibrated-{os.uname().nodename}",
@@ -123,8 +225,10 @@ def calibrate(dtype: str = "fp32", base: str | None = None, seconds: float = 1.0
         intra_node_bandwidth=bandwidth,
         inter_node_bandwidth=bandwidth,
         efficiency=1.0,
+        **local,
         sources={"flops": f"{measured}: {size}^2 {dtype} GEMMs", "intra_node": measured,
-                 "inter_node": "not measured (one machine): the same as inside it", "memory": "this machine"},
+                 "inter_node": "not measured (one machine): the same as inside it", "memory": "this machine",
+                 **local_sources},
     )  # fmt: skip
 
 

@@ -9,6 +9,8 @@ pipeline stage:
   inputs); per micro-batch one more for the vocabulary-parallel embedding's output, and one for the gradient of
   the head's input (Megatron's pairing: 4 per block + 2, asserted in benchmarks/test_split_llama.py); full
   recomputation repeats a block's two forward all-reduces;
+- **gathered logits** (``Workload.gathered_logits``): per micro-batch, the device's share of the head's output,
+  all-gathered when the model computes its own loss on whole logits;
 - **pipeline**: per micro-batch, the activations sent forward and their gradient received back across each
   boundary the device sits on;
 - **data parallel**: the gradients of the weights the device holds (its shards, and the norms whole), all-reduced
@@ -16,6 +18,8 @@ pipeline stage:
 - **ZeRO's weights** (``zero_parameters``): under v0 and v1 each owner broadcasts its updated shard after the
   step (the whole weights, over the owners); under v2 the weights are gathered (broadcast by their owners) before
   each micro-batch's forward and again for its backward.
+
+:func:`collective_calls` counts the calls, each of which costs the device profile's latency besides its bytes.
 
 Left out, and small: the parallel cross-entropy's all-reduces of a max and a sum per token, and a norm's
 gradient summed over a shard group.
@@ -50,6 +54,9 @@ def payload_bytes(shape: ModelShape, layout: Layout, workload: Workload, grad_by
         per_micro_batch = per_block * blocks + (2 if p == 1 else 1)  # the embedding on the first stage, the head last
         tensor = per_micro_batch * m * message
     pipeline = 2 * m * message if p > 1 else 0.0
+    logits = 0.0
+    if t > 1 and workload.gathered_logits:  # each device's share of the head's output, all-gathered
+        logits = m * layout.micro_batch_size * workload.sequence * shape.vocab / t * workload.dtype_bytes
     data = parameters = 0.0
     if d > 1:
         weights = weights_per_device(shape, layout)
@@ -58,4 +65,39 @@ def payload_bytes(shape: ModelShape, layout: Layout, workload: Workload, grad_by
             parameters = weights * workload.dtype_bytes
         elif layout.zero == "v2":  # the whole weights gathered before each micro-batch's forward and backward
             parameters = 2 * m * weights * workload.dtype_bytes
-    return {"tensor_parallel": tensor, "pipeline": pipeline, "data_parallel": data, "zero_parameters": parameters}
+    return {
+        "tensor_parallel": tensor, "gathered_logits": logits, "pipeline": pipeline, "data_parallel": data,
+        "zero_parameters": parameters,
+    }  # fmt: skip
+
+
+#: Gradient buckets per dtype (``communication.max_splits``'s default).
+GRADIENT_BUCKETS = 5
+
+
+def collective_calls(shape: ModelShape, layout: Layout, workload: Workload) -> dict[str, float]:
+    """Collective calls per step one device makes, by the kinds of :func:`payload_bytes`: each tensor-parallel
+    all-reduce; a send and a receive per micro-batch and boundary; :data:`GRADIENT_BUCKETS` gradient buckets (one
+    per owner and bucket under ZeRO v1/v2); ZeRO's broadcasts, one per owner after the step (v0, v1), and under v2
+    per use (each micro-batch's forward and backward) one per owner of each block and one for each of the embedding,
+    the final norm and the head (units EPL fetches whole: ``epl_memory.residency.find_units``)."""
+    t, p, d, m = layout.tensor, layout.pipeline, layout.data, layout.micro_batches
+    blocks = math.ceil(shape.layers / p)
+    tensor = 0.0
+    if t > 1:
+        per_block = 6 if layout.gradient_checkpoint == "full" else 4
+        tensor = (per_block * blocks + (2 if p == 1 else 1)) * m
+    pipeline = 2.0 * m if p > 1 else 0.0
+    logits = float(m) if t > 1 and workload.gathered_logits else 0.0
+    data = parameters = 0.0
+    if d > 1:
+        data = GRADIENT_BUCKETS * (d if layout.zero in ("v1", "v2") else 1)
+        if layout.zero in ("v0", "v1"):
+            parameters = d
+        elif layout.zero == "v2":  # per use, a block in d owners' pieces; the embedding, norm and head whole
+            outside = (2 if shape.tied else 3) if p == 1 else 1
+            parameters = 2 * m * (blocks * d + outside)
+    return {
+        "tensor_parallel": tensor, "gathered_logits": logits, "pipeline": pipeline, "data_parallel": data,
+        "zero_parameters": parameters,
+    }  # fmt: skip

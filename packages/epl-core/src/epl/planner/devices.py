@@ -4,6 +4,15 @@ Figures are the vendors' datasheet numbers for dense math (no structured sparsit
 server (SXM boards in HGX/DGX systems, one 400 Gb/s or 200 Gb/s NIC per GPU). Bandwidths are bytes per second in
 one direction. ``efficiency`` is the fraction of peak a large bf16 GEMM reaches in training, the one number the
 planner fits (``epl calibrate`` measures it on the local machine); the defaults are first guesses until fitted.
+``memory_bandwidth`` (the datasheet's HBM figure) times the memory-bound work of a step (norms, residual adds,
+activations, the loss, the optimizer's update: :mod:`epl.planner.memory_traffic`). ``collective_latency_s`` is
+what one collective costs besides its bytes (NCCL's small-message latency inside a node, about 10-30 us;
+``epl calibrate`` measures it), and ``overlap`` the fraction of a backward's time data-parallel communication
+can hide behind (1.0 on GPUs, where NCCL runs on its own streams; a CPU whose cores all compute hides little,
+and ``epl calibrate`` measures it). ``block_overhead_s`` and ``micro_batch_overhead_s`` are host time that does not
+overlap the device's work, per block and per micro-batch (module calls, kernel dispatch, masks, the loss's
+bookkeeping): all of it on a CPU, where ``epl calibrate`` measures them; about none on a GPU, whose kernels for a
+training micro-batch outlast their launches.
 Any profile can be overridden from a JSON file: :func:`device_profile` takes a name or a path.
 """
 
@@ -23,7 +32,8 @@ GB = 10**9
 @dataclass(frozen=True)
 class DeviceProfile:
     """One device's peak FLOP rates by dtype (FLOP/s), memory (bytes), bandwidths (bytes/s, one direction) inside a
-    node and between nodes, the fraction of peak training GEMMs reach, and where each figure comes from."""
+    node and between nodes, the fraction of peak training GEMMs reach, its memory bandwidth, a collective's
+    latency, how much communication hides behind compute, and where each figure comes from."""
 
     name: str
     flops: dict[str, float]
@@ -31,6 +41,11 @@ class DeviceProfile:
     intra_node_bandwidth: float
     inter_node_bandwidth: float
     efficiency: float = 0.5
+    memory_bandwidth: float = 2000 * GB
+    collective_latency_s: float = 20e-6
+    overlap: float = 1.0
+    block_overhead_s: float = 0.0
+    micro_batch_overhead_s: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
 
     def peak(self, dtype: str) -> float:
@@ -52,38 +67,38 @@ _NVLINK4 = {"intra_node": "NVLink 4: 900 GB/s per GPU both ways", "inter_node": 
 PROFILES: dict[str, DeviceProfile] = {
     "a100-40gb": DeviceProfile(
         "a100-40gb", {"bf16": 312 * TERA, "fp16": 312 * TERA, "fp32": 19.5 * TERA}, 40 * 2**30,
-        intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
+        intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB, memory_bandwidth=1555 * GB,
         sources={"flops": _NVIDIA.format("A100"), "memory": _NVIDIA.format("A100"),
                  **_NVLINK3},
     ),
     "a100-80gb": DeviceProfile(
         "a100-80gb", {"bf16": 312 * TERA, "fp16": 312 * TERA, "fp32": 19.5 * TERA}, 80 * 2**30,
-        intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
+        intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB, memory_bandwidth=2039 * GB,
         sources={"flops": _NVIDIA.format("A100"), "memory": _NVIDIA.format("A100 80GB"),
                  **_NVLINK3},
     ),
     "h100-sxm": DeviceProfile(
         "h100-sxm", {"bf16": 989 * TERA, "fp16": 989 * TERA, "fp32": 67 * TERA}, 80 * 2**30,
-        intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
+        intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB, memory_bandwidth=3350 * GB,
         sources={"flops": _NVIDIA.format("H100 SXM"), "memory": _NVIDIA.format("H100 SXM"),
                  **_NVLINK4},
     ),
     "h100-pcie": DeviceProfile(
         "h100-pcie", {"bf16": 756 * TERA, "fp16": 756 * TERA, "fp32": 51 * TERA}, 80 * 2**30,
-        intra_node_bandwidth=64 * GB, inter_node_bandwidth=25 * GB,
+        intra_node_bandwidth=64 * GB, inter_node_bandwidth=25 * GB, memory_bandwidth=2000 * GB,
         sources={"flops": _NVIDIA.format("H100 PCIe"), "memory": _NVIDIA.format("H100 PCIe"),
                  "intra_node": "PCIe Gen5 x16: 64 GB/s per direction (no NVLink bridge)",
                  "inter_node": "200 Gb/s NIC per GPU"},
     ),
     "h200": DeviceProfile(
         "h200", {"bf16": 989 * TERA, "fp16": 989 * TERA, "fp32": 67 * TERA}, 141 * GB,
-        intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
+        intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB, memory_bandwidth=4800 * GB,
         sources={"flops": _NVIDIA.format("H200 SXM"), "memory": _NVIDIA.format("H200 SXM") + ": 141 GB HBM3e",
                  **_NVLINK4},
     ),
     "b200": DeviceProfile(
         "b200", {"bf16": 2250 * TERA, "fp16": 2250 * TERA, "fp32": 80 * TERA}, 180 * GB,
-        intra_node_bandwidth=900 * GB, inter_node_bandwidth=50 * GB,
+        intra_node_bandwidth=900 * GB, inter_node_bandwidth=50 * GB, memory_bandwidth=8000 * GB,
         sources={"flops": _NVIDIA.format("HGX B200") + ": 36 PFLOPS sparse bf16 per 8 GPUs",
                  "memory": _NVIDIA.format("HGX B200") + ": 1.4 TB per 8 GPUs",
                  "intra_node": "NVLink 5: 1.8 TB/s per GPU, both directions",
@@ -91,7 +106,7 @@ PROFILES: dict[str, DeviceProfile] = {
     ),
     "l40s": DeviceProfile(
         "l40s", {"bf16": 362 * TERA, "fp16": 362 * TERA, "fp32": 91.6 * TERA}, 48 * GB,
-        intra_node_bandwidth=32 * GB, inter_node_bandwidth=25 * GB,
+        intra_node_bandwidth=32 * GB, inter_node_bandwidth=25 * GB, memory_bandwidth=864 * GB,
         sources={"flops": _NVIDIA.format("L40S"), "memory": _NVIDIA.format("L40S"),
                  "intra_node": "PCIe Gen4 x16: 32 GB/s per direction (no NVLink)",
                  "inter_node": "200 Gb/s NIC per GPU"},

@@ -14,16 +14,28 @@ weights of the blocks and the head, recomputation not counted; MFU is model FLOP
 peak. The hardware also runs the recomputation: a block's forward again under ``full`` checkpointing, the
 attention core's under ``auto``. Parts of a step, on one device:
 
-- compute: hardware FLOPs / (peak x the profile's efficiency);
+- compute: the hardware FLOPs of the slowest device (a stage of ``ceil(L/p)`` blocks and the head, the last
+  stage's, over the tensor devices) / (peak x the profile's efficiency);
+- memory-bound: the bytes of :mod:`epl.planner.memory_traffic` (elementwise kernels, the loss, the optimizer's
+  update) over the device's memory bandwidth;
+- host overhead: the profile's host time per block and per micro-batch (on a CPU; about none on a GPU), times the
+  device's blocks (a third more under full recomputation) and micro-batches;
 - tensor parallel: the activation all-reduces of :func:`epl.planner.communication.payload_bytes` (4 per block and
   micro-batch, 6 under ``full`` checkpointing, and the embedding's and head's), ``2(t-1)/t`` of the bytes each,
-  not overlapped (as Megatron without overlap);
+  not overlapped (as Megatron without overlap); and the head's logits all-gathered per micro-batch when the model
+  computes its own loss on them (``Workload.gathered_logits``);
 - pipeline: a micro-batch's activations forward and their gradient back per stage boundary and micro-batch;
-- data parallel: float32 gradients, ``2(d-1)/d`` of their bytes, and ZeRO's weights (``(d-1)/d`` of them after
-  the step under v0 and v1, before each micro-batch's forward and backward under v2: :mod:`epl.planner.communication`),
-  overlapped with the backward of the last micro-batch;
-- bubble: ``(p-1)`` micro-batch times under GPipe and 1F1B, divided by the virtual stages under interleaved
-  1F1B, and a third of it under ZeroBubble (ZB-H1, Qi et al. 2023).
+- data parallel: float32 gradients, ``2(d-1)/d`` of their bytes (``(d-1)/d`` under ZeRO v1/v2, which reduces
+  them to their owners), and ZeRO's weights (``(d-1)/d`` of them after
+  the step under v0 and v1, before each micro-batch's forward and backward under v2: :mod:`epl.planner.communication`);
+  the gradients' reduction overlaps (the profile's ``overlap`` of it) with the backward of the last micro-batch,
+  ZeRO's weights are waited for (EPL fetches them just in time); with ``Workload.weights_prefetched`` (FSDP,
+  which gathers the next block's weights during this one's compute) all of it runs behind the step's compute;
+- each collective call also costs the profile's latency (:func:`epl.planner.communication.collective_calls`);
+- bubble: ``(p-1)`` micro-batch times under GPipe, 1F1B and ZeroBubble, divided by the virtual stages under
+  interleaved 1F1B. ZB-H1 (Qi et al. 2023) cuts the bubble to a third in theory; EPL's measured bubble is 1.5x
+  1F1B's on 2 stages and 0.87x on 4 (benchmarks/test_pipeline.py, CPU), so the planner credits ZeroBubble no
+  gain until a GPU run shows one.
 
 Tensor groups sit inside a node; data and pipeline groups cross nodes once ``t·d`` passes the node's devices.
 """
@@ -34,8 +46,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from epl.planner import memory_traffic
 from epl.planner.activations import block_activations, micro_batches_in_flight
-from epl.planner.communication import payload_bytes, weights_per_device
+from epl.planner.communication import collective_calls, payload_bytes, weights_per_device
 from epl.planner.devices import DeviceProfile
 from epl.planner.layout import Layout, Workload
 from epl.planner.shape import ModelShape
@@ -105,7 +118,8 @@ def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: Devi
     in_flight = micro_batches_in_flight(layout) if p > 1 else 1.0
     if p == 1 and m > 1:
         in_flight = 1.0  # gradient accumulation: one micro-batch at a time
-    logits = 2 * b * s * shape.vocab / t * 4  # the last stage's float32 logits and their gradient
+    vocab_share = shape.vocab if workload.gathered_logits else shape.vocab / t
+    logits = 2 * b * s * vocab_share * 4  # the last stage's float32 logits and their gradient
     first_stage = blocks * per_block * in_flight
     last_stage = blocks * per_block * 1.0 + logits
     activations = max(first_stage, last_stage if p > 1 else first_stage + logits)
@@ -113,40 +127,55 @@ def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: Devi
     fits = peak <= device.memory_bytes - RESERVED_BYTES
 
     tokens = workload.global_batch * s
-    head = shape.vocab * shape.hidden
+    head = 6 * shape.vocab * shape.hidden  # per token
     block_matmuls = shape.layer_parameters() - 2 * shape.hidden
-    model_flops = tokens * (6 * (shape.layers * block_matmuls + head) + 12 * shape.layers * shape.hidden * s)
-    recompute = 0.0
+    block = 6 * block_matmuls + 12 * shape.hidden * s  # per token
+    model_flops = tokens * (shape.layers * block + head)
     if layout.gradient_checkpoint == "full":
-        recompute = tokens * (2 * shape.layers * block_matmuls + 4 * shape.layers * shape.hidden * s)
+        block += 2 * block_matmuls + 4 * shape.hidden * s
     elif layout.gradient_checkpoint == "auto":
-        recompute = tokens * 4 * shape.layers * shape.hidden * s
+        block += 4 * shape.hidden * s
+    # The slowest device: a stage of the most blocks, with the head (the last stage's), a tensor shard of it.
+    stage_flops = tokens / d * (blocks * block + head) / t
     peak_flops = device.peak(workload.dtype)
-    compute = (model_flops + recompute) / layout.devices / (peak_flops * device.efficiency)
-    per_micro_batch = compute / m
+    compute = stage_flops / (peak_flops * device.efficiency)
+    kernels, update = _memory_bound_seconds(shape, layout, workload, weights, device)
+    memory_bound = kernels + update
+    block_calls = blocks * (4 / 3 if layout.gradient_checkpoint == "full" else 1)  # recomputation calls it again
+    host = m * (block_calls * device.block_overhead_s + device.micro_batch_overhead_s)
+    per_micro_batch = (compute + kernels + host) / m
 
     in_node = workload.devices_per_node
     payload = payload_bytes(shape, layout, workload)
+    calls = collective_calls(shape, layout, workload)
+    latency = device.collective_latency_s
     tp_bandwidth = device.intra_node_bandwidth if t <= in_node else device.inter_node_bandwidth
     tensor_comm = 2 * (t - 1) / t * payload["tensor_parallel"] / tp_bandwidth  # ring all-reduces
+    tensor_comm += (t - 1) / t * payload["gathered_logits"] * t / tp_bandwidth  # a ring all-gather of t shares
+    tensor_comm += (calls["tensor_parallel"] + calls["gathered_logits"]) * latency
     cross = t * d >= in_node
     bandwidth = device.inter_node_bandwidth if cross else device.intra_node_bandwidth
     pipeline_comm = payload["pipeline"] / t / bandwidth  # each tensor device sends its part (Megatron's scatter)
+    pipeline_comm += calls["pipeline"] * latency
     data_comm = 0.0
     if d > 1:
         bandwidth = device.inter_node_bandwidth if t * d > in_node else device.intra_node_bandwidth
-        moved = (d - 1) / d * (2 * payload["data_parallel"] + payload["zero_parameters"])
-        data_comm = max(0.0, moved / bandwidth - per_micro_batch * 2 / 3)
+        passes = 1 if layout.zero in ("v1", "v2") else 2  # reduced to owners (a reduce-scatter), or all-reduced
+        reduce = passes * (d - 1) / d * payload["data_parallel"] / bandwidth + calls["data_parallel"] * latency
+        gather = (d - 1) / d * payload["zero_parameters"] / bandwidth + calls["zero_parameters"] * latency
+        if workload.weights_prefetched:  # FSDP: gathers and reductions run behind the whole step's compute
+            data_comm = max(0.0, reduce + gather - device.overlap * (compute + kernels))
+        else:
+            data_comm = reduce - device.overlap * min(reduce, per_micro_batch * 2 / 3) + gather
     bubble = 0.0
     if p > 1:
         bubble = (p - 1) * per_micro_batch
         if layout.schedule == "interleaved":
             bubble /= layout.virtual_stages
-        elif layout.schedule == "ZeroBubble":
-            bubble /= 3
-    step = compute + tensor_comm + pipeline_comm + data_comm + bubble
+    step = compute + memory_bound + host + tensor_comm + pipeline_comm + data_comm + bubble
     parts = {
-        "compute": compute, "tensor_parallel": tensor_comm, "pipeline": pipeline_comm,
+        "compute": compute, "memory_bound": memory_bound, "host_overhead": host, "tensor_parallel": tensor_comm,
+        "pipeline": pipeline_comm,
         "data_parallel": data_comm, "bubble": bubble,
     }  # fmt: skip
     return Estimate(
@@ -162,3 +191,21 @@ def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: Devi
         fits=fits,
         time_parts=parts,
     )
+
+
+def _memory_bound_seconds(
+    shape: ModelShape, layout: Layout, workload: Workload, weights: float, device: DeviceProfile
+) -> tuple[float, float]:
+    """Seconds one device spends on memory-bound work in a step: its blocks' elementwise kernels (a forward more
+    under full recomputation) and the loss on the last stage; and the optimizer's update of its weights (a ZeRO
+    share)."""
+    t, p, d = layout.tensor, layout.pipeline, layout.data
+    tokens = workload.global_batch // d * workload.sequence
+    block = memory_traffic.block_bytes(shape, tokens, workload.sequence, workload.dtype_bytes, workload.sdpa)
+    per_block = block.per_device(t, layout.sequence_parallel and t > 1)
+    if layout.gradient_checkpoint == "full":
+        per_block *= 4 / 3
+    kernels = math.ceil(shape.layers / p) * per_block + memory_traffic.loss_bytes(shape, tokens, t)
+    updated = weights / d if layout.zero in ("v0", "v1", "v2") else weights
+    update = memory_traffic.optimizer_bytes(updated, workload.optimizer_states)
+    return kernels / device.memory_bandwidth, update / device.memory_bandwidth

@@ -86,7 +86,11 @@ class Layout:
 @dataclass(frozen=True)
 class Workload:
     """The training job: global batch (sequences), sequence length, the compute dtype, the optimizer's states
-    per parameter, whether attention saves its scores (eager) or not (SDPA/flash), and the devices per node."""
+    per parameter, whether attention saves its scores (eager) or not (SDPA/flash), the devices per node, and
+    whether ZeRO v2's weight gathers are prefetched behind compute (FSDP does; EPL fetches just in time), and
+    whether the head's logits are gathered whole under tensor parallelism: a transformers model given ``labels``
+    computes its own loss on whole logits, so EPL all-gathers them per micro-batch (a ``loss_fn`` on the logits
+    runs the vocabulary-parallel cross-entropy instead, as Megatron does)."""
 
     global_batch: int
     sequence: int
@@ -94,6 +98,8 @@ class Workload:
     optimizer_states: int = 2  # Adam's two moments
     sdpa: bool = True
     devices_per_node: int = 8
+    weights_prefetched: bool = False
+    gathered_logits: bool = False
 
     @property
     def dtype_bytes(self) -> int:

@@ -1,0 +1,56 @@
+"""The memory-bound work of a step: bytes that elementwise kernels and the optimizer move through device memory.
+
+A GEMM's time is its FLOPs; a norm's, a residual add's or an activation's is the bytes it reads and writes. Counted
+per token of a block, forward, in passes over a tensor (one read or one write of every element), as PyTorch's
+eager kernels run transformers' blocks:
+
+- each RMSNorm/LayerNorm (two per block): 6 passes over ``h`` (transformers upcasts to float32, squares, averages,
+  scales, casts back and multiplies by the weight);
+- each residual add (two): 3 passes over ``h``;
+- rotary positions on q and k: 8 passes over ``h + h_kv`` (``rotate_half``'s negation and concatenation, two
+  products and a sum);
+- the MLP's activation: 2 passes over ``f``, and for a gated MLP 3 more (the gate's product);
+- eager attention: 4 passes over the ``a·s`` scores (softmax and its dropout); fused SDPA/flash kernels keep
+  them on chip.
+
+The backward moves about twice the forward's bytes; full recomputation runs the forward once more. Norms and
+residual adds run whole on every device of a shard group unless sequence parallel; the rest is divided among
+them. The loss reads and writes the float32 logits about 6 times (upcast, log-softmax, its gradient). Adam, as
+torch runs it by default (``foreach``), makes :data:`ADAM_ACCESSES` float32 reads and writes per parameter it
+updates. Measured on this project's CPU machine, these counts put the time of a small transformers Llama's
+non-GEMM work within a factor of 2 (benchmarks/test_planner_ordering.py).
+"""
+
+from __future__ import annotations
+
+from epl.planner.activations import BlockActivations
+from epl.planner.shape import ModelShape
+
+#: float32 reads and writes per parameter of torch's default (foreach) Adam step: lerp, mul, addcmul, sqrt, div,
+#: add, addcdiv.
+ADAM_ACCESSES = 18
+#: Passes over the float32 logits per token: upcast, log-softmax forward, its gradient.
+LOSS_PASSES = 6
+
+
+def block_bytes(shape: ModelShape, tokens: int, sequence: int, dtype_bytes: int, sdpa: bool) -> BlockActivations:
+    """Bytes one block's forward and backward move through memory outside GEMMs, for ``tokens`` tokens:
+    ``replicated`` (norms and residual adds) and ``sharded`` (divided over a shard group)."""
+    h, f, kv = shape.hidden, shape.ffn, shape.kv_heads * shape.head_dim
+    replicated = 2 * 6 * h + 2 * 3 * h
+    sharded = 8 * (h + kv) + (5 if shape.gated else 2) * f
+    if not sdpa:
+        sharded += 4 * shape.heads * sequence
+    forward_and_backward = 3 * tokens * dtype_bytes
+    return BlockActivations(replicated=replicated * forward_and_backward, sharded=sharded * forward_and_backward)
+
+
+def loss_bytes(shape: ModelShape, tokens: int, tensor: int) -> float:
+    """Bytes the loss moves over one device's share of the float32 logits of ``tokens`` tokens."""
+    return LOSS_PASSES * tokens * shape.vocab / tensor * 4
+
+
+def optimizer_bytes(parameters: float, optimizer_states: int) -> float:
+    """Bytes an Adam-like step moves to update ``parameters`` (float32); no states, no update traffic but SGD's."""
+    accesses = ADAM_ACCESSES if optimizer_states >= 2 else 3 + 2 * optimizer_states
+    return parameters * accesses * 4
