@@ -34,9 +34,13 @@ KEYS: tuple[ConfigKey, ...] = (
     # 6.10 Auto parallel
     ConfigKey(
         name="auto.auto_parallel",
-        types=(bool,),
+        types=(bool, str),
         default=False,
-        doc="Cut an unannotated model into pipeline.num_stages balanced stages (between blocks such as "
-        "transformer layers, in forward's call order, cost estimated by parameter count).",
+        choices=("plan",),
+        doc="True: cut an unannotated model into pipeline.num_stages balanced stages (between blocks such as "
+        "transformer layers, in forward's call order, cost estimated by parameter count). 'plan': lay out an "
+        "unannotated model as `epl plan --auto` would for this cluster (tensor, pipeline and data degrees, "
+        "micro-batches, ZeRO, checkpointing, schedule), for planner.global_batch_size sequences of "
+        "planner.sequence_length tokens on planner.device.",
     ),
 )

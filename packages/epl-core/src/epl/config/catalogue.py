@@ -132,4 +132,26 @@ CORE_KEYS: tuple[ConfigKey, ...] = (
         default=False,
         doc="Partition the files evenly and drop the last ones that do not divide.",
     ),
+    # EPL for PyTorch: the planner's job, for auto.auto_parallel: "plan" (docs/planner.md)
+    ConfigKey(
+        name="planner.global_batch_size",
+        types=(int, type(None)),
+        default=None,
+        minimum=1,
+        doc='Sequences per step over all replicas, for the layout auto.auto_parallel: "plan" chooses.',
+    ),
+    ConfigKey(
+        name="planner.sequence_length",
+        types=(int, type(None)),
+        default=None,
+        minimum=1,
+        doc='Tokens per sequence, for the layout auto.auto_parallel: "plan" chooses.',
+    ),
+    ConfigKey(
+        name="planner.device",
+        types=(str,),
+        default="",
+        doc='The device profile auto.auto_parallel: "plan" plans for: a name `epl plan --device` takes, or a JSON '
+        "file (`epl calibrate --out FILE`); empty: the profile of this machine's GPU when the planner knows it.",
+    ),
 )

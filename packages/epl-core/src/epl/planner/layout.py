@@ -13,6 +13,10 @@ ZeroLevel = Literal["none", "v0", "v1", "v2"]
 CHECKPOINTING: tuple[Checkpointing, ...] = ("none", "auto", "full")
 SCHEDULES: tuple[Schedule, ...] = ("GPipe", "1F1B", "interleaved", "ZeroBubble")
 ZERO_LEVELS: tuple[ZeroLevel, ...] = ("none", "v0", "v1", "v2")
+#: The planner's schedule names -> EPL's ``pipeline.strategy`` names.
+EPL_SCHEDULES: dict[str, str] = {
+    "GPipe": "PreferForward", "1F1B": "PreferBackward", "ZeroBubble": "ZeroBubble", "interleaved": "Interleaved1F1B",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -66,20 +70,27 @@ class Layout:
         return f"with epl.split({self.tensor}):" if self.tensor > 1 else "(no annotation: data parallel)"
 
     def config(self) -> dict[str, Any]:
-        """The ``epl.Config`` dict of this layout."""
+        """The ``epl.Config`` dict of this layout, in EPL's names: the schedule's ``pipeline.strategy``, ``p·v``
+        stages under interleaving (``v`` a rank), and ``full`` recomputation as ``gradient_checkpoint.type: auto``
+        (EPL's, which recomputes each block from its input)."""
+        if self.sequence_parallel or self.gradient_checkpoint == "auto":
+            raise EplError(
+                f"EPL cannot run {self} yet: sequence parallelism and selective recomputation come with the "
+                "long-context work. The planner estimates them for published runs only."
+            )
         config: dict[str, Any] = {}
         if self.pipeline > 1:
-            config.update(
-                {"pipeline.num_stages": self.pipeline, "auto.auto_parallel": True, "pipeline.strategy": self.schedule}
-            )
-            if self.schedule == "interleaved":
-                config["pipeline.stages_per_rank"] = self.virtual_stages
+            virtual = self.virtual_stages if self.schedule == "interleaved" else 1
+            config.update({"pipeline.num_stages": self.pipeline * virtual, "auto.auto_parallel": True,
+                           "pipeline.strategy": EPL_SCHEDULES[self.schedule]})  # fmt: skip
+            if virtual > 1:
+                config["pipeline.stages_per_rank"] = virtual
         if self.micro_batches > 1:
             config["pipeline.num_micro_batch"] = self.micro_batches
         if self.zero != "none":
             config["zero.level"] = self.zero
-        if self.gradient_checkpoint != "none":
-            config["gradient_checkpoint.type"] = self.gradient_checkpoint
+        if self.gradient_checkpoint == "full":
+            config["gradient_checkpoint.type"] = "auto"
         return config
 
 

@@ -18,6 +18,7 @@ from epl.materialize.units import has_meta_tensors, named_tensors
 from epl.placement.build import build_local_plan, build_plan
 from epl.placement.plan import Plan, TaskGraphSpec
 from epl.placement.request import PlanReady, current_request
+from epl.planner import apply
 from epl.plugins.context import LossFn, ParallelContext
 from epl.runtime.batch import to_device
 from epl.runtime.batch_check import batch_check
@@ -186,8 +187,15 @@ def _require_values(model: nn.Module) -> None:
 
 
 def _taskgraphs(model: nn.Module, env: Env, example_inputs: Any = None) -> list[TaskGraph]:
-    """The annotated TaskGraphs of ``model``, or a plugin's automatic partition of it."""
-    return env.plugins.partition_model(model, env.annotations.taskgraphs_for(model), env.config, example_inputs)
+    """The annotated TaskGraphs of ``model``, or a plugin's automatic partition of it; under
+    ``auto.auto_parallel: "plan"`` the planner's layout first sets ``env.config`` (:mod:`epl.planner.apply`)."""
+    taskgraphs = env.annotations.taskgraphs_for(model)
+    if apply.wants_plan(env.config):
+        devices_per_node = env.cluster.gpu_per_worker or env.cluster.world_size
+        layout = apply.choose_layout(model, env.config, env.cluster.world_size, devices_per_node).layout
+        env.config = apply.planned_config(env.config, layout)
+        taskgraphs = apply.split_taskgraphs(taskgraphs, layout)
+    return env.plugins.partition_model(model, taskgraphs, env.config, example_inputs)
 
 
 def _plan_for(taskgraphs: list[TaskGraph], env: Env) -> Plan:
