@@ -43,3 +43,5 @@ def test_the_schedules_keep_their_micro_batches_in_flight() -> None:
     assert micro_batches_in_flight(layout("GPipe")) == 16
     assert micro_batches_in_flight(layout("1F1B")) == 4
     assert micro_batches_in_flight(layout("interleaved", 2)) == pytest.approx(4 * (1 + 3 / 8))
+    assert micro_batches_in_flight(layout("1F1B"), stage=3) == 1
+    assert micro_batches_in_flight(layout("ZeroBubble"), stage=3) == 4

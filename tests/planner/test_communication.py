@@ -1,6 +1,6 @@
 """The planner's payload bytes per step against the collectives EPL issues, counted with the profiler, on 2
 processes: data parallel, ZeRO v0-v2, split(2) and 2 pipeline stages of a transformers Llama (float32) trained on
-its own loss.
+its own loss, and split(2) x 2 stages (3D) on 4.
 
 Equal to the byte, each kind, and so are the calls. Under split, the head's logits are all-gathered once per
 micro-batch because the model computes its own loss on whole logits (``Workload.gathered_logits``; a ``loss_fn`` on
@@ -28,6 +28,7 @@ CASES = {
     "ZeRO v0": ({"zero.level": "v0"}, 1),
     "ZeRO v1": ({"zero.level": "v1"}, 1),
     "ZeRO v2": ({"zero.level": "v2"}, 1),
+    "3D": ({"pipeline.num_stages": 2, "auto.auto_parallel": True}, 2),  # split(2) x 2 stages: 4 processes
 }  # the ZeRO levels as EPL runs them on gloo: gradients reduced to their owners, weights broadcast by them
 
 
@@ -70,7 +71,7 @@ def counts_of(names: list[str]) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def counted() -> list[dict[str, dict[str, Any]]]:
-    return run_ranks(counts_of, 2, list(CASES), timeout=300)
+    return run_ranks(counts_of, 2, [name for name in CASES if name != "3D"], timeout=300)
 
 
 def payload(counts: dict[str, int], *operations: str) -> int:
@@ -136,3 +137,20 @@ def test_collective_calls_are_the_predicted_ones(counted: list[dict[str, dict[st
             zero = ranks[f"ZeRO {level}"]
             assert calls(zero["counts"], "allreduce", "reduce") == zero["calls"]["data_parallel"], (level, zero)
             assert calls(zero["counts"], "broadcast") == zero["calls"]["zero_parameters"], (level, zero)
+
+
+@pytest.mark.timeout(400)
+def test_3d_payloads_and_calls_are_the_predicted_ones() -> None:
+    """split(2) x 2 stages on 4 processes: each rank's activation all-reduces (4 per block and micro-batch, and the
+    embedding's or the head's), and the whole activations each tensor device sends to its peer in the next stage
+    (EPL sends them whole, where Megatron scatters them over the tensor devices); the last stage gathers the
+    logits."""
+    for rank, counts in enumerate(run_ranks(counts_of, 4, ["3D"], timeout=300)):
+        found = counts["3D"]
+        assert payload(found["counts"], "allreduce") == found["predicted"]["tensor_parallel"], (rank, found)
+        assert calls(found["counts"], "allreduce", activations=True) == found["calls"]["tensor_parallel"], found
+        assert payload(found["counts"], "send", "recv") == found["predicted"]["pipeline"], (rank, found)
+        assert calls(found["counts"], "send", "recv", activations=True) == found["calls"]["pipeline"], found
+        last_stage = rank >= 2
+        gathered = calls(found["counts"], "_allgather_base")
+        assert gathered == (found["calls"]["gathered_logits"] if last_stage else 0), (rank, found)

@@ -12,7 +12,8 @@ pipeline stage:
 - **gathered logits** (``Workload.gathered_logits``): per micro-batch, the device's share of the head's output,
   all-gathered when the model computes its own loss on whole logits;
 - **pipeline**: per micro-batch, the activations sent forward and their gradient received back across each
-  boundary the device sits on;
+  boundary the device sits on; under split each tensor device sends the whole activation to its peer (Megatron
+  scatters it over them);
 - **data parallel**: the gradients of the weights the device holds (its shards, and the norms whole), all-reduced
   once per step (reduced to their owners under ZeRO v1 and v2);
 - **ZeRO's weights** (``zero_parameters``): under v0 and v1 each owner broadcasts its updated shard after the

@@ -6,8 +6,12 @@ weights of ``ceil(L/p)`` blocks and the embedding or head, divided over the tens
 float32 master copy besides; float32 gradients; the optimizer's states (float32); ZeRO v0 divides the states
 and master weights over the data devices, v1 the gradients too, v2 the weights too. Activations: a block's per
 micro-batch (:mod:`epl.planner.activations`) times the stage's blocks times the micro-batches the schedule keeps,
-plus, on the last stage, the float32 logits of one micro-batch and their gradient. Peak: all of it plus one
-block's activations (recomputation, or the backward's working set).
+plus, on the last stage, the float32 logits of one micro-batch and their gradient. Peak: weights, gradients and
+optimizer states, plus the larger of the backward's working set (the activations, one block's more for
+recomputation or its backward, and the gradients' copies while they are reduced: the flat buckets in flight, as
+many as communication falls behind, and under ZeRO v1/v2 the bucket being filled) and the optimizer step's
+float32 temporary the size of what it updates (torch's foreach Adam). Checked against resident memory in
+tests/planner/test_measured_memory.py.
 
 **Time.** Model FLOPs are PaLM's (Chowdhery et al. 2022, appendix B): ``6·N + 12·L·h·s`` per token, N the
 weights of the blocks and the head, recomputation not counted; MFU is model FLOPs per second over the devices'
@@ -48,7 +52,7 @@ from typing import Any
 
 from epl.planner import memory_traffic
 from epl.planner.activations import block_activations, micro_batches_in_flight
-from epl.planner.communication import collective_calls, payload_bytes, weights_per_device
+from epl.planner.communication import GRADIENT_BUCKETS, collective_calls, payload_bytes, weights_per_device
 from epl.planner.devices import DeviceProfile
 from epl.planner.layout import Layout, Workload
 from epl.planner.shape import ModelShape
@@ -121,9 +125,24 @@ def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: Devi
     vocab_share = shape.vocab if workload.gathered_logits else shape.vocab / t
     logits = 2 * b * s * vocab_share * 4  # the last stage's float32 logits and their gradient
     first_stage = blocks * per_block * in_flight
-    last_stage = blocks * per_block * 1.0 + logits
+    last_stage = blocks * per_block * micro_batches_in_flight(layout, stage=p - 1) + logits
     activations = max(first_stage, last_stage if p > 1 else first_stage + logits)
-    peak = parameter_bytes + gradient_bytes + optimizer_bytes + activations + whole_block
+    # Transients: gradients are copied into flat buckets to be reduced (GRADIENT_BUCKETS of them; as many in flight
+    # at once as the communication falls behind: one where it keeps up, overlap 1), and under ZeRO v1/v2 the
+    # gradients of the bucket being filled are held whole until it leaves for its owner (FSDP: a block's, reduced
+    # as its backward ends); the optimizer's step makes a float32 temporary the size of what it updates (torch's
+    # foreach Adam: the square roots' denominators), after backward freed the activations.
+    whole_gradients = weights * 4
+    reducing = 0.0
+    if d > 1 and workload.weights_prefetched:
+        reducing = 2 * whole_gradients / blocks
+    elif d > 1:
+        in_flight = 1 - device.overlap * (1 - 1 / GRADIENT_BUCKETS)
+        reducing = whole_gradients * in_flight + (whole_gradients - gradient_bytes) / GRADIENT_BUCKETS
+    updated = weights / d if layout.zero in ("v0", "v1", "v2") else weights
+    update_temporary = updated * 4 if workload.optimizer_states >= 2 else 0.0
+    working = max(activations + whole_block + reducing, update_temporary)
+    peak = parameter_bytes + gradient_bytes + optimizer_bytes + working
     fits = peak <= device.memory_bytes - RESERVED_BYTES
 
     tokens = workload.global_batch * s
@@ -155,7 +174,7 @@ def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: Devi
     tensor_comm += (calls["tensor_parallel"] + calls["gathered_logits"]) * latency
     cross = t * d >= in_node
     bandwidth = device.inter_node_bandwidth if cross else device.intra_node_bandwidth
-    pipeline_comm = payload["pipeline"] / t / bandwidth  # each tensor device sends its part (Megatron's scatter)
+    pipeline_comm = payload["pipeline"] / bandwidth  # each tensor device sends the whole activation (EPL)
     pipeline_comm += calls["pipeline"] * latency
     data_comm = 0.0
     if d > 1:
