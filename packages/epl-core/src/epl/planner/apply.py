@@ -58,8 +58,11 @@ def device_of(config: Config) -> DeviceProfile:
     )
 
 
-def choose_layout(model: nn.Module, config: Config, world_size: int, devices_per_node: int) -> Estimate:
-    """The fastest layout that fits for ``model`` on ``world_size`` devices, by the planner's estimate."""
+def choose_layout(
+    model: nn.Module, config: Config, world_size: int, devices_per_node: int, own_loss: bool = True
+) -> Estimate:
+    """The fastest layout that fits for ``model`` on ``world_size`` devices, by the planner's estimate; ``own_loss``:
+    the model computes its loss on whole logits (no ``loss_fn``), which split gathers."""
     batch, sequence = config.get("planner.global_batch_size"), config.get("planner.sequence_length")
     if not batch or not sequence:
         raise EplError(
@@ -67,7 +70,7 @@ def choose_layout(model: nn.Module, config: Config, world_size: int, devices_per
             "step, over all replicas) and planner.sequence_length (tokens per sequence)."
         )
     dtype = "bf16" if config.get("amp.level") else "fp32"
-    workload = Workload(batch, sequence, dtype=dtype, devices_per_node=devices_per_node)
+    workload = Workload(batch, sequence, dtype=dtype, devices_per_node=devices_per_node, gathered_logits=own_loss)
     result = search(ModelShape.of(model), workload, device_of(config), world_size)
     best = result.plans[0] if result.plans else None
     if best is None or not best.fits:

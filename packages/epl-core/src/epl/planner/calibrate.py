@@ -12,6 +12,8 @@
 - **Host overheads** (CPU only; a GPU's kernels outlast their launches): a tiny transformers Llama's forward and
   backward at 1 and 3 layers, whose time is module calls and dispatch, not arithmetic: the time per block, and
   per micro-batch besides.
+- **Optimizer**: torch's Adam stepping 4M parameters in 64 tensors, as a rate of the bytes the planner counts for
+  it.
 - **Memory bandwidth**: what an RMSNorm, a gated activation and a residual add over a float32 tensor move forward
   and backward (the passes :mod:`epl.planner.memory_traffic` counts) over their time: the bandwidth eager
   elementwise kernels reach, which is below the streaming figure of a datasheet.
@@ -112,6 +114,21 @@ def host_overheads(rounds: int = 30) -> tuple[float, float]:
     return block, max(0.0, one - block)
 
 
+def optimizer_bandwidth(parameters: int = 2**22, tensors: int = 64, steps: int = 5) -> float:
+    """The rate of torch's Adam step (foreach, on the local device) in the bytes
+    :func:`epl.planner.memory_traffic.optimizer_bytes` counts for it."""
+    from epl.planner.memory_traffic import optimizer_bytes
+
+    where = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    params = [torch.nn.Parameter(torch.randn(parameters // tensors, device=where)) for _ in range(tensors)]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    adam = torch.optim.Adam(params, lr=1e-4)
+    adam.step()
+    seconds = _timed(lambda: [adam.step() for _ in range(steps)], where) / steps
+    return optimizer_bytes(parameters, 2) / seconds
+
+
 def _collectives_rank(rank: int, port: int, rounds: int, gemm: tuple[str, int, float], results: Any) -> None:
     import torch.distributed as dist
 
@@ -153,6 +170,20 @@ def _collectives_rank(rank: int, port: int, rounds: int, gemm: tuple[str, int, f
         dist.destroy_process_group()
 
 
+def _first_result(results: Any, processes: list[Any]) -> Any:
+    """What a rank put on ``results``; raises ``queue.Empty`` after :data:`TIMEOUT_S`, or once every rank exited."""
+    import queue
+
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            if not any(process.is_alive() for process in processes):
+                break
+    raise queue.Empty
+
+
 def _timed(work: Any, device: torch.device) -> float:
     _sync(device)
     start = time.perf_counter()
@@ -176,10 +207,10 @@ def collectives(rounds: int = 5, gemm: tuple[str, int, float] = ("fp32", 512, 0.
     for process in processes:
         process.start()
     try:
-        measured = results.get(timeout=TIMEOUT_S)
+        measured = _first_result(results, processes)
     except Exception as exc:  # queue.Empty, or a rank died
         raise EplError(
-            f"The all-reduce between two local processes did not finish within {TIMEOUT_S} s; exit codes "
+            f"The collectives between two local processes did not finish within {TIMEOUT_S} s; exit codes "
             f"{[p.exitcode for p in processes]}."
         ) from exc
     finally:
@@ -204,6 +235,7 @@ def calibrate(dtype: str = "fp32", base: str | None = None, seconds: float = 1.0
         "block_overhead_s": block_overhead,
         "micro_batch_overhead_s": micro_batch_overhead,
         "memory_bandwidth": memory_bandwidth(seconds / 2),
+        "optimizer_bandwidth": optimizer_bandwidth(),
         "collective_latency_s": measured_collectives["latency"],
         "overlap": measured_collectives["overlap"],
     }

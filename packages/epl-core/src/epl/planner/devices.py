@@ -9,7 +9,9 @@ activations, the loss, the optimizer's update: :mod:`epl.planner.memory_traffic`
 what one collective costs besides its bytes (NCCL's small-message latency inside a node, about 10-30 us;
 ``epl calibrate`` measures it), and ``overlap`` the fraction of a backward's time data-parallel communication
 can hide behind (1.0 on GPUs, where NCCL runs on its own streams; a CPU whose cores all compute hides little,
-and ``epl calibrate`` measures it). ``block_overhead_s`` and ``micro_batch_overhead_s`` are host time that does not
+and ``epl calibrate`` measures it). ``optimizer_bandwidth``, when set, is the rate of the optimizer's update in
+the bytes :mod:`epl.planner.memory_traffic` counts for it (``epl calibrate`` times torch's Adam; 0 uses the
+memory bandwidth). ``block_overhead_s`` and ``micro_batch_overhead_s`` are host time that does not
 overlap the device's work, per block and per micro-batch (module calls, kernel dispatch, masks, the loss's
 bookkeeping): all of it on a CPU, where ``epl calibrate`` measures them; about none on a GPU, whose kernels for a
 training micro-batch outlast their launches.
@@ -44,6 +46,7 @@ class DeviceProfile:
     memory_bandwidth: float = 2000 * GB
     collective_latency_s: float = 20e-6
     overlap: float = 1.0
+    optimizer_bandwidth: float = 0.0
     block_overhead_s: float = 0.0
     micro_batch_overhead_s: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)

@@ -29,12 +29,13 @@ attention core's under ``auto``. Parts of a step, on one device:
   not overlapped (as Megatron without overlap); and the head's logits all-gathered per micro-batch when the model
   computes its own loss on them (``Workload.gathered_logits``);
 - pipeline: a micro-batch's activations forward and their gradient back per stage boundary and micro-batch;
-- data parallel: float32 gradients, ``2(d-1)/d`` of their bytes (``(d-1)/d`` under ZeRO v1/v2, which reduces
-  them to their owners), and ZeRO's weights (``(d-1)/d`` of them after
-  the step under v0 and v1, before each micro-batch's forward and backward under v2: :mod:`epl.planner.communication`);
-  the gradients' reduction overlaps (the profile's ``overlap`` of it) with the backward of the last micro-batch,
-  ZeRO's weights are waited for (EPL fetches them just in time); with ``Workload.weights_prefetched`` (FSDP,
-  which gathers the next block's weights during this one's compute) all of it runs behind the step's compute;
+- data parallel: float32 gradients, ``2(d-1)/d`` of their bytes (also under ZeRO v1/v2, which reduces them to
+  their owners: gloo's reduce costs what its all-reduce does; FSDP's reduce-scatter half), and ZeRO's weights
+  (``(d-1)/d`` of them after the step under v0 and v1, before each micro-batch's forward and backward under v2:
+  :mod:`epl.planner.communication`); the gradients' reduction overlaps (the profile's ``overlap`` of it) with the
+  backward of the last micro-batch, ZeRO's weights are waited for (EPL fetches them just in time); with
+  ``Workload.weights_prefetched`` (FSDP, which gathers the next block's weights during this one's compute) all of
+  it runs behind the step's compute;
 - each collective call also costs the profile's latency (:func:`epl.planner.communication.collective_calls`);
 - bubble: ``(p-1)`` micro-batch times under GPipe, 1F1B and ZeroBubble, divided by the virtual stages under
   interleaved 1F1B. ZB-H1 (Qi et al. 2023) cuts the bubble to a third in theory; EPL's measured bubble is 1.5x
@@ -179,7 +180,9 @@ def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: Devi
     data_comm = 0.0
     if d > 1:
         bandwidth = device.inter_node_bandwidth if t * d > in_node else device.intra_node_bandwidth
-        passes = 1 if layout.zero in ("v1", "v2") else 2  # reduced to owners (a reduce-scatter), or all-reduced
+        # EPL reduces to owners under ZeRO v1/v2; gloo's reduce costs what its all-reduce does (measured), so both
+        # count as all-reduces; FSDP reduce-scatters (half the bytes)
+        passes = 1 if workload.weights_prefetched else 2
         reduce = passes * (d - 1) / d * payload["data_parallel"] / bandwidth + calls["data_parallel"] * latency
         gather = (d - 1) / d * payload["zero_parameters"] / bandwidth + calls["zero_parameters"] * latency
         if workload.weights_prefetched:  # FSDP: gathers and reductions run behind the whole step's compute
@@ -227,4 +230,8 @@ def _memory_bound_seconds(
     kernels = math.ceil(shape.layers / p) * per_block + memory_traffic.loss_bytes(shape, tokens, t)
     updated = weights / d if layout.zero in ("v0", "v1", "v2") else weights
     update = memory_traffic.optimizer_bytes(updated, workload.optimizer_states)
-    return kernels / device.memory_bandwidth, update / device.memory_bandwidth
+    update /= device.optimizer_bandwidth or device.memory_bandwidth
+    if d > 1:
+        packing = memory_traffic.packing_bytes(weights, layout.zero, layout.micro_batches, workload.dtype_bytes)
+        update += packing / device.memory_bandwidth
+    return kernels / device.memory_bandwidth, update

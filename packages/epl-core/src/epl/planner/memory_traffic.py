@@ -17,8 +17,9 @@ The backward moves about twice the forward's bytes; full recomputation runs the 
 residual adds run whole on every device of a shard group unless sequence parallel; the rest is divided among
 them. The loss reads and writes the float32 logits about 6 times (upcast, log-softmax, its gradient). Adam, as
 torch runs it by default (``foreach``), makes :data:`ADAM_ACCESSES` float32 reads and writes per parameter it
-updates. Measured on this project's CPU machine, these counts put the time of a small transformers Llama's
-non-GEMM work within a factor of 2 (benchmarks/test_planner_ordering.py).
+updates. Data parallelism copies gradients into flat buckets and ZeRO's weights into and out of flat broadcasts
+(:func:`packing_bytes`). ``epl calibrate`` measures the bandwidth these kernels reach by running a norm, a gated
+activation and a residual add, so the counts and the bandwidth agree by construction.
 """
 
 from __future__ import annotations
@@ -54,3 +55,15 @@ def optimizer_bytes(parameters: float, optimizer_states: int) -> float:
     """Bytes an Adam-like step moves to update ``parameters`` (float32); no states, no update traffic but SGD's."""
     accesses = ADAM_ACCESSES if optimizer_states >= 2 else 3 + 2 * optimizer_states
     return parameters * accesses * 4
+
+
+def packing_bytes(weights: float, zero: str, micro_batches: int, dtype_bytes: int) -> float:
+    """Bytes data parallelism copies to communicate, on a device holding ``weights``: its float32 gradients into
+    flat buckets (read and written), and under ZeRO the weights packed into and out of the owners' flat
+    broadcasts (once after the step under v0/v1; for each micro-batch's forward and backward under v2)."""
+    moved = 2 * weights * 4
+    if zero in ("v0", "v1"):
+        moved += 2 * weights * dtype_bytes
+    elif zero == "v2":
+        moved += 2 * micro_batches * 2 * weights * dtype_bytes
+    return moved

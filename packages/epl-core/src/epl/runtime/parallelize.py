@@ -68,7 +68,7 @@ def parallelize(
     if lazy is not None:
         env.annotations.forget_tensors()
     with streamed(lazy):
-        taskgraphs = _taskgraphs(model, env, example_inputs)
+        taskgraphs = _taskgraphs(model, env, example_inputs, own_loss=loss_fn is None)
     plan = _plan_for(taskgraphs, env)
     env.annotations.remove()
     if request is not None:
@@ -186,13 +186,14 @@ def _require_values(model: nn.Module) -> None:
         )
 
 
-def _taskgraphs(model: nn.Module, env: Env, example_inputs: Any = None) -> list[TaskGraph]:
+def _taskgraphs(model: nn.Module, env: Env, example_inputs: Any = None, own_loss: bool = True) -> list[TaskGraph]:
     """The annotated TaskGraphs of ``model``, or a plugin's automatic partition of it; under
     ``auto.auto_parallel: "plan"`` the planner's layout first sets ``env.config`` (:mod:`epl.planner.apply`)."""
     taskgraphs = env.annotations.taskgraphs_for(model)
     if apply.wants_plan(env.config):
         devices_per_node = env.cluster.gpu_per_worker or env.cluster.world_size
-        layout = apply.choose_layout(model, env.config, env.cluster.world_size, devices_per_node).layout
+        world = env.cluster.world_size
+        layout = apply.choose_layout(model, env.config, world, devices_per_node, own_loss).layout
         env.config = apply.planned_config(env.config, layout)
         taskgraphs = apply.split_taskgraphs(taskgraphs, layout)
     return env.plugins.partition_model(model, taskgraphs, env.config, example_inputs)
