@@ -2,10 +2,11 @@
 timed (the fastest of 3 rounds' medians; the layouts take turns), against the planner's prediction with this
 machine's profile from ``epl calibrate``.
 
-Reported: the Spearman rank correlation between predicted and measured step times (target >= 0.8, not met yet:
-0.73-0.76), and whether the fastest measured layout is among the planner's 2 fastest (asserted). The layouts: data
-parallel with ZeRO none, v1 and v2 and with checkpointing; split(2) with and without checkpointing; 2 pipeline
-stages under GPipe, 1F1B and ZeroBubble with 4 micro-batches, and 1F1B with 2.
+Reported: the Spearman rank correlation between predicted and measured step times (target >= 0.8), and whether
+the fastest measured layout is among the planner's 2 fastest (asserted). The layouts: data parallel with ZeRO
+none, v1 and v2 and with checkpointing; split(2) with and without checkpointing; 2 pipeline stages under GPipe,
+1F1B and ZeroBubble with 4 micro-batches (predicted alike: the same bubble, and the memory the schedules differ
+in does not take time), and 1F1B with 2.
 """
 
 from __future__ import annotations
@@ -82,17 +83,27 @@ def time_layout(name: str, steps: int) -> dict[str, Any]:
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman's rank correlation (no ties expected)."""
+    """Spearman's rank correlation: Pearson's of the ranks, tied values sharing their average rank (the planner
+    predicts the three 2-stage schedules with 4 micro-batches alike)."""
 
-    def ranks(values: list[float]) -> list[int]:
+    def ranks(values: list[float]) -> list[float]:
         order = sorted(range(len(values)), key=values.__getitem__)
-        result = [0] * len(values)
-        for rank, index in enumerate(order):
-            result[index] = rank
+        result = [0.0] * len(values)
+        start = 0
+        while start < len(order):
+            end = start
+            while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+                end += 1
+            for position in range(start, end + 1):
+                result[order[position]] = (start + end) / 2
+            start = end + 1
         return result
 
-    rx, ry, n = ranks(xs), ranks(ys), len(xs)
-    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry, strict=True)) / (n * (n * n - 1))
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    covariance = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    spread = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return covariance / spread
 
 
 @pytest.mark.timeout(1800)
@@ -122,7 +133,7 @@ def test_the_planner_orders_layouts_as_they_run_here() -> None:
     )  # fmt: skip
     record("planner_ordering", [row], section=SECTION, details=details)
     print("\n" + "\n".join(details))
-    # The correlation's target (0.8) is not met yet (0.73-0.76 measured; docs/planner.md says why): recorded, and only
-    # the fastest layout's place is asserted.
+    # The correlation is recorded, not asserted: one layout's step varies by about 5% from run to run here, as much
+    # as several layouts differ (docs/planner.md has the runs); the fastest layout's place is asserted.
     if not short_mode():
         assert fastest in top_two, details
