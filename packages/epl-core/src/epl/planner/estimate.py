@@ -227,7 +227,8 @@ def _memory_bound_seconds(
     per_block = block.per_device(t, layout.sequence_parallel and t > 1)
     if layout.gradient_checkpoint == "full":
         per_block *= 4 / 3
-    kernels = math.ceil(shape.layers / p) * per_block + memory_traffic.loss_bytes(shape, tokens, t)
+    loss = memory_traffic.loss_bytes(shape, tokens, t, workload.gathered_logits)
+    kernels = math.ceil(shape.layers / p) * per_block + loss
     updated = weights / d if layout.zero in ("v0", "v1", "v2") else weights
     update = memory_traffic.optimizer_bytes(updated, workload.optimizer_states)
     update /= device.optimizer_bandwidth or device.memory_bandwidth

@@ -32,6 +32,9 @@ from epl.planner.shape import ModelShape
 ADAM_ACCESSES = 18
 #: Passes over the float32 logits per token: upcast, log-softmax forward, its gradient.
 LOSS_PASSES = 6
+#: Passes over the whole logits when split gathers them: the gathered output written, its pieces concatenated
+#: (read and written), and in backward the gradient read and its share written.
+GATHER_PASSES = 5
 
 
 def block_bytes(shape: ModelShape, tokens: int, sequence: int, dtype_bytes: int, sdpa: bool) -> BlockActivations:
@@ -46,8 +49,12 @@ def block_bytes(shape: ModelShape, tokens: int, sequence: int, dtype_bytes: int,
     return BlockActivations(replicated=replicated * forward_and_backward, sharded=sharded * forward_and_backward)
 
 
-def loss_bytes(shape: ModelShape, tokens: int, tensor: int) -> float:
-    """Bytes the loss moves over one device's share of the float32 logits of ``tokens`` tokens."""
+def loss_bytes(shape: ModelShape, tokens: int, tensor: int, gathered: bool = False) -> float:
+    """Bytes the loss moves over one device's share of the float32 logits of ``tokens`` tokens; ``gathered``: the
+    model computes its own loss, so each device gathers the whole logits (written, reordered into one tensor, and
+    the gradient's share sliced back out: :data:`GATHER_PASSES`) and runs the loss on all of them."""
+    if gathered and tensor > 1:
+        return (LOSS_PASSES + GATHER_PASSES) * tokens * shape.vocab * 4
     return LOSS_PASSES * tokens * shape.vocab / tensor * 4
 
 
