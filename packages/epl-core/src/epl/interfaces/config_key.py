@@ -64,6 +64,8 @@ class ConfigKey:
     def allowed(self) -> str:
         """A human description of the allowed values."""
         parts = []
+        if bool in self.types and str in self.types:
+            parts.append("any bool")
         if self.choices is not None:
             parts.append("one of " + ", ".join(repr(c) for c in self.choices))
         if self.minimum is not None:
