@@ -65,3 +65,15 @@ def test_a_device_profile_comes_by_name_or_from_a_file(tmp_path) -> None:
     assert device_profile("b200").peak("bf16") > device_profile("h200").peak("bf16")
     with pytest.raises(EplError, match="Unknown device 'h300'.*h100-sxm"):
         device_profile("h300")
+
+
+def test_a_mixture_of_experts_is_refused_not_mis_sized() -> None:
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, vocab_size=64)  # fmt: skip
+    with torch.device("meta"):
+        model = MixtralForCausalLM(config)
+    with pytest.raises(EplError, match="routes tokens to 4 experts"):
+        ModelShape.of(model)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import statistics
 import time
 from dataclasses import replace
 from typing import Any
@@ -40,6 +41,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COLLECTIVE_BYTES = 64 * 2**20
 TIMEOUT_S = 120
 LATENCY_ROUNDS = 20
+REPEATS = 3
 LATENCY_BYTES = 2**20
 
 
@@ -145,12 +147,9 @@ def _collectives_rank(rank: int, port: int, rounds: int, gemm: tuple[str, int, f
         dist.barrier()
         alone = _timed(lambda: [dist.all_reduce(tensor) for _ in range(rounds)], device) / rounds
         small = torch.ones(LATENCY_BYTES // 4, device=device)
-        small_time = _timed(lambda: [dist.all_reduce(small) for _ in range(LATENCY_ROUNDS)], device) / LATENCY_ROUNDS
-        latency = max(0.0, small_time - LATENCY_BYTES * alone / COLLECTIVE_BYTES)  # alpha of alpha-beta, from 2 sizes
+        latencies, hidden = [], []
         a = torch.randn(512, 512, device=device)
-        products = max(1, int(alone / _timed(lambda: torch.matmul(a, a), device)))
-        compute = _timed(lambda: [torch.matmul(a, a) for _ in range(products)], device)
-        dist.barrier()
+        products = max(1, int(alone * 8 / _timed(lambda: [torch.matmul(a, a) for _ in range(8)], device)))
 
         def both() -> None:
             work = dist.all_reduce(tensor, async_op=True)
@@ -158,12 +157,19 @@ def _collectives_rank(rank: int, port: int, rounds: int, gemm: tuple[str, int, f
                 torch.matmul(a, a)
             work.wait()
 
-        together = _timed(both, device)
-        hidden = (alone + compute - together) / min(alone, compute)
+        for _ in range(REPEATS):  # each figure the median of REPEATS measurements: a busy machine moves them
+            dist.barrier()
+            small_time = _timed(lambda: [dist.all_reduce(small) for _ in range(LATENCY_ROUNDS)], device)
+            # the alpha of alpha-beta, from 2 sizes
+            latencies.append(max(0.0, small_time / LATENCY_ROUNDS - LATENCY_BYTES * alone / COLLECTIVE_BYTES))
+            compute = _timed(lambda: [torch.matmul(a, a) for _ in range(products)], device)
+            dist.barrier()
+            together = _timed(both, device)
+            hidden.append((alone + compute - together) / min(alone, compute))
+        latency, overlap = statistics.median(latencies), min(1.0, max(0.0, statistics.median(hidden)))
         dist.barrier()
         concurrent = gemm_flops(*gemm, device=str(device))  # both ranks at once, as in training
         if rank == 0:
-            overlap = min(1.0, max(0.0, hidden))
             results.put({"bandwidth": COLLECTIVE_BYTES / alone, "latency": latency, "overlap": overlap,
                          "concurrent_flops": concurrent})  # fmt: skip
     finally:

@@ -62,6 +62,13 @@ class ModelShape:
                 "transformers model."
             )
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        experts = next((getattr(text, name) for name in _EXPERT_COUNTS if getattr(text, name, None)), None)
+        if isinstance(experts, int) and experts > 1:
+            raise EplError(
+                f"The planner's formulas are for dense transformers; {type(model).__name__} routes tokens to "
+                f"{experts} experts, whose weights, traffic and time it does not count yet. Plan with the memory "
+                "estimate alone (no --device), or lay the model out by hand (docs/split.md covers experts)."
+            )
         get = _getter(text)
         hidden = get("hidden_size", "n_embd", "d_model")
         heads = get("num_attention_heads", "n_head")
@@ -78,6 +85,10 @@ class ModelShape:
             parameters=sum(p.numel() for p in model.parameters()),
             activation_saves=activation_saves(get_name(text, "hidden_act", "activation_function")),
         )
+
+
+#: Config attributes transformers' mixture-of-experts models give their expert count in.
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
 @functools.cache
