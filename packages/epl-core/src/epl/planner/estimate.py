@@ -36,7 +36,9 @@ attention core's under ``auto``. Parts of a step, on one device:
   backward of the last micro-batch, ZeRO's weights are waited for (EPL fetches them just in time); with
   ``Workload.weights_prefetched`` (FSDP, which gathers the next block's weights during this one's compute) all of
   it runs behind the step's compute;
-- each collective call also costs the profile's latency (:func:`epl.planner.communication.collective_calls`);
+- each collective call also costs the profile's latency (:func:`epl.planner.communication.collective_calls`),
+  measured on an all-reduce, which exchanges two messages on the way (a reduce-scatter and an all-gather); a
+  broadcast or a send, one message, costs half of it;
 - bubble: ``(p-1)`` micro-batch times under GPipe, 1F1B and ZeroBubble, divided by the virtual stages under
   interleaved 1F1B. ZB-H1 (Qi et al. 2023) cuts the bubble to a third in theory; EPL's measured bubble is 1.5x
   1F1B's on 2 stages and 0.87x on 4 (benchmarks/test_pipeline.py, CPU), so the planner credits ZeroBubble no
@@ -176,7 +178,7 @@ def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: Devi
     cross = t * d >= in_node
     bandwidth = device.inter_node_bandwidth if cross else device.intra_node_bandwidth
     pipeline_comm = payload["pipeline"] / bandwidth  # each tensor device sends the whole activation (EPL)
-    pipeline_comm += calls["pipeline"] * latency
+    pipeline_comm += calls["pipeline"] * latency / 2  # one message each; an all-reduce's latency is two
     data_comm = 0.0
     if d > 1:
         bandwidth = device.inter_node_bandwidth if t * d > in_node else device.intra_node_bandwidth
@@ -184,7 +186,7 @@ def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: Devi
         # count as all-reduces; FSDP reduce-scatters (half the bytes)
         passes = 1 if workload.weights_prefetched else 2
         reduce = passes * (d - 1) / d * payload["data_parallel"] / bandwidth + calls["data_parallel"] * latency
-        gather = (d - 1) / d * payload["zero_parameters"] / bandwidth + calls["zero_parameters"] * latency
+        gather = (d - 1) / d * payload["zero_parameters"] / bandwidth + calls["zero_parameters"] * latency / 2
         if workload.weights_prefetched:  # FSDP: gathers and reductions run behind the whole step's compute
             data_comm = max(0.0, reduce + gather - device.overlap * (compute + kernels))
         else:
