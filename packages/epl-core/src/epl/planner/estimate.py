@@ -102,7 +102,39 @@ class Estimate:
 
 def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: DeviceProfile) -> Estimate:
     """The predictions for ``layout`` of ``shape`` training ``workload`` on devices like ``device``."""
-    t, p, d, m, b = layout.tensor, layout.pipeline, layout.data, layout.micro_batches, layout.micro_batch_size
+    memory = _memory(shape, layout, workload, device)
+    tokens = workload.global_batch * workload.sequence
+    parts, model_flops = _step_parts(shape, layout, workload, device)
+    step = sum(parts.values())
+    return Estimate(
+        layout=layout,
+        parameters=memory.parameters,
+        gradients=memory.gradients,
+        optimizer=memory.optimizer,
+        activations=memory.activations,
+        peak=memory.peak,
+        step_time_s=step,
+        tokens_per_second=tokens / step,
+        mfu=model_flops / step / layout.devices / device.peak(workload.dtype),
+        fits=memory.peak <= device.memory_bytes - RESERVED_BYTES,
+        time_parts=parts,
+    )
+
+
+@dataclass(frozen=True)
+class _Memory:
+    """Bytes one device holds: weights, gradients, optimizer states, activations, and the peak of a step."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    peak: float
+
+
+def _memory(shape: ModelShape, layout: Layout, workload: Workload, device: DeviceProfile) -> _Memory:
+    """What the most loaded device holds (the module's documentation says what is counted)."""
+    t, p, d, b = layout.tensor, layout.pipeline, layout.data, layout.micro_batch_size
     s, e = workload.sequence, workload.dtype_bytes
     sequence_parallel = layout.sequence_parallel and t > 1
     blocks = math.ceil(shape.layers / p)
@@ -122,9 +154,8 @@ def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: Devi
     block = block_activations(shape, b, s, dtype_bytes=e, sdpa=workload.sdpa, checkpoint=layout.gradient_checkpoint)
     per_block = block.per_device(t, sequence_parallel)
     whole_block = block_activations(shape, b, s, dtype_bytes=e, sdpa=workload.sdpa).per_device(t, sequence_parallel)
+    # gradient accumulation (one stage, several micro-batches) keeps one micro-batch at a time
     in_flight = micro_batches_in_flight(layout) if p > 1 else 1.0
-    if p == 1 and m > 1:
-        in_flight = 1.0  # gradient accumulation: one micro-batch at a time
     vocab_share = shape.vocab if workload.gathered_logits else shape.vocab / t
     logits = 2 * b * s * vocab_share * 4  # the last stage's float32 logits and their gradient
     first_stage = blocks * per_block * in_flight
@@ -140,14 +171,23 @@ def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: Devi
     if d > 1 and workload.weights_prefetched:
         reducing = 2 * whole_gradients / blocks
     elif d > 1:
-        in_flight = 1 - device.overlap * (1 - 1 / GRADIENT_BUCKETS)
-        reducing = whole_gradients * in_flight + (whole_gradients - gradient_bytes) / GRADIENT_BUCKETS
+        buckets_waiting = 1 - device.overlap * (1 - 1 / GRADIENT_BUCKETS)
+        reducing = whole_gradients * buckets_waiting + (whole_gradients - gradient_bytes) / GRADIENT_BUCKETS
     updated = weights / d if layout.zero in ("v0", "v1", "v2") else weights
     update_temporary = updated * 4 if workload.optimizer_states >= 2 else 0.0
     working = max(activations + whole_block + reducing, update_temporary)
     peak = parameter_bytes + gradient_bytes + optimizer_bytes + working
-    fits = peak <= device.memory_bytes - RESERVED_BYTES
+    return _Memory(parameter_bytes, gradient_bytes, optimizer_bytes, activations, peak)
 
+
+def _step_parts(
+    shape: ModelShape, layout: Layout, workload: Workload, device: DeviceProfile
+) -> tuple[dict[str, float], float]:
+    """The seconds of each part of a step on the slowest device, and the step's model FLOPs."""
+    t, p, d, m = layout.tensor, layout.pipeline, layout.data, layout.micro_batches
+    s = workload.sequence
+    blocks = math.ceil(shape.layers / p)
+    weights = weights_per_device(shape, layout)
     tokens = workload.global_batch * s
     head = 6 * shape.vocab * shape.hidden  # per token
     block_matmuls = shape.layer_parameters() - 2 * shape.hidden
@@ -159,14 +199,28 @@ def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: Devi
         block += 4 * shape.hidden * s
     # The slowest device: a stage of the most blocks, with the head (the last stage's), a tensor shard of it.
     stage_flops = tokens / d * (blocks * block + head) / t
-    peak_flops = device.peak(workload.dtype)
-    compute = stage_flops / (peak_flops * device.efficiency)
+    compute = stage_flops / (device.peak(workload.dtype) * device.efficiency)
     kernels, update = _memory_bound_seconds(shape, layout, workload, weights, device)
-    memory_bound = kernels + update
     block_calls = blocks * (4 / 3 if layout.gradient_checkpoint == "full" else 1)  # recomputation calls it again
     host = m * (block_calls * device.block_overhead_s + device.micro_batch_overhead_s)
     per_micro_batch = (compute + kernels + host) / m
+    communication = _communication_seconds(shape, layout, workload, device, compute + kernels, per_micro_batch)
+    bubble = 0.0
+    if p > 1:
+        bubble = (p - 1) * per_micro_batch
+        if layout.schedule == "interleaved":
+            bubble /= layout.virtual_stages
+    parts = {"compute": compute, "memory_bound": kernels + update, "host_overhead": host, **communication,
+             "bubble": bubble}  # fmt: skip
+    return parts, model_flops
 
+
+def _communication_seconds(
+    shape: ModelShape, layout: Layout, workload: Workload, device: DeviceProfile, busy: float, per_micro_batch: float
+) -> dict[str, float]:
+    """Exposed seconds of tensor-parallel, pipeline and data-parallel communication in a step; ``busy``: the
+    device's compute and memory-bound seconds, which FSDP's prefetched gathers hide behind."""
+    t, d = layout.tensor, layout.data
     in_node = workload.devices_per_node
     payload = payload_bytes(shape, layout, workload)
     calls = collective_calls(shape, layout, workload)
@@ -188,33 +242,10 @@ def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: Devi
         reduce = passes * (d - 1) / d * payload["data_parallel"] / bandwidth + calls["data_parallel"] * latency
         gather = (d - 1) / d * payload["zero_parameters"] / bandwidth + calls["zero_parameters"] * latency / 2
         if workload.weights_prefetched:  # FSDP: gathers and reductions run behind the whole step's compute
-            data_comm = max(0.0, reduce + gather - device.overlap * (compute + kernels))
+            data_comm = max(0.0, reduce + gather - device.overlap * busy)
         else:
             data_comm = reduce - device.overlap * min(reduce, per_micro_batch * 2 / 3) + gather
-    bubble = 0.0
-    if p > 1:
-        bubble = (p - 1) * per_micro_batch
-        if layout.schedule == "interleaved":
-            bubble /= layout.virtual_stages
-    step = compute + memory_bound + host + tensor_comm + pipeline_comm + data_comm + bubble
-    parts = {
-        "compute": compute, "memory_bound": memory_bound, "host_overhead": host, "tensor_parallel": tensor_comm,
-        "pipeline": pipeline_comm,
-        "data_parallel": data_comm, "bubble": bubble,
-    }  # fmt: skip
-    return Estimate(
-        layout=layout,
-        parameters=parameter_bytes,
-        gradients=gradient_bytes,
-        optimizer=optimizer_bytes,
-        activations=activations,
-        peak=peak,
-        step_time_s=step,
-        tokens_per_second=tokens / step,
-        mfu=model_flops / step / layout.devices / peak_flops,
-        fits=fits,
-        time_parts=parts,
-    )
+    return {"tensor_parallel": tensor_comm, "pipeline": pipeline_comm, "data_parallel": data_comm}
 
 
 def _memory_bound_seconds(
