@@ -229,6 +229,22 @@ class Comparison:
         return replace(template, time=(Ratio(self.ratio),))
 
 
+def median_step_seconds(step: Callable[[], object], steps: int, warmup: int = 2) -> float:
+    """On every rank of a job: the median seconds of ``steps`` calls of ``step`` after ``warmup`` untimed ones, the
+    ranks starting each call together (a barrier)."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def race_steps(
     name: str,
     baseline_step: Callable[[], object],

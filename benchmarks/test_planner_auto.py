@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from tests.helpers.distributed import run_ranks
 
-from benchmarks.harness import Ratio, ResultRow, Section, ms, record, short_mode
+from benchmarks.harness import Ratio, ResultRow, Section, median_step_seconds, ms, record, short_mode
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,14 +28,13 @@ SECTION = Section(
 
 def time_layout(layout: str, profile: str, steps: int) -> dict[str, Any]:
     """One rank: the layout's median step time, and what the planner chose."""
-    import statistics
-    import time
     from contextlib import nullcontext
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import epl
+    from epl.planner.from_plan import layout_of
 
     config: dict[str, Any] = {}
     if layout == "planned":
@@ -53,18 +52,8 @@ def time_layout(layout: str, profile: str, steps: int) -> dict[str, Any]:
     tokens = torch.randint(0, VOCABULARY, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1))
     mine = tokens[engine.replica_index * rows : (engine.replica_index + 1) * rows]
     batch = {"input_ids": mine, "labels": mine}
-    for _ in range(2):
-        engine.step(batch)
-    times = []
-    for _ in range(steps):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        engine.step(batch)
-        times.append(time.perf_counter() - start)
-    chosen = {k: engine.context.config[k] for k in ("pipeline.num_stages", "pipeline.num_micro_batch", "zero.level",
-                                                    "gradient_checkpoint.type")}  # fmt: skip
-    tensor = max((tg.device_count for tg in engine.context.plan.taskgraphs if tg.strategy == "split"), default=1)
-    return {"seconds": statistics.median(times), "chosen": {**chosen, "split": tensor}}
+    seconds = median_step_seconds(lambda: engine.step(batch), steps)
+    return {"seconds": seconds, "chosen": layout_of(engine.context.plan, engine.context.config, BATCH)}
 
 
 @pytest.mark.timeout(1800)
@@ -77,7 +66,7 @@ def test_the_planned_layout_against_the_default_ones(tmp_path: Any) -> None:
     profile.write_text(json.dumps(calibrate(dtype="fp32", seconds=1.0, size=512).to_dict()))
     steps, rounds = (2, 1) if short_mode() else (5, 3)
     measured: dict[str, float] = {}
-    chosen: dict[str, Any] = {}
+    chosen: Any = None  # the Layout the planner chose
     for _ in range(rounds):
         for layout in ("planned", "data parallel", "split(2)"):
             first = run_ranks(time_layout, 2, layout, str(profile), steps, timeout=600)[0]

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from tests.helpers.distributed import run_ranks
 
-from benchmarks.harness import Ratio, ResultRow, Section, ms, record, short_mode
+from benchmarks.harness import Ratio, ResultRow, Section, median_step_seconds, ms, record, short_mode
 
 pytestmark = pytest.mark.multiprocess
 
@@ -45,8 +45,6 @@ SECTION = Section(
 
 def time_layout(name: str, steps: int) -> dict[str, Any]:
     """One rank: the layout's median step time, and the layout as the planner reads it."""
-    import statistics
-    import time
     from contextlib import nullcontext
 
     import torch
@@ -70,16 +68,9 @@ def time_layout(name: str, steps: int) -> dict[str, Any]:
     rows = BATCH // engine.num_replicas
     tokens = torch.randint(0, VOCABULARY, (rows, SEQUENCE), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": tokens, "labels": tokens}
-    for _ in range(2):
-        engine.step(batch)
-    times = []
-    for _ in range(steps):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        engine.step(batch)
-        times.append(time.perf_counter() - start)
+    seconds = median_step_seconds(lambda: engine.step(batch), steps)
     layout = layout_of(engine.context.plan, engine.context.config, BATCH)
-    return {"seconds": statistics.median(times), "layout": layout, "shape": ModelShape.of(model)}
+    return {"seconds": seconds, "layout": layout, "shape": ModelShape.of(model)}
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

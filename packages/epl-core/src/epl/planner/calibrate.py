@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from epl.errors import EplError
+from epl.planner import memory_traffic
 from epl.planner.devices import PROFILES, DeviceProfile
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -50,16 +51,22 @@ def gemm_flops(dtype: str = "fp32", size: int = 2048, seconds: float = 1.0, devi
     where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     a = torch.randn(size, size, device=where).to(_DTYPES[dtype])
     b = torch.randn(size, size, device=where).to(_DTYPES[dtype])
-    torch.matmul(a, b)
-    _sync(where)
-    products, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds or products < 3:
-        torch.matmul(a, b)
-        products += 1
-        if products % 8 == 0:
-            _sync(where)
-    _sync(where)
-    return 2 * size**3 * products / (time.perf_counter() - start)
+    return 2 * size**3 * _rounds_per_second(lambda: torch.matmul(a, b), seconds, where)
+
+
+def _rounds_per_second(work: Any, seconds: float, device: torch.device) -> float:
+    """How many times a second ``work`` runs on ``device``: once to warm up, then for about ``seconds`` (at least 3
+    rounds), synchronizing every 8 so that a GPU's queue stays short."""
+    work()
+    _sync(device)
+    rounds, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds or rounds < 3:
+        work()
+        rounds += 1
+        if rounds % 8 == 0:
+            _sync(device)
+    _sync(device)
+    return rounds / (time.perf_counter() - start)
 
 
 def _sync(device: torch.device) -> None:
@@ -70,7 +77,8 @@ def _sync(device: torch.device) -> None:
 def memory_bandwidth(seconds: float = 0.5, rows: int = 2048, width: int = 1024, device: str | None = None) -> float:
     """Bytes/s the memory-bound work of a block moves, as PyTorch's eager kernels run it: an RMSNorm, a gated
     activation and a residual add over a ``rows`` x ``width`` float32 tensor, forward and backward, timed, over
-    the bytes :mod:`epl.planner.memory_traffic` counts for them (14 passes forward, twice that backward)."""
+    the bytes :mod:`epl.planner.memory_traffic` counts for them (its passes of a norm, a gated activation and a
+    residual add, forward and backward)."""
     where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     x = torch.randn(rows, width, device=where, requires_grad=True)
     weight = torch.ones(width, device=where, requires_grad=True)
@@ -79,15 +87,10 @@ def memory_bandwidth(seconds: float = 0.5, rows: int = 2048, width: int = 1024, 
         normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
         (torch.nn.functional.silu(normed) * normed + x).sum().backward()
 
-    block()
-    _sync(where)
-    rounds, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds or rounds < 3:
-        block()
-        rounds += 1
-    _sync(where)
-    passes = 3 * (6 + 5 + 3)
-    return passes * rows * width * 4 * rounds / (time.perf_counter() - start)
+    counted = memory_traffic
+    passes = counted.NORM_PASSES + counted.ACTIVATION_PASSES + counted.GATE_PASSES + counted.RESIDUAL_PASSES
+    passes *= counted.FORWARD_AND_BACKWARD
+    return passes * rows * width * 4 * _rounds_per_second(block, seconds, where)
 
 
 def host_overheads(rounds: int = 30) -> tuple[float, float]:
@@ -119,8 +122,6 @@ def host_overheads(rounds: int = 30) -> tuple[float, float]:
 def optimizer_bandwidth(parameters: int = 2**22, tensors: int = 64, steps: int = 5) -> float:
     """The rate of torch's Adam step (foreach, on the local device) in the bytes
     :func:`epl.planner.memory_traffic.optimizer_bytes` counts for it."""
-    from epl.planner.memory_traffic import optimizer_bytes
-
     where = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     params = [torch.nn.Parameter(torch.randn(parameters // tensors, device=where)) for _ in range(tensors)]
     for param in params:
@@ -128,10 +129,10 @@ def optimizer_bandwidth(parameters: int = 2**22, tensors: int = 64, steps: int =
     adam = torch.optim.Adam(params, lr=1e-4)
     adam.step()
     seconds = _timed(lambda: [adam.step() for _ in range(steps)], where) / steps
-    return optimizer_bytes(parameters, 2) / seconds
+    return memory_traffic.optimizer_bytes(parameters, 2) / seconds
 
 
-def _collectives_rank(rank: int, port: int, rounds: int, gemm: tuple[str, int, float], results: Any) -> None:
+def _collectives_rank(rank: int, port: int, rounds: int, gemm: tuple[str, int, float] | None, results: Any) -> None:
     import torch.distributed as dist
 
     use_nccl = torch.cuda.device_count() >= 2
@@ -168,7 +169,7 @@ def _collectives_rank(rank: int, port: int, rounds: int, gemm: tuple[str, int, f
             hidden.append((alone + compute - together) / min(alone, compute))
         latency, overlap = statistics.median(latencies), min(1.0, max(0.0, statistics.median(hidden)))
         dist.barrier()
-        concurrent = gemm_flops(*gemm, device=str(device))  # both ranks at once, as in training
+        concurrent = gemm_flops(*gemm, device=str(device)) if gemm else None  # both ranks at once, as in training
         if rank == 0:
             results.put({"bandwidth": COLLECTIVE_BYTES / alone, "latency": latency, "overlap": overlap,
                          "concurrent_flops": concurrent})  # fmt: skip
@@ -198,10 +199,10 @@ def _timed(work: Any, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def collectives(rounds: int = 5, gemm: tuple[str, int, float] = ("fp32", 512, 0.5)) -> dict[str, float]:
+def collectives(rounds: int = 5, gemm: tuple[str, int, float] | None = ("fp32", 512, 0.5)) -> dict[str, Any]:
     """Between two processes on this machine: the GEMM FLOP/s of ``gemm`` (dtype, size, seconds) while both
-    compute at once (on a CPU, or on one GPU each), an all-reduce's bus bandwidth (bytes/s), its latency (s),
-    and the fraction of an all-reduce that hides behind matrix products running meanwhile."""
+    compute at once (on a CPU, or on one GPU each; None: not measured), an all-reduce's bus bandwidth (bytes/s),
+    its latency (s), and the fraction of an all-reduce that hides behind matrix products running meanwhile."""
     import torch.multiprocessing as mp
 
     from epl.ports import free_port
@@ -229,10 +230,9 @@ def collectives(rounds: int = 5, gemm: tuple[str, int, float] = ("fp32", 512, 0.
 
 def calibrate(dtype: str = "fp32", base: str | None = None, seconds: float = 1.0, size: int = 2048) -> DeviceProfile:
     """A profile of this machine: measured GEMM FLOP/s and all-reduce bandwidth (see the module's documentation)."""
-    measured_collectives = collectives(gemm=(dtype, size, seconds))
-    flops = measured_collectives["concurrent_flops"]
-    if torch.cuda.device_count() == 1:  # the two ranks shared no GPU: their GEMMs ran on the CPU
-        flops = gemm_flops(dtype, size, seconds)
+    one_gpu = torch.cuda.device_count() == 1  # the two ranks would share no GPU: their GEMMs would run on the CPU
+    measured_collectives = collectives(gemm=None if one_gpu else (dtype, size, seconds))
+    flops = gemm_flops(dtype, size, seconds) if one_gpu else measured_collectives["concurrent_flops"]
     bandwidth = measured_collectives["bandwidth"]
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     measured = f"epl calibrate on {os.uname().nodename}, {when}"

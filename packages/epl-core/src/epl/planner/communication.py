@@ -44,20 +44,22 @@ def weights_per_device(shape: ModelShape, layout: Layout) -> float:
     return (blocks * (shape.layer_parameters() - 2 * shape.hidden) + embedding) / layout.tensor + norms
 
 
+def updated_weights(shape: ModelShape, layout: Layout) -> float:
+    """Weights one device's optimizer updates: those it holds (:func:`weights_per_device`), or under ZeRO (v0-v2)
+    its share of them over the data devices."""
+    weights = weights_per_device(shape, layout)
+    return weights / layout.data if layout.zero in ("v0", "v1", "v2") else weights
+
+
 def payload_bytes(shape: ModelShape, layout: Layout, workload: Workload, grad_bytes: int = 4) -> dict[str, float]:
     """Bytes per step one device hands to tensor-parallel, pipeline and data-parallel collectives."""
-    t, p, d, m = layout.tensor, layout.pipeline, layout.data, layout.micro_batches
-    message = layout.micro_batch_size * workload.sequence * shape.hidden * workload.dtype_bytes
-    blocks = math.ceil(shape.layers / p)
-    tensor = 0.0
-    if t > 1:
-        per_block = 6 if layout.gradient_checkpoint == "full" else 4  # recomputing a block repeats its forward's 2
-        per_micro_batch = per_block * blocks + (2 if p == 1 else 1)  # the embedding on the first stage, the head last
-        tensor = per_micro_batch * m * message
-    pipeline = 2 * m * message if p > 1 else 0.0
-    logits = 0.0
-    if t > 1 and workload.gathered_logits:  # each device's share of the head's output, all-gathered
-        logits = m * layout.micro_batch_size * workload.sequence * shape.vocab / t * workload.dtype_bytes
+    t, d, m = layout.tensor, layout.data, layout.micro_batches
+    tokens = layout.micro_batch_size * workload.sequence  # a micro-batch's
+    message = tokens * shape.hidden * workload.dtype_bytes  # its activations, one tensor-parallel all-reduce's
+    calls = collective_calls(shape, layout, workload)
+    tensor = calls["tensor_parallel"] * message
+    pipeline = calls["pipeline"] * message
+    logits = calls["gathered_logits"] * tokens * shape.vocab / t * workload.dtype_bytes  # this device's share
     data = parameters = 0.0
     if d > 1:
         weights = weights_per_device(shape, layout)
@@ -86,8 +88,8 @@ def collective_calls(shape: ModelShape, layout: Layout, workload: Workload) -> d
     blocks = math.ceil(shape.layers / p)
     tensor = 0.0
     if t > 1:
-        per_block = 6 if layout.gradient_checkpoint == "full" else 4
-        tensor = (per_block * blocks + (2 if p == 1 else 1)) * m
+        per_block = 6 if layout.gradient_checkpoint == "full" else 4  # recomputing a block repeats its forward's 2
+        tensor = (per_block * blocks + (2 if p == 1 else 1)) * m  # the embedding on the first stage, the head last
     pipeline = 2.0 * m if p > 1 else 0.0
     logits = float(m) if t > 1 and workload.gathered_logits else 0.0
     data = parameters = 0.0

@@ -55,7 +55,13 @@ from typing import Any
 
 from epl.planner import memory_traffic
 from epl.planner.activations import block_activations, micro_batches_in_flight
-from epl.planner.communication import GRADIENT_BUCKETS, collective_calls, payload_bytes, weights_per_device
+from epl.planner.communication import (
+    GRADIENT_BUCKETS,
+    collective_calls,
+    payload_bytes,
+    updated_weights,
+    weights_per_device,
+)
 from epl.planner.devices import DeviceProfile
 from epl.planner.layout import Layout, Workload
 from epl.planner.shape import ModelShape
@@ -142,9 +148,9 @@ def _memory(shape: ModelShape, layout: Layout, workload: Workload, device: Devic
     master = 4 if workload.mixed else 0
     parameter_bytes = weights * (e + master)
     gradient_bytes = weights * 4
-    optimizer_bytes = weights * 4 * workload.optimizer_states
+    updated = updated_weights(shape, layout)
+    optimizer_bytes = updated * 4 * workload.optimizer_states
     if layout.zero in ("v0", "v1", "v2"):
-        optimizer_bytes /= d
         parameter_bytes = weights * e + weights * master / d
     if layout.zero in ("v1", "v2"):
         gradient_bytes /= d
@@ -173,7 +179,6 @@ def _memory(shape: ModelShape, layout: Layout, workload: Workload, device: Devic
     elif d > 1:
         buckets_waiting = 1 - device.overlap * (1 - 1 / GRADIENT_BUCKETS)
         reducing = whole_gradients * buckets_waiting + (whole_gradients - gradient_bytes) / GRADIENT_BUCKETS
-    updated = weights / d if layout.zero in ("v0", "v1", "v2") else weights
     update_temporary = updated * 4 if workload.optimizer_states >= 2 else 0.0
     working = max(activations + whole_block + reducing, update_temporary)
     peak = parameter_bytes + gradient_bytes + optimizer_bytes + working
@@ -262,8 +267,7 @@ def _memory_bound_seconds(
         per_block *= 4 / 3
     loss = memory_traffic.loss_bytes(shape, tokens, t, workload.gathered_logits)
     kernels = math.ceil(shape.layers / p) * per_block + loss
-    updated = weights / d if layout.zero in ("v0", "v1", "v2") else weights
-    update = memory_traffic.optimizer_bytes(updated, workload.optimizer_states)
+    update = memory_traffic.optimizer_bytes(updated_weights(shape, layout), workload.optimizer_states)
     update /= device.optimizer_bandwidth or device.memory_bandwidth
     if d > 1:
         packing = memory_traffic.packing_bytes(weights, layout.zero, layout.micro_batches, workload.dtype_bytes)

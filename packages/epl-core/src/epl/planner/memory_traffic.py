@@ -27,6 +27,17 @@ from __future__ import annotations
 from epl.planner.activations import BlockActivations
 from epl.planner.shape import ModelShape
 
+#: Passes over ``h`` of each of a block's two norms (upcast, square, average, scale, cast back, weight).
+NORM_PASSES = 6
+#: Passes over ``h`` of each of a block's two residual adds (two reads, one write).
+RESIDUAL_PASSES = 3
+#: Passes over ``f`` of the MLP's activation (read, write).
+ACTIVATION_PASSES = 2
+#: Passes over ``f`` a gated MLP adds: the gate's product (two reads, one write).
+GATE_PASSES = 3
+#: A block's backward moves about twice its forward's bytes: forward and backward together move this many times.
+FORWARD_AND_BACKWARD = 3
+
 #: float32 reads and writes per parameter of torch's default (foreach) Adam step: lerp, mul, addcmul, sqrt, div,
 #: add, addcdiv.
 ADAM_ACCESSES = 18
@@ -41,11 +52,11 @@ def block_bytes(shape: ModelShape, tokens: int, sequence: int, dtype_bytes: int,
     """Bytes one block's forward and backward move through memory outside GEMMs, for ``tokens`` tokens:
     ``replicated`` (norms and residual adds) and ``sharded`` (divided over a shard group)."""
     h, f, kv = shape.hidden, shape.ffn, shape.kv_heads * shape.head_dim
-    replicated = 2 * 6 * h + 2 * 3 * h
-    sharded = 8 * (h + kv) + (5 if shape.gated else 2) * f
+    replicated = 2 * NORM_PASSES * h + 2 * RESIDUAL_PASSES * h
+    sharded = 8 * (h + kv) + (ACTIVATION_PASSES + (GATE_PASSES if shape.gated else 0)) * f
     if not sdpa:
         sharded += 4 * shape.heads * sequence
-    forward_and_backward = 3 * tokens * dtype_bytes
+    forward_and_backward = FORWARD_AND_BACKWARD * tokens * dtype_bytes
     return BlockActivations(replicated=replicated * forward_and_backward, sharded=sharded * forward_and_backward)
 
 
