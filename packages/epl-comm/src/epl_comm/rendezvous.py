@@ -14,6 +14,7 @@ import datetime
 import errno
 import os
 import socket
+import sys
 
 import torch.distributed as dist
 
@@ -90,7 +91,33 @@ def default_store() -> dist.Store | None:
         return None
 
 
+#: How long a process that ends cleanly waits for the others at exit before it closes anyway.
+LEAVE_TOGETHER_TIMEOUT_S = 5.0
+
+
 def _destroy_process_group() -> None:
     stop_all_heartbeats()
     if dist.is_initialized():
+        if getattr(sys, "last_value", None) is None:  # no uncaught exception: the others are ending too
+            _leave_together()
         dist.destroy_process_group()
+
+
+def _leave_together() -> None:
+    """Wait (briefly, on the store, not on gloo) until every rank is ending, so that all close together.
+
+    gloo's I/O thread can abort a process (SIGABRT) whose idle connection a peer closes by exiting
+    first. Ranks that meet here close within moments of each other. The meeting goes through the
+    rendezvous store, so it never leaves a collective pending, and a rank whose peers are stuck
+    (one of them failed) waits ``LEAVE_TOGETHER_TIMEOUT_S`` at most.
+    """
+    store, world_size = default_store(), dist.get_world_size()
+    if store is None or world_size == 1 or dist.get_backend() != "gloo":
+        return
+    key = f"epl/leaving/{os.environ.get('EPL_RESTART_COUNT', os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))}"
+    try:
+        if store.add(key, 1) == world_size:
+            store.set(f"{key}/all", "1")
+        store.wait([f"{key}/all"], datetime.timedelta(seconds=LEAVE_TOGETHER_TIMEOUT_S))
+    except Exception:  # noqa: BLE001 - a late peer, or rank 0's store already gone: close regardless
+        pass
