@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).parent / "results"
+#: Where :func:`record` writes (``EPL_BENCH_RESULTS`` names another folder, e.g. the GPU suite's).
+RESULTS = Path(os.environ.get("EPL_BENCH_RESULTS") or Path(__file__).parent / "results")
 #: The schema of the files :func:`record` writes; :func:`load` reads this one only.
 VERSION = 1
 MIB = 2**20
@@ -171,7 +172,7 @@ def record(name: str, rows: Sequence[ResultRow], *, section: Section, details: S
     result = Result(
         name=name, section=section, rows=tuple(replace(row, run=run) for row in rows), details=tuple(details)
     )
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(result.to_json())
     return path

@@ -62,6 +62,9 @@ def test_cuda_device_follows_local_rank_and_visible_devices(monkeypatch: pytest.
     assert Cluster.from_environ(env, cuda_available=True, visible_devices="3,1,0,2").device == torch.device("cuda", 0)
     with pytest.raises(epl.ClusterError, match="lists 2 devices, but this process has local rank 2"):
         Cluster.from_environ(env, cuda_available=True, visible_devices="0,1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(epl.ClusterError, match=r"local rank 2, but the machine shows 2 GPU\(s\).*--nproc-per-node 2"):
+        Cluster.from_environ(env, cuda_available=True)
 
 
 @pytest.mark.parametrize(

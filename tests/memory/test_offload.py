@@ -103,6 +103,7 @@ def test_offload_on_a_cpu_says_why_nothing_moves(caplog: pytest.LogCaptureFixtur
         assert torch.equal(offloaded[key], value), key
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (offload moves weights to host memory)")
 def test_offload_keeps_weights_off_the_gpu_between_uses() -> None:
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda()

@@ -112,7 +112,7 @@ def _leave_together() -> None:
     (one of them failed) waits ``LEAVE_TOGETHER_TIMEOUT_S`` at most.
     """
     store, world_size = default_store(), dist.get_world_size()
-    if store is None or world_size == 1 or dist.get_backend() != "gloo":
+    if store is None or world_size == 1 or "gloo" not in str(dist.get_backend()):
         return
     key = f"epl/leaving/{os.environ.get('EPL_RESTART_COUNT', os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))}"
     try:

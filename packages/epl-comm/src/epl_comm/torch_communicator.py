@@ -17,6 +17,10 @@ from epl_comm.rendezvous import default_store, join_process_group
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
+#: On CUDA, NCCL carries CUDA tensors and gloo the CPU ones (the batch check's fingerprints, a broadcast of
+#: weights still in host memory): torch.distributed picks the backend by the tensor's device.
+CUDA_BACKENDS = "cpu:gloo,cuda:nccl"
+
 _OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
     ReduceOp.AVG: dist.ReduceOp.AVG,
@@ -76,10 +80,10 @@ class TorchCommunicator(Communicator):
 
     @classmethod
     def join(cls, cluster: Cluster, *, timeout: float) -> TorchCommunicator:
-        """Join the processes of ``cluster`` (NCCL on CUDA, gloo on CPU) and return the world communicator."""
+        """Join the processes of ``cluster`` (NCCL and gloo on CUDA, gloo on CPU) and return the world communicator."""
         if cluster.device_type == "cuda":
             torch.cuda.set_device(cluster.device)
-        join_process_group(cluster, "nccl" if cluster.device_type == "cuda" else "gloo", timeout=timeout)
+        join_process_group(cluster, CUDA_BACKENDS if cluster.device_type == "cuda" else "gloo", timeout=timeout)
         return cls(None, range(cluster.world_size), timeout=timeout, store=default_store())
 
     # -- collectives ---------------------------------------------------------------------

@@ -217,4 +217,11 @@ def _pick_device(local_rank: int, visible_devices: str, cuda_available: bool | N
                 f"but this process has local rank {local_rank}."
             )
         return "cuda", listed[local_rank]
-    return "cuda", local_rank % torch.cuda.device_count()
+    count = torch.cuda.device_count()
+    if local_rank >= count:  # NCCL refuses two processes on one GPU ("invalid usage"): say so before it does
+        raise ClusterError(
+            f"This process has local rank {local_rank}, but the machine shows {count} GPU(s): NCCL needs one GPU "
+            f"per process. Start at most {count} process(es) per machine (--nproc-per-node {count}), or hide the "
+            "GPUs (CUDA_VISIBLE_DEVICES=) to run every process on the CPU with gloo."
+        )
+    return "cuda", local_rank

@@ -1,0 +1,342 @@
+"""EPL on one CUDA GPU against plain PyTorch in the same run: step overhead, AMP, checkpointing, offload, a 1B Llama.
+
+Skipped without CUDA (CI has none). ``.ci/gpu`` runs this file with the CUDA tests on a machine
+with one NVIDIA GPU, PyTorch preinstalled and no internet; each comparison first checks that both
+sides take the same step, then times them in alternating rounds (each call ends in
+``torch.cuda.synchronize()``, so the clock covers the GPU's work). Memory is
+``torch.cuda.max_memory_allocated`` over a step.
+
+* **Local step:** a 1024-wide 3-layer MLP, batch 256, Adam: EPL's ``engine.step`` over the
+  plain loop on the engine's own model and optimizer (EPL's overhead per step; target <= 1.03).
+* **AMP bf16:** transformers' Llama (hidden 1024, 8 layers, sequence 1024, batch 8) under
+  ``amp.level O1, amp.dtype bfloat16`` against ``torch.autocast("cuda", torch.bfloat16)``.
+* **Checkpointing:** the same Llama, bf16, ``gradient_checkpoint.type auto`` against
+  transformers' own ``gradient_checkpointing_enable`` (non-reentrant ``torch.utils.checkpoint``).
+* **Offload:** ``offload.level v0`` on a 16 x 4096-wide MLP: device memory held by the weights
+  and a step's peak, against the same model kept on the GPU.
+* **Llama 1B:** transformers' Llama with TinyLlama's shape (1.1B parameters, 22 layers, hidden
+  2048, GQA 32/4), sequence 2048, batch 4, AdamW (fused), AMP bf16 and checkpointing on both
+  sides: tokens/s and MFU (PaLM's FLOPs, ``6·N + 12·L·h·s`` per token, recomputation not
+  counted, over the GPU's dense bf16 peak).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import epl
+from benchmarks.harness import Ratio, ResultRow, Section, mib, ms, record, short_mode
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+#: Dense bf16 peak of the GPUs the suite knows (epl.planner's device profiles); others report no MFU.
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12, "L40S": 362e12}
+
+
+def _section(title: str, text: str) -> Section:
+    return Section(f"GPU: {title}", __file__, text)
+
+
+def synced(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` followed by a CUDA synchronize, so a wall clock covers the GPU's work."""
+
+    def call() -> None:
+        fn()
+        torch.cuda.synchronize()
+
+    return call
+
+
+def alternate(baseline: Callable[[], object], candidate: Callable[[], object], rounds: int, calls: int) -> dict:
+    """Median seconds per call of each, timed in alternating rounds, and the median of the per-round ratios."""
+    base, cand = synced(baseline), synced(candidate)
+    for _ in range(2):
+        base()
+        cand()
+    times: dict[str, list[float]] = {"base": [], "epl": []}
+    ratios = []
+    for index in range(rounds):
+        measured = {}
+        for name, fn in (("base", base), ("epl", cand)) if index % 2 == 0 else (("epl", cand), ("base", base)):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            measured[name] = (time.perf_counter() - start) / calls
+        times["base"].append(measured["base"])
+        times["epl"].append(measured["epl"])
+        ratios.append(measured["epl"] / measured["base"])
+    return {
+        "base_s": statistics.median(times["base"]),
+        "epl_s": statistics.median(times["epl"]),
+        "ratio": statistics.median(ratios),
+    }
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak device bytes allocated during ``fn`` (its second call: gradients made once already)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+@contextlib.contextmanager
+def fresh_device() -> Iterator[None]:
+    """Empty the caching allocator before and after (each benchmark measures its own memory)."""
+    torch.cuda.empty_cache()
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def llama(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocabulary: int) -> nn.Module:
+    """transformers' LlamaForCausalLM with random weights from seed 0, built on the GPU, SDPA attention."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate,
+        vocab_size=vocabulary,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return transformers.LlamaForCausalLM(config)
+
+
+def hf_checkpointing(model: nn.Module) -> None:
+    """transformers' own gradient checkpointing, non-reentrant (its newer name first)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def plain_llama_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, amp: bool = True
+) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+        loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def epl_engine(model: nn.Module, config: dict[str, Any], optimizer: Callable[..., torch.optim.Optimizer]) -> Any:
+    epl.init(epl.Config(config))
+    return epl.parallelize(model, optimizer=optimizer)
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-5, fused=True)
+
+
+def test_local_step_overhead_on_cuda() -> None:
+    width, batch = 1024, 256
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+    loss_fn = nn.CrossEntropyLoss()
+    epl.init()
+    engine = epl.parallelize(model.cuda(), optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), loss_fn=loss_fn)
+    x, y = torch.randn(batch, width, device="cuda"), torch.randint(0, 10, (batch,), device="cuda")
+    model, opt = engine.model, engine.optimizer
+
+    def plain() -> None:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    rounds, calls = (3, 5) if short_mode() else (21, 50)
+    got = alternate(plain, lambda: engine.step(x, y), rounds, calls)
+    row = ResultRow(
+        "Local `engine.step` on CUDA",
+        "plain PyTorch loop (same model and optimizer)",
+        time=(Ratio(got["ratio"]),),
+        plot="local step on CUDA vs plain loop",
+    )
+    detail = f"plain {ms(got['base_s'] * 1e3)}, EPL {ms(got['epl_s'] * 1e3)} per step, ratio {got['ratio']:.3f}"
+    record(
+        "gpu_local_step",
+        [row],
+        section=_section("local step", "EPL's `engine.step` over the plain loop on one GPU (target <= 1.03)."),
+        details=[detail],
+    )
+    print(detail)
+    assert got["ratio"] < 1.5, detail
+
+
+MID = {"hidden": 1024, "layers": 8, "heads": 16, "kv_heads": 4, "intermediate": 2816, "vocabulary": 32000}
+
+
+def _tokens(batch: int, sequence: int, vocabulary: int) -> torch.Tensor:
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    return torch.randint(0, vocabulary, (batch, sequence), device="cuda", generator=generator)
+
+
+def _amp_case(
+    name: str, config: dict[str, Any], checkpoint: bool, tokens: torch.Tensor, rounds: int, calls: int
+) -> tuple[ResultRow, str]:
+    """One row: EPL under ``config`` against the plain bf16 loop (with transformers' checkpointing if asked)."""
+    with fresh_device():
+        plain = llama(**MID)
+        if checkpoint:
+            hf_checkpointing(plain)
+        plain_opt = adamw(plain.parameters())
+        engine = epl_engine(llama(**MID), config, adamw)
+        batch = {"input_ids": tokens, "labels": tokens}
+        first = (float(plain_llama_step(plain, plain_opt, tokens)), float(engine.step(batch)))
+        assert abs(first[0] - first[1]) < 1e-2 * abs(first[0]), first  # bf16: the same step, not bit for bit
+        peaks = (
+            peak_bytes(lambda: plain_llama_step(plain, plain_opt, tokens)),
+            peak_bytes(lambda: engine.step(batch)),
+        )
+        got = alternate(lambda: plain_llama_step(plain, plain_opt, tokens), lambda: engine.step(batch), rounds, calls)
+    against = "`torch.autocast` bf16" + (" + transformers' checkpointing" if checkpoint else "")
+    row = ResultRow(
+        f"{name}, Llama 8 x 1024 on CUDA",
+        against,
+        time=(Ratio(got["ratio"]),),
+        memory=(Ratio(peaks[1] / peaks[0], "step peak"),),
+        plot=f"{name} on CUDA",
+    )
+    detail = (
+        f"{name}: plain {ms(got['base_s'] * 1e3)}, EPL {ms(got['epl_s'] * 1e3)} per step (ratio "
+        f"{got['ratio']:.3f}); step peak plain {mib(peaks[0])}, EPL {mib(peaks[1])}; first loss {first}"
+    )
+    return row, detail
+
+
+def test_amp_bf16_and_checkpointing_on_cuda() -> None:
+    batch, sequence = (2, 256) if short_mode() else (8, 1024)
+    tokens = _tokens(batch, sequence, MID["vocabulary"])
+    rounds, calls = (3, 1) if short_mode() else (9, 3)
+    amp = {"amp.level": "O1", "amp.dtype": "bfloat16"}
+    cases = [
+        _amp_case("AMP bf16", amp, False, tokens, rounds, calls),
+        _amp_case("AMP bf16 + checkpointing", {**amp, "gradient_checkpoint.type": "auto"}, True, tokens, rounds, calls),
+    ]
+    rows, details = [row for row, _ in cases], [detail for _, detail in cases]
+    text = (
+        f"transformers' Llama (hidden 1024, 8 layers, GQA 16/4, vocabulary 32000), batch {batch} x {sequence}, "
+        "fused AdamW: EPL's AMP (and checkpointing) against PyTorch's own in a plain loop."
+    )
+    record("gpu_amp_checkpointing", rows, section=_section("AMP bf16 and checkpointing", text), details=details)
+    print("\n".join(details))
+    for row in rows:
+        assert row.time[0].value < 1.5, details
+
+
+def test_offload_device_memory() -> None:
+    width, depth, batch = (1024, 4, 16) if short_mode() else (4096, 16, 64)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+    x = torch.randn(batch, width, device="cuda")
+    loss_fn = nn.MSELoss()
+    with fresh_device():
+        plain = build().cuda()
+        opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
+
+        def plain_step() -> None:
+            opt.zero_grad()
+            loss_fn(plain(x), x).backward()
+            opt.step()
+
+        plain_peak = peak_bytes(plain_step)
+        rounds, calls = (3, 1) if short_mode() else (7, 5)
+        weights = sum(p.numel() * p.element_size() for p in plain.parameters())
+        epl.init(epl.Config({"offload.level": "v0"}))
+        before = torch.cuda.memory_allocated()
+        engine = epl.parallelize(build().cuda(), optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), loss_fn=loss_fn)
+        held = torch.cuda.memory_allocated() - before
+        epl_peak = peak_bytes(lambda: engine.step(x, x))
+        got = alternate(plain_step, lambda: engine.step(x, x), rounds, calls)
+    row = ResultRow(
+        "Offload v0 on CUDA",
+        "the model kept on the GPU",
+        time=(Ratio(got["ratio"]),),
+        memory=(Ratio(epl_peak / plain_peak, "step peak"),),
+        plot="offload v0 on CUDA",
+    )
+    detail = (
+        f"{depth} x {width}-wide linears ({mib(weights)} of weights), batch {batch}, SGD: weights held on the GPU "
+        f"between steps {mib(max(held, 0))} (plain {mib(weights)}); step peak EPL {mib(epl_peak)}, plain "
+        f"{mib(plain_peak)}; step EPL {ms(got['epl_s'] * 1e3)}, plain {ms(got['base_s'] * 1e3)}"
+    )
+    text = "Device memory of `offload.level v0` (weights in host memory, brought in for each use) and its time."
+    record("gpu_offload", [row], section=_section("offload", text), details=[detail])
+    print(detail)
+    assert held < weights / 2, detail
+
+
+ONE_B = {"hidden": 2048, "layers": 22, "heads": 32, "kv_heads": 4, "intermediate": 5632, "vocabulary": 32000}
+
+
+def model_flops_per_token(model: nn.Module, shape: dict[str, int], sequence: int) -> float:
+    """PaLM's 6·N + 12·L·h·s, N the weights of the blocks and the head (the input embedding not counted)."""
+    weights = sum(p.numel() for p in model.parameters()) - shape["vocabulary"] * shape["hidden"]
+    return 6 * weights + 12 * shape["layers"] * shape["hidden"] * sequence
+
+
+def test_llama_1b_tokens_per_second_and_mfu() -> None:
+    shape = dict(ONE_B, layers=2) if short_mode() else ONE_B
+    batch, sequence = (1, 512) if short_mode() else (4, 2048)
+    tokens = _tokens(batch, sequence, shape["vocabulary"])
+    config = {"amp.level": "O1", "amp.dtype": "bfloat16", "gradient_checkpoint.type": "auto"}
+    rounds, calls = (3, 1) if short_mode() else (7, 3)
+    with fresh_device():
+        plain = llama(**shape)
+        hf_checkpointing(plain)
+        plain_opt = adamw(plain.parameters())
+        engine = epl_engine(llama(**shape), config, adamw)
+        batch_dict = {"input_ids": tokens, "labels": tokens}
+        first = (float(plain_llama_step(plain, plain_opt, tokens)), float(engine.step(batch_dict)))
+        assert abs(first[0] - first[1]) < 1e-2 * abs(first[0]), first
+        got = alternate(
+            lambda: plain_llama_step(plain, plain_opt, tokens), lambda: engine.step(batch_dict), rounds, calls
+        )
+        peak = peak_bytes(lambda: engine.step(batch_dict))
+        flops = model_flops_per_token(plain, shape, sequence)
+        parameters = sum(p.numel() for p in plain.parameters())
+    name = torch.cuda.get_device_name(0)
+    peak_flops = next((value for key, value in PEAK_BF16.items() if key in name), None)
+    per_step = batch * sequence
+    tps = {"plain": per_step / got["base_s"], "epl": per_step / got["epl_s"]}
+    mfu = {k: v * flops / peak_flops for k, v in tps.items()} if peak_flops else None
+    mfu_text = f"MFU plain {mfu['plain']:.1%}, EPL {mfu['epl']:.1%}" if mfu else f"MFU: no bf16 peak known for {name}"
+    detail = (
+        f"{name}: {parameters / 1e9:.2f}B parameters, batch {batch} x {sequence}; tokens/s plain {tps['plain']:,.0f}, "
+        f"EPL {tps['epl']:,.0f} (step ratio {got['ratio']:.3f}); {mfu_text}; EPL step peak {mib(peak)}; "
+        f"first loss {first}"
+    )
+    row = ResultRow(
+        "Llama 1.1B, AMP bf16 + checkpointing, one GPU",
+        "the same in a plain PyTorch loop",
+        time=(Ratio(got["ratio"]),),
+        plot="Llama 1.1B on one GPU",
+    )
+    text = (
+        "Tokens/s and MFU of transformers' Llama with TinyLlama's shape on one GPU, EPL (`amp.level O1` bf16, "
+        "`gradient_checkpoint.type auto`) against a plain loop with `torch.autocast` and transformers' own "
+        "checkpointing; fused AdamW on both. No compile on either side."
+    )
+    record("gpu_llama_1b", [row], section=_section("Llama 1.1B", text), details=[detail])
+    print(detail)
+    assert got["ratio"] < 1.5, detail
