@@ -53,9 +53,8 @@ def test_every_published_layout_is_predicted_to_fit() -> None:
 
 
 def searchable(run: PublishedRun) -> bool:
-    """Whether EPL can run ``run``'s layout, so the search could find it: not with sequence parallelism or
-    selective recomputation (issue 30 and after)."""
-    return not run.layout.sequence_parallel and run.layout.gradient_checkpoint != "auto"
+    """Whether EPL can run ``run``'s layout, so the search could find it: not with selective recomputation."""
+    return run.layout.gradient_checkpoint != "auto"
 
 
 def test_the_search_finds_a_plan_as_fast_as_the_published_one() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from epl.interfaces.shard_group import ShardGroup
 from epl.interfaces.split_rule import ShardContext, SplitRule
 from epl.placement.shards import MOSTLY_WHOLE
 from epl.plugins.context import LossFn, ParallelContext
+from epl.sharding import sequence
 from epl.sharding.collectives import sum_gradient_over_shards
 from epl.sharding.cross_entropy import ShardedCrossEntropyLoss
 from epl.sharding.layout import Decision, Layout, decide_layout, unify_tied
@@ -90,13 +92,21 @@ def _decide_layout(model: nn.Module, context: ParallelContext) -> Layout:
         if tg.index in mine and tg.strategy.kind == "split"
         for t in find_targets(model, tg, rules)
     ]
-    return layout_of(model, targets, context.loss_fn, context.example_inputs)
+    sequence_parallel = bool(context.config.get("split.sequence_parallel"))
+    return layout_of(model, targets, context.loss_fn, context.example_inputs, sequence_parallel=sequence_parallel)
 
 
-def layout_of(model: nn.Module, targets: list[SplitTarget], loss_fn: LossFn | None, example: Any = None) -> Layout:
+def layout_of(
+    model: nn.Module,
+    targets: list[SplitTarget],
+    loss_fn: LossFn | None,
+    example: Any = None,
+    *,
+    sequence_parallel: bool = False,
+) -> Layout:
     """The layout of ``targets`` (split together on the same devices): their linear-like modules and embeddings,
     from one example forward of ``model`` (on ``example``, or inputs guessed from the model); ``loss_fn``: the
-    loss that reads the model's output, if any."""
+    loss that reads the model's output, if any; ``sequence_parallel``: prove the blocks token-wise or refuse."""
     linears = {t.name for t in targets if t.rule in LINEAR_RULES}
     # A linear subclass with a forward of its own joins regions only if the example run shows a plain product.
     subclassed = frozenset(t.name for t in targets if t.rule in LINEAR_RULES and t.base is not None)
@@ -111,6 +121,7 @@ def layout_of(model: nn.Module, targets: list[SplitTarget], loss_fn: LossFn | No
         has_loss=loss_fn is not None,
         example=example,
         subclassed=subclassed,
+        sequence_parallel=sequence_parallel,
     )
     return unify_tied(layout, _tied_groups(targets))
 
@@ -216,11 +227,18 @@ class ShardSplitTaskGraphs:
                 if id(original) in shards_of:
                     owner, _, attr = key.rpartition(".")
                     setattr(module.get_submodule(owner) if owner else module, attr, shards_of[id(original)][1])
+        summed: set[int] = set()
         for name, columns in layout.partial_gradients.items():
             groups = {id(group_of[c]): group_of[c] for c in columns if c in group_of}
             # With the batch split over the devices, the gradient reduction averages it over them already.
             if len(groups) == 1 and not (group := next(iter(groups.values()))).batch_split:
                 sum_gradient_over_shards(model.get_parameter(name), group)
+                summed.add(id(model.get_parameter(name)))
+        if context.config.get("split.sequence_parallel"):
+            groups = [context.shard_groups[tg.index] for tg in mine]
+            for group in groups:
+                sequence.install(model, group, summed)
+            context.forward_contexts.append(functools.partial(sequence.default_random_after, groups))
         return model
 
 

@@ -132,6 +132,14 @@ CORE_KEYS: tuple[ConfigKey, ...] = (
         default=False,
         doc="Partition the files evenly and drop the last ones that do not divide.",
     ),
+    ConfigKey(
+        name="split.sequence_parallel",
+        types=(bool,),
+        default=False,
+        doc="Megatron's sequence parallelism inside epl.split: norms, dropout and residual adds run on each "
+        "device's share of the tokens, each region's all-reduce becomes an all-gather before it and a "
+        "reduce-scatter after it (docs/split.md).",
+    ),
     # EPL for PyTorch: the planner's job, for auto.auto_parallel: "plan" (docs/planner.md)
     ConfigKey(
         name="planner.global_batch_size",

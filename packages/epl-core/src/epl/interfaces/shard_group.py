@@ -44,6 +44,13 @@ class ShardGroup:
     entry: tuple[Any, Any, bool] | None = field(default=None, repr=False)
     #: The random state of the column/row regions (``epl.sharding.random.RegionRandom``), or None.
     random: Any = field(default=None, repr=False)
+    #: Sequence parallelism (``split.sequence_parallel``): the dimension of the tokens the residual stream is
+    #: sharded along between regions, or None.
+    sequence_dim: int | None = None
+    #: The input a region gathered along the sequence (a weak reference), which its column layers take as it is.
+    sequence_entry: Any = field(default=None, repr=False)
+    #: How many sequence-parallel regions are running (their row layers reduce-scatter along the sequence).
+    sequence_depth: int = 0
 
     @property
     def index(self) -> int:

@@ -8,12 +8,15 @@ pipeline stage:
   the attention's and the MLP's row-parallel projections) and two backward (before their column-parallel
   inputs); per micro-batch one more for the vocabulary-parallel embedding's output, and one for the gradient of
   the head's input (Megatron's pairing: 4 per block + 2, asserted in benchmarks/test_split_llama.py); full
-  recomputation repeats a block's two forward all-reduces;
+  recomputation repeats a block's two forward all-reduces. Under sequence parallelism (``split.sequence_parallel``)
+  each all-reduce is an all-gather and a reduce-scatter (each half its bytes), the backward pass gathers each
+  region's saved input again (2 all-gathers per block: one all-reduce's bytes, not under full recomputation), and
+  the cut and the final gather add an all-gather each per micro-batch; payloads are counted in all-reduces;
 - **gathered logits** (``Workload.gathered_logits``): per micro-batch, the device's share of the head's output,
   all-gathered when the model computes its own loss on whole logits;
 - **pipeline**: per micro-batch, the activations sent forward and their gradient received back across each
   boundary the device sits on; under split each tensor device sends the whole activation to its peer (Megatron
-  scatters it over them);
+  scatters it over them), under sequence parallelism its share of the tokens;
 - **data parallel**: the gradients of the weights the device holds (its shards, and the norms whole), all-reduced
   once per step (reduced to their owners under ZeRO v1 and v2);
 - **ZeRO's weights** (``zero_parameters``): under v0 and v1 each owner broadcasts its updated shard after the
@@ -57,8 +60,8 @@ def payload_bytes(shape: ModelShape, layout: Layout, workload: Workload, grad_by
     tokens = layout.micro_batch_size * workload.sequence  # a micro-batch's
     message = tokens * shape.hidden * workload.dtype_bytes  # its activations, one tensor-parallel all-reduce's
     calls = collective_calls(shape, layout, workload)
-    tensor = calls["tensor_parallel"] * message
-    pipeline = calls["pipeline"] * message
+    tensor = tensor_parallel_all_reduces(shape, layout) * message
+    pipeline = calls["pipeline"] * message / (t if layout.sequence_parallel else 1)
     logits = calls["gathered_logits"] * tokens * shape.vocab / t * workload.dtype_bytes  # this device's share
     data = parameters = 0.0
     if d > 1:
@@ -72,6 +75,21 @@ def payload_bytes(shape: ModelShape, layout: Layout, workload: Workload, grad_by
         "tensor_parallel": tensor, "gathered_logits": logits, "pipeline": pipeline, "data_parallel": data,
         "zero_parameters": parameters,
     }  # fmt: skip
+
+
+def tensor_parallel_all_reduces(shape: ModelShape, layout: Layout) -> float:
+    """A step's tensor-parallel traffic on one device, in all-reduces of one micro-batch's activations (an
+    all-gather or a reduce-scatter counts half)."""
+    if layout.tensor == 1:
+        return 0.0
+    blocks = math.ceil(shape.layers / layout.pipeline)
+    full = layout.gradient_checkpoint == "full"
+    per_block = 6 if full else 4  # recomputing a block repeats its forward's 2
+    outside = 2 if layout.pipeline == 1 else 1  # the embedding on the first stage, the head's input on the last
+    if layout.sequence_parallel:
+        per_block += 0 if full else 1  # the saved inputs gathered again (2 all-gathers)
+        outside += 1 if layout.pipeline == 1 else 0.5  # the cut's and the final gather's all-gathers
+    return (per_block * blocks + outside) * layout.micro_batches
 
 
 #: Gradient buckets per dtype (``communication.max_splits``'s default).
@@ -89,7 +107,11 @@ def collective_calls(shape: ModelShape, layout: Layout, workload: Workload) -> d
     tensor = 0.0
     if t > 1:
         per_block = 6 if layout.gradient_checkpoint == "full" else 4  # recomputing a block repeats its forward's 2
-        tensor = (per_block * blocks + (2 if p == 1 else 1)) * m  # the embedding on the first stage, the head last
+        outside = 2 if p == 1 else 1  # the embedding on the first stage, the head last
+        if layout.sequence_parallel:  # each all-reduce two calls, the regathers 2, the cut and the final gather
+            per_block = 2 * per_block + (0 if layout.gradient_checkpoint == "full" else 2)
+            outside += 2 if p == 1 else 1
+        tensor = (per_block * blocks + outside) * m
     pipeline = 2.0 * m if p > 1 else 0.0
     logits = float(m) if t > 1 and workload.gathered_logits else 0.0
     data = parameters = 0.0

@@ -37,4 +37,5 @@ def layout_of(plan: Plan, config: Config, global_batch: int) -> Layout:
         gradient_checkpoint=checkpoint,  # type: ignore[arg-type]
         schedule=schedule,  # type: ignore[arg-type]
         virtual_stages=plan.stages_per_rank,
+        sequence_parallel=bool(config.get("split.sequence_parallel", False)) and tensor > 1,
     )

@@ -38,8 +38,7 @@ class Layout:
     gradient_checkpoint: Checkpointing = "none"
     schedule: Schedule = "1F1B"
     virtual_stages: int = 1
-    #: Megatron's sequence parallelism inside the tensor groups (published runs use it; EPL's comes with issue 30,
-    #: so the search does not choose it yet).
+    #: Megatron's sequence parallelism inside the tensor groups (``split.sequence_parallel``).
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
@@ -73,12 +72,14 @@ class Layout:
         """The ``epl.Config`` dict of this layout, in EPL's names: the schedule's ``pipeline.strategy``, ``p·v``
         stages under interleaving (``v`` a rank), and ``full`` recomputation as ``gradient_checkpoint.type: auto``
         (EPL's, which recomputes each block from its input)."""
-        if self.sequence_parallel or self.gradient_checkpoint == "auto":
+        if self.gradient_checkpoint == "auto":
             raise EplError(
-                f"EPL cannot run {self} yet: sequence parallelism and selective recomputation come with the "
-                "long-context work. The planner estimates them for published runs only."
+                f"EPL cannot run {self} yet: selective recomputation comes with the long-context work. The planner "
+                "estimates it for published runs only."
             )
         config: dict[str, Any] = {}
+        if self.sequence_parallel and self.tensor > 1:
+            config["split.sequence_parallel"] = True
         if self.pipeline > 1:
             virtual = self.virtual_stages if self.schedule == "interleaved" else 1
             config.update({"pipeline.num_stages": self.pipeline * virtual, "auto.auto_parallel": True,

@@ -15,7 +15,9 @@ def describe_layout(layout: Layout) -> str:
     return (
         f"data {layout.data} x tensor {layout.tensor} x pipeline {layout.pipeline}, {layout.micro_batches} "
         f"micro-batch(es) of {layout.micro_batch_size}, ZeRO {layout.zero}, checkpointing "
-        f"{layout.gradient_checkpoint}" + (f", {schedule}" if layout.pipeline > 1 else "")
+        f"{layout.gradient_checkpoint}"
+        + (f", {schedule}" if layout.pipeline > 1 else "")
+        + (", sequence parallel" if layout.sequence_parallel else "")
     )
 
 
@@ -74,4 +76,4 @@ def describe_search(result: SearchResult, device: DeviceProfile, runners_up: int
 def _shape_of(layout: Layout) -> tuple[object, ...]:
     """A layout without its ZeRO level: runners-up differing only in it are left out."""
     return (layout.data, layout.tensor, layout.pipeline, layout.micro_batches, layout.micro_batch_size,
-            layout.gradient_checkpoint, layout.schedule, layout.virtual_stages)  # fmt: skip
+            layout.gradient_checkpoint, layout.schedule, layout.virtual_stages, layout.sequence_parallel)  # fmt: skip

@@ -3,9 +3,9 @@
 Searched: tensor degrees that divide the heads and fit in a node, pipeline degrees up to the layers (uneven stages
 as the automatic partition makes them: the most loaded holds ``ceil(L/p)`` blocks), data parallelism for the rest;
 micro-batch sizes dividing each replica's batch; ZeRO none, v0, v1, v2; checkpointing none and full (EPL's
-``gradient_checkpoint.type: "auto"`` recomputes each block from its input); 1F1B, interleaved (2 chunks per device)
-and ZeroBubble pipelines. A plan that does not fit ranks after every plan that does; among those that fit, the
-shortest predicted step wins.
+``gradient_checkpoint.type: "auto"`` recomputes each block from its input); sequence parallelism on and off under
+tensor parallelism; 1F1B, interleaved (2 chunks per device) and ZeroBubble pipelines. A plan that does not fit
+ranks after every plan that does; among those that fit, the shortest predicted step wins.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def layouts(shape: ModelShape, workload: Workload, world_size: int) -> list[Layo
     for t in _divisors(world_size):
         if t > workload.devices_per_node or shape.heads % t or shape.kv_heads % t and t % shape.kv_heads:
             continue
+        # split.sequence_parallel shares each sequence's tokens among the tensor devices
+        sequence_choices = (False, True) if t > 1 and workload.sequence % t == 0 else (False,)
         for p in _divisors(world_size // t):
             if p > shape.layers:
                 continue
@@ -58,7 +60,9 @@ def layouts(shape: ModelShape, workload: Workload, world_size: int) -> list[Layo
                         continue
                     for zero in ("none", "v0", "v1", "v2") if d > 1 else ("none",):
                         for checkpoint in ("none", "full"):
-                            found.append(Layout(d, t, p, m, b, zero, checkpoint, schedule, virtual))  # type: ignore[arg-type]
+                            for sequence_parallel in sequence_choices:
+                                found.append(Layout(d, t, p, m, b, zero, checkpoint, schedule, virtual,  # type: ignore[arg-type]
+                                                    sequence_parallel=sequence_parallel))  # fmt: skip
     return found
 
 

@@ -62,12 +62,25 @@ def _gather(tensor: torch.Tensor, group: ShardGroup, dim: int, sizes: list[int] 
     return torch.cat(chunks).movedim(0, dim).contiguous()
 
 
+def regather(tensor: torch.Tensor, group: ShardGroup, dim: int) -> torch.Tensor:
+    """Every member's equal ``tensor`` concatenated along ``dim``, outside autograd (a saved input gathered again
+    in the backward pass); counted as ``all_gather``."""
+    return _gather(tensor, group, dim, None)
+
+
 def _reduce_scatter_rows(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     group.collectives["reduce_scatter"] += 1
     rows = _own_rows_count(tensor, group)
     output = tensor.new_empty((rows, *tensor.shape[1:]))
     group.communicator.reduce_scatter(output, tensor.contiguous(), ReduceOp.SUM).wait()
     return output
+
+
+def _reduce_scatter_along(tensor: torch.Tensor, group: ShardGroup, dim: int) -> torch.Tensor:
+    """:func:`_reduce_scatter_rows` along ``dim``: this device's equal share of the sum."""
+    if dim % tensor.dim() == 0:
+        return _reduce_scatter_rows(tensor, group)
+    return _reduce_scatter_rows(tensor.movedim(dim, 0), group).movedim(0, dim).contiguous()
 
 
 def _own_rows_count(tensor: torch.Tensor, group: ShardGroup) -> int:
@@ -130,13 +143,13 @@ class _SplitToShards(torch.autograd.Function):
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
-        ctx.group = group
-        return _gather(tensor, group, 0, None)
+    def forward(ctx: Any, tensor: torch.Tensor, group: ShardGroup, dim: int = 0) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _gather(tensor, group, dim, None)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _reduce_scatter_rows(grad, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _reduce_scatter_along(grad, ctx.group, ctx.dim), None, None
 
 
 class _ScatterRows(torch.autograd.Function):
@@ -152,13 +165,13 @@ class _ScatterRows(torch.autograd.Function):
 
 class _ReduceScatterRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter_rows(tensor, group)
+    def forward(ctx: Any, tensor: torch.Tensor, group: ShardGroup, dim: int = 0) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter_along(tensor, group, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather(grad, ctx.group, 0, None), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather(grad, ctx.group, ctx.dim, None), None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -201,9 +214,10 @@ def split_to_shards(tensor: torch.Tensor, group: ShardGroup, dim: int, sizes: li
     return _SplitToShards.apply(tensor, group, dim, sizes)
 
 
-def gather_rows(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
-    """Every device's rows (dimension 0), in device order; backward reduce-scatters (sums) the gradient."""
-    return _GatherRows.apply(tensor, group)
+def gather_rows(tensor: torch.Tensor, group: ShardGroup, dim: int = 0) -> torch.Tensor:
+    """Every device's rows (along ``dim``, dimension 0 by default), in device order; backward reduce-scatters
+    (sums) the gradient."""
+    return _GatherRows.apply(tensor, group, dim)
 
 
 def scatter_rows(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
@@ -211,9 +225,10 @@ def scatter_rows(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     return _ScatterRows.apply(tensor, group)
 
 
-def reduce_scatter_rows(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
-    """Sum the devices' partial ``tensor`` and keep this device's rows; backward all-gathers the gradient."""
-    return _ReduceScatterRows.apply(tensor, group)
+def reduce_scatter_rows(tensor: torch.Tensor, group: ShardGroup, dim: int = 0) -> torch.Tensor:
+    """Sum the devices' partial ``tensor`` and keep this device's rows (along ``dim``); backward all-gathers the
+    gradient."""
+    return _ReduceScatterRows.apply(tensor, group, dim)
 
 
 def all_to_all(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:

@@ -60,10 +60,24 @@ class ModuleCall:
 
 
 @dataclass
+class Span:
+    """One call of a module that is not a candidate: which events it made (``events[start:end]``), the tensors
+    it took (its first positional argument, or else its ``hidden_states``, first) and the tensors it returned."""
+
+    name: str
+    start: int
+    inputs: list[torch.Tensor]
+    end: int = -1
+    outputs: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
 class Dataflow:
     """The events of one forward pass, in order, with the model's inputs and outputs."""
 
     events: list[Op | ModuleCall] = field(default_factory=list)
+    #: The calls of the modules that are not candidates (outside any candidate's call), in the order they began.
+    spans: list[Span] = field(default_factory=list)
     inputs: list[torch.Tensor] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
     #: ``id(parameter)`` -> its name, for the model's parameters that learn (the events hold the same objects).
@@ -96,6 +110,7 @@ class _Recorder(TorchFunctionMode):
         self.open: list[tuple[ModuleCall, nn.Module]] = []
         #: The transpose of the open candidate's weight, when its forward made one.
         self.transposed: torch.Tensor | None = None
+        self.open_spans: list[Span | None] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -125,6 +140,16 @@ class _Recorder(TorchFunctionMode):
 
     def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.stack.append(module)
+        if module not in self.candidates:
+            span = None
+            if not self.open:
+                first = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+                inputs = list(tensors_in((args, kwargs)))
+                if isinstance(first, torch.Tensor):  # the stream a block or a region takes comes first
+                    inputs = [first, *(t for t in inputs if t is not first)]
+                span = Span(self.names.get(module, ""), len(self.flow.events), inputs)
+                self.flow.spans.append(span)
+            self.open_spans.append(span)
         if module in self.candidates:
             # A candidate inside another is part of the outer one's call.
             name = "" if self.open else self.candidates[module]
@@ -134,6 +159,10 @@ class _Recorder(TorchFunctionMode):
 
     def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         self.stack.pop()
+        if module not in self.candidates:
+            span = self.open_spans.pop()
+            if span is not None:
+                span.end, span.outputs = len(self.flow.events), list(tensors_in(_as_plain(output)))
         if module in self.candidates:
             call, _ = self.open.pop()
             if not self.open:

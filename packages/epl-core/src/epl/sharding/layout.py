@@ -28,6 +28,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from epl.errors import AnnotationError
 from epl.interfaces.split_rule import ShardRole, WeightLayout
 from epl.sharding.dataflow import ModuleCall, example_input, record_dataflow
 from epl.sharding.regions import Pairing, find_pairs
@@ -72,6 +73,7 @@ def decide_layout(
     has_loss: bool,
     example: Any = None,
     subclassed: frozenset[str] = frozenset(),
+    sequence_parallel: bool = False,
 ) -> Layout:
     """The decision for each linear-like module in ``linears`` and each embedding in ``embeddings``.
 
@@ -81,7 +83,8 @@ def decide_layout(
     ``example``: the inputs of the example run (default: guessed by :func:`~epl.sharding.dataflow.example_input`);
     ``subclassed``: those of ``linears`` whose class adds a ``forward`` of its own to a linear layer's (Falcon's
     ``FalconLinear``): they join regions only when the example run shows a plain product with the weight (and
-    the bias), and keep whole outputs otherwise.
+    the bias), and keep whole outputs otherwise. ``sequence_parallel``: refuse a model whose blocks the example run
+    does not show to work token by token outside their regions (:func:`epl.sharding.sequence.prove_token_wise`).
     """
     if example is None:
         example = example_input(model)
@@ -97,8 +100,18 @@ def decide_layout(
         else:
             pairing = find_pairs(flow)
             decisions = _from_pairing(pairing, linears, embeddings, has_loss)
+            if sequence_parallel:
+                from epl.sharding.sequence import prove_token_wise
+
+                roles = {role: {n for n, d in decisions.items() if d.role == role} for role in ("row", "column")}
+                prove_token_wise(flow, model, roles["row"], roles["column"])
             reasons = {**dict.fromkeys(subclassed - linears, "its forward adds work to the product"), **pairing.reasons}
             return Layout(decisions, dict(pairing.partial_gradients), reasons, frozenset(subclassed & linears))
+    if sequence_parallel:
+        raise AnnotationError(
+            "split.sequence_parallel needs an example run of the model to prove its blocks work token by token, "
+            "and none ran: pass example_inputs= to epl.parallelize, or set split.sequence_parallel to False."
+        )
     roles = assign_roles(model, linears - subclassed, loss_is_cross_entropy=loss_is_cross_entropy)
     unpaired = "in no pair the fx trace of the model found (no example run: pass example_inputs= to epl.parallelize)"
     reasons = {name: unpaired for name, role in roles.items() if role == "alone"} if example is None else {}

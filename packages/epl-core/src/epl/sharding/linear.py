@@ -33,6 +33,9 @@ def entered(x: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     q, k and v (or gate and up) then cost one all-reduce of the input gradient
     backward, as Megatron-LM's fused layers do.
     """
+    gathered = group.sequence_entry
+    if gathered is not None and gathered() is x:  # gathered along the sequence: its backward sums already
+        return x
     grad = torch.is_grad_enabled()
     cached = group.entry
     if cached is not None and cached[0]() is x and cached[2] == grad:
@@ -122,10 +125,16 @@ class RowParallelLinear(nn.Module):
         """The whole output (this device's rows of it when the batch is split over the devices)."""
         group = self.group
         group.entry = None  # the region's input is no longer needed for sharing
-        if group.random is not None:
+        if group.random is not None and not group.sequence_depth:  # sequence parallel: the stack's end leaves
             group.random.leave()
         partial = F.linear(x, self.weight if self.weight_layout == "out_in" else self.weight.t())
-        y = C.reduce_scatter_rows(partial, group) if group.batch_split else C.reduce_from_shards(partial, group)
+        if group.sequence_depth:  # sequence parallel: this device's tokens of the sum
+            assert group.sequence_dim is not None
+            y = C.reduce_scatter_rows(partial, group, group.sequence_dim)
+        elif group.batch_split:
+            y = C.reduce_scatter_rows(partial, group)
+        else:
+            y = C.reduce_from_shards(partial, group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -1,0 +1,11 @@
+"""Context parallelism: each of ``c`` devices holds ``s/c`` tokens of every sequence, and attention crosses them.
+
+- :mod:`epl.context.chunks`: which tokens a device holds (the causal load balance: ``2c`` chunks, device ``r``
+  holding chunks ``r`` and ``2c-1-r``), and its tokens' global positions;
+- :mod:`epl.context.masks`: what a query may attend to, from the tokens' global positions, document ids and
+  padding (causal, sliding window, packed documents, right padding);
+- :mod:`epl.context.ring`: ring attention, exact in any dtype (the online softmax merges in the input's dtype);
+  keys and values travel the ring compact (grouped-query attention's ``h_kv`` heads).
+
+docs/context.md describes the user-facing side.
+"""
