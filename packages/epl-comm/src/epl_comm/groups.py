@@ -61,8 +61,9 @@ def _make_groups(context: ParallelContext) -> DataParallelGroups:
     parts = plan.batch_parts(first)
     return DataParallelGroups(
         copies=copies,
-        # Devices that do not split the batch (a split-only replica) compute the same loss: nothing to average.
-        replica=replica if replica is not None and parts > 1 else None,
+        # Devices that do not split the batch (a split-only replica) compute the same loss: nothing to average;
+        # context devices each compute their tokens' share of it.
+        replica=replica if replica is not None and (parts > 1 or plan.context_degree > 1) else None,
         shard_index=position,
         num_shards=parts,
     )

@@ -52,7 +52,9 @@ def epl_split_rules() -> dict[type[nn.Module], SplitRule]:
 @hookimpl
 def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | None:
     """Decide the split TaskGraphs' layout on the whole model, then shard them by their rules (in a one-process
-    run: only check that every module has one); give a model built on meta the values this rank keeps."""
+    run: only check that every module has one); give a model built on meta the values this rank keeps; spread
+    each sequence over the context devices (``context.degree``)."""
+    from epl.builtin.context_transform import SpreadSequences
     from epl.builtin.materialize_transform import MaterializeKept
     from epl.builtin.split_transform import DecideSplitLayout, ShardSplitTaskGraphs
 
@@ -61,6 +63,8 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
         transforms += [DecideSplitLayout(), ShardSplitTaskGraphs()]
     if context.lazy_init is not None:
         transforms.append(MaterializeKept())
+    if context.plan.context_degree > 1 and not context.plan.local:
+        transforms.append(SpreadSequences())
     return transforms or None
 
 

@@ -140,6 +140,23 @@ CORE_KEYS: tuple[ConfigKey, ...] = (
         "device's share of the tokens, each region's all-reduce becomes an all-gather before it and a "
         "reduce-scatter after it (docs/split.md).",
     ),
+    # EPL for PyTorch: context parallelism (docs/context.md)
+    ConfigKey(
+        name="context.degree",
+        types=(int,),
+        default=1,
+        minimum=1,
+        doc="Context parallelism: each sequence's tokens are spread over this many devices, which a replica "
+        "spans on top of those its TaskGraphs name; attention crosses them (context.mode).",
+    ),
+    ConfigKey(
+        name="context.mode",
+        types=(str,),
+        default="ring",
+        choices=("ring", "allgather", "ulysses"),
+        doc="How attention crosses the context devices: 'ring' (keys and values passed round), 'allgather' "
+        "(gathered by every device, Llama 3's) or 'ulysses' (all-to-all over the heads; the heads must divide).",
+    ),
     # EPL for PyTorch: the planner's job, for auto.auto_parallel: "plan" (docs/planner.md)
     ConfigKey(
         name="planner.global_batch_size",

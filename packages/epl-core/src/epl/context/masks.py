@@ -46,9 +46,10 @@ class TokenFacts:
 
 
 def documents_from_positions(positions: torch.Tensor) -> torch.Tensor:
-    """Document ids of packed sequences whose position ids restart at 0 with each document."""
+    """Document ids of packed sequences: a document starts wherever the position ids do not go up by one (they
+    restart at 0 with each document), as transformers' ``find_packed_sequence_indices`` reads them."""
     starts = torch.zeros_like(positions)
-    starts[:, 1:] = (positions[:, 1:] <= positions[:, :-1]).long()
+    starts[:, 1:] = (positions[:, 1:] - positions[:, :-1] != 1).long()
     return starts.cumsum(1)
 
 

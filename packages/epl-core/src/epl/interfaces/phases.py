@@ -28,6 +28,10 @@ class TransformPhase(enum.IntEnum):
     #: as decided in ``DECIDE_LAYOUT``. After the stage is kept (a stage's split modules only), before
     #: the weights are synchronised, so the shards are what the copies agree on.
     SHARD = 20
+    #: Spread each sequence over the context devices of a replica (the core's :mod:`epl.context`): the model
+    #: takes this device's tokens and attends over the context group. After the model's modules are final
+    #: (it changes none), before checkpointing wraps their forwards.
+    CONTEXT = 22
     #: Give values to the tensors this rank keeps of a model built on the ``meta`` device (the core's
     #: :mod:`epl.materialize`), from the model's own initialisation, one layer at a time. After the stage
     #: and the shards are kept, so nothing else gets memory; before anything reads or hooks the values.

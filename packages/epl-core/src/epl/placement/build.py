@@ -27,6 +27,9 @@ def build_plan(
     colocated = bool(config["cluster.colocate_split_and_replicate"])
     row_major = bool(config["cluster.device_place_prefer_intra_node"])
     per_rank = int(config["pipeline.stages_per_rank"])
+    context = int(config["context.degree"])
+    if context > 1:
+        taskgraphs = _with_context(taskgraphs, context, config)
     specs, width, slots = _replica_layout(taskgraphs, colocated, per_rank)
     if world_size % width:
         parts = " + ".join(f"{tg.name}: {tg.device_count}" for tg in specs)
@@ -49,7 +52,22 @@ def build_plan(
         slots=tuple(slots),
         notes=tuple(_notes(specs, width, replicas, gpu_per_worker, colocated, row_major)),
         stages_per_rank=per_rank,
+        context_degree=context,
     )
+
+
+def _with_context(taskgraphs: Sequence[TaskGraphSpec], context: int, config: Config) -> list[TaskGraphSpec]:
+    """The TaskGraphs with a replica ``context`` times as wide: each device of the model's one ``replicate(1)``
+    TaskGraph becomes ``context`` devices sharing every sequence."""
+    if len(taskgraphs) != 1 or taskgraphs[0].strategy != "replicate" or taskgraphs[0].device_count != 1:
+        found = ", ".join(f"{tg.strategy}({tg.device_count})" for tg in taskgraphs)
+        raise PlacementError(
+            f"context.degree {context} spreads each sequence over {context} devices of a replica; so far it "
+            f"composes with data parallelism only (the whole model in one replicate(1) TaskGraph, or no "
+            f"annotation), and this model has {found}. Tensor, pipeline and expert parallelism with context "
+            "parallelism are not supported yet."
+        )
+    return [replace(taskgraphs[0], device_count=context)]
 
 
 def build_local_plan(taskgraphs: Sequence[TaskGraphSpec], *, config: Config) -> Plan:

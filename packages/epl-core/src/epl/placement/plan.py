@@ -146,6 +146,9 @@ class Plan:
     #: Pipeline stages each device runs (``pipeline.stages_per_rank``, Megatron's virtual pipeline size): stage
     #: s runs on the devices of stage ``s % pipeline_size``.
     stages_per_rank: int = 1
+    #: Devices each sequence's tokens are spread over (``context.degree``): a replica's devices are this many
+    #: times those its TaskGraphs name, and they split no batch.
+    context_degree: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -172,7 +175,7 @@ class Plan:
             widths = [tg.device_count for tg in self.taskgraphs if tg.strategy == "replicate"]
             return max(widths, default=1)
         spec = self.taskgraphs[taskgraph]
-        return spec.device_count if spec.strategy == "replicate" else 1
+        return spec.device_count // self.context_degree if spec.strategy == "replicate" else 1
 
     def device_of(self, replica: int, slot: int) -> int:
         """The device at position ``slot`` of ``replica``."""

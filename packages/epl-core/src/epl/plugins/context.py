@@ -91,6 +91,9 @@ class ParallelContext:
     stage_modules: tuple[str, ...] = ()
     #: The shard group of each split TaskGraph this rank runs, by TaskGraph index (set by the split transform).
     shard_groups: dict[int, ShardGroup] = field(default_factory=dict)
+    #: This rank's context group (``epl.context.ring.ContextGroup``) under ``context.degree`` > 1, set by the
+    #: context transform; None otherwise.
+    context_group: Any = None
     #: Tensors a split rule made: id -> (TaskGraph index, whether the tensor is a shard).
     split_tensors: dict[int, tuple[int, bool]] = field(default_factory=dict)
     #: Tensors a split rule made from a tensor several TaskGraphs hold (an embedding tied to the head of another
