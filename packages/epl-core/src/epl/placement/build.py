@@ -50,7 +50,16 @@ def build_plan(
         row_major=row_major,
         taskgraphs=tuple(specs),
         slots=tuple(slots),
-        notes=tuple(_notes(specs, width, replicas, gpu_per_worker, colocated, row_major)),
+        notes=tuple(_notes(specs, width, replicas, gpu_per_worker, colocated, row_major, context))
+        + (
+            (
+                f"Context parallelism: the {width} devices of each replica share every sequence (context.degree "
+                f"{context}); each takes 1/{context} of its tokens, and every one of them is given the replica's whole "
+                "batch.",
+            )
+            if context > 1
+            else ()
+        ),
         stages_per_rank=per_rank,
         context_degree=context,
     )
@@ -155,7 +164,13 @@ def _interleaved_layout(
 
 
 def _notes(
-    specs: Sequence[TaskGraphSpec], width: int, replicas: int, gpu_per_worker: int, colocated: bool, row_major: bool
+    specs: Sequence[TaskGraphSpec],
+    width: int,
+    replicas: int,
+    gpu_per_worker: int,
+    colocated: bool,
+    row_major: bool,
+    context: int = 1,
 ) -> list[str]:
     notes = []
     for tg in specs:
@@ -168,7 +183,7 @@ def _notes(
                 f"{tg.name} has {tg.lazy_parameters} uninitialised (lazy) parameters, not counted: run one "
                 "forward pass before epl.parallelize to materialise them."
             )
-        if tg.strategy == "replicate" and tg.device_count > 1:
+        if tg.strategy == "replicate" and tg.device_count > context:
             notes.append(f"{tg.name} splits each replica batch {tg.device_count} ways.")
     if not row_major and replicas > 1:
         notes.append(

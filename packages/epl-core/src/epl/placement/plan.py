@@ -253,6 +253,8 @@ class Plan:
                 for p in range(min(len(self.slots[o]) for o in owners))
             ],
         }
+        if self.context_degree > 1:  # a replica's devices share every sequence
+            groups["context parallel"] = [self.devices_of_replica(r) for r in replicas]
         widths = {tg.device_count for tg in self.taskgraphs}
         if self.num_stages > 1 and len(widths) == 1:
             (width,) = widths
