@@ -77,3 +77,22 @@ def test_a_mixture_of_experts_is_refused_not_mis_sized() -> None:
         model = MixtralForCausalLM(config)
     with pytest.raises(EplError, match="routes tokens to 4 experts"):
         ModelShape.of(model)
+
+
+def test_context_parallelism_divides_a_devices_activations_and_adds_the_ring() -> None:
+    """Llama 3 8B at 128K tokens with full recomputation: one sequence does not fit an H100, and does over 8
+    context devices, each holding 16K tokens; the ring's time is a part of the step."""
+    work, device = Workload(global_batch=1, sequence=131072), PROFILES["h100-sxm"]
+    alone = estimate(LLAMA_8B, Layout(1, 1, 1, 1, 1, gradient_checkpoint="full"), work, device)
+    spread = estimate(LLAMA_8B, Layout(1, 1, 1, 1, 1, zero="v2", gradient_checkpoint="full", context=8), work, device)
+    assert spread.layout.devices == 8
+    assert spread.layout.config() == {"zero.level": "v2", "gradient_checkpoint.type": "auto", "context.degree": 8}
+    assert spread.activations < alone.activations / 7
+    assert not alone.fits and spread.fits
+    assert spread.time_parts["context_parallel"] > 0
+    assert spread.to_dict()["layout"]["context"] == 8
+
+
+def test_the_search_spreads_a_long_sequence_when_nothing_else_fits() -> None:
+    best = search(LLAMA_8B, Workload(global_batch=1, sequence=131072), PROFILES["h100-sxm"], 8).plans[0]
+    assert best.fits and best.layout.context > 1

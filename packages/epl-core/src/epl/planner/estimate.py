@@ -50,7 +50,7 @@ Tensor groups sit inside a node; data and pipeline groups cross nodes once ``t·
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from epl.planner import memory_traffic
@@ -108,6 +108,8 @@ class Estimate:
 
 def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: DeviceProfile) -> Estimate:
     """The predictions for ``layout`` of ``shape`` training ``workload`` on devices like ``device``."""
+    if layout.context > 1:
+        return _with_context(shape, layout, workload, device)
     memory = _memory(shape, layout, workload, device)
     tokens = workload.global_batch * workload.sequence
     parts, model_flops = _step_parts(shape, layout, workload, device)
@@ -125,6 +127,46 @@ def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: Devi
         fits=memory.peak <= device.memory_bytes - RESERVED_BYTES,
         time_parts=parts,
     )
+
+
+def _with_context(shape: ModelShape, layout: Layout, workload: Workload, device: DeviceProfile) -> Estimate:
+    """Context parallelism over ``c`` devices: each device is a data-parallel copy (gradients and ZeRO over data x
+    context devices) that holds ``s/c`` tokens of each of its replica's sequences and attends over all ``s``
+    (saving no score matrix, as EPL's context attention), plus the ring's exposed time (``context_parallel``)."""
+    c = layout.context
+    inner = estimate(
+        shape,
+        replace(layout, data=layout.data * c, context=1),
+        replace(workload, global_batch=workload.global_batch * c, sequence=workload.sequence // c,
+                attention_length=workload.sequence, sdpa=True),
+        device,
+    )  # fmt: skip
+    parts = {**inner.time_parts, "context_parallel": _ring_seconds(shape, layout, workload, device)}
+    step = sum(parts.values())
+    return replace(
+        inner,
+        layout=layout,
+        step_time_s=step,
+        tokens_per_second=workload.global_batch * workload.sequence / step,
+        mfu=inner.mfu * inner.step_time_s / step,
+        time_parts=parts,
+    )
+
+
+def _ring_seconds(shape: ModelShape, layout: Layout, workload: Workload, device: DeviceProfile) -> float:
+    """A step's ring attention on one device: per block and micro-batch, ``c-1`` hops of its keys and values
+    forward (again under full recomputation), and backward ``c-1`` hops of keys, values and their gradients and
+    one more of the gradients; nothing hidden behind compute (EPL's hops wait)."""
+    c = layout.context
+    share = layout.micro_batch_size * workload.sequence // c * shape.kv_heads * shape.head_dim * workload.dtype_bytes
+    forward_hops = (c - 1) * (2 if layout.gradient_checkpoint == "full" else 1)
+    per_block = forward_hops * 2 * share + ((c - 1) * 4 + 2) * share
+    hops = forward_hops + c
+    blocks = math.ceil(shape.layers / layout.pipeline) * layout.micro_batches
+    bandwidth = (
+        device.intra_node_bandwidth if c * layout.tensor <= workload.devices_per_node else device.inter_node_bandwidth
+    )
+    return blocks * (per_block / bandwidth + hops * device.collective_latency_s / 2)
 
 
 @dataclass(frozen=True)
@@ -191,17 +233,18 @@ def _step_parts(
     """The seconds of each part of a step on the slowest device, and the step's model FLOPs."""
     t, p, d, m = layout.tensor, layout.pipeline, layout.data, layout.micro_batches
     s = workload.sequence
+    span = workload.attention_length or s  # the keys each query attends over
     blocks = math.ceil(shape.layers / p)
     weights = weights_per_device(shape, layout)
     tokens = workload.global_batch * s
     head = 6 * shape.vocab * shape.hidden  # per token
     block_matmuls = shape.layer_parameters() - 2 * shape.hidden
-    block = 6 * block_matmuls + 12 * shape.hidden * s  # per token
+    block = 6 * block_matmuls + 12 * shape.hidden * span  # per token
     model_flops = tokens * (shape.layers * block + head)
     if layout.gradient_checkpoint == "full":
-        block += 2 * block_matmuls + 4 * shape.hidden * s
+        block += 2 * block_matmuls + 4 * shape.hidden * span
     elif layout.gradient_checkpoint == "auto":
-        block += 4 * shape.hidden * s
+        block += 4 * shape.hidden * span
     # The slowest device: a stage of the most blocks, with the head (the last stage's), a tensor shard of it.
     stage_flops = tokens / d * (blocks * block + head) / t
     compute = stage_flops / (device.peak(workload.dtype) * device.efficiency)

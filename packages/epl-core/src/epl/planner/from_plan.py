@@ -17,7 +17,8 @@ def layout_of(plan: Plan, config: Config, global_batch: int) -> Layout:
     """The layout the script's Plan and config make, for ``global_batch`` sequences per step."""
     tensor = max((tg.device_count for tg in plan.taskgraphs if tg.strategy == "split"), default=1)
     pipeline = plan.pipeline_size
-    data = plan.world_size // (tensor * pipeline)
+    context = plan.context_degree
+    data = plan.world_size // (tensor * pipeline * context)
     micro_batches = plan.num_micro_batch
     if global_batch % (data * micro_batches):
         raise EplError(
@@ -38,4 +39,5 @@ def layout_of(plan: Plan, config: Config, global_batch: int) -> Layout:
         schedule=schedule,  # type: ignore[arg-type]
         virtual_stages=plan.stages_per_rank,
         sequence_parallel=bool(config.get("split.sequence_parallel", False)) and tensor > 1,
+        context=context,
     )

@@ -40,9 +40,11 @@ class Layout:
     virtual_stages: int = 1
     #: Megatron's sequence parallelism inside the tensor groups (``split.sequence_parallel``).
     sequence_parallel: bool = False
+    #: Devices each sequence's tokens are spread over (``context.degree``), on top of data x tensor x pipeline.
+    context: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("data", "tensor", "pipeline", "micro_batches", "micro_batch_size", "virtual_stages"):
+        for name in ("data", "tensor", "pipeline", "micro_batches", "micro_batch_size", "virtual_stages", "context"):
             if getattr(self, name) < 1:
                 raise EplError(f"A layout's {name} must be at least 1, not {getattr(self, name)}.")
         if self.zero not in ZERO_LEVELS or self.gradient_checkpoint not in CHECKPOINTING:
@@ -52,8 +54,8 @@ class Layout:
 
     @property
     def devices(self) -> int:
-        """Devices the layout uses: data x tensor x pipeline."""
-        return self.data * self.tensor * self.pipeline
+        """Devices the layout uses: data x context x tensor x pipeline."""
+        return self.data * self.context * self.tensor * self.pipeline
 
     def to_dict(self) -> dict[str, Any]:
         """The ``layout`` object of ``epl plan --json``."""
@@ -62,6 +64,8 @@ class Layout:
             data.pop("virtual_stages")
         if not self.sequence_parallel:
             data.pop("sequence_parallel")
+        if self.context == 1:
+            data.pop("context")
         return data
 
     def annotation(self) -> str:
@@ -80,6 +84,8 @@ class Layout:
         config: dict[str, Any] = {}
         if self.sequence_parallel and self.tensor > 1:
             config["split.sequence_parallel"] = True
+        if self.context > 1:
+            config["context.degree"] = self.context
         if self.pipeline > 1:
             virtual = self.virtual_stages if self.schedule == "interleaved" else 1
             config.update({"pipeline.num_stages": self.pipeline * virtual, "auto.auto_parallel": True,
@@ -107,6 +113,9 @@ class Workload:
     global_batch: int
     sequence: int
     dtype: str = "bf16"
+    #: Tokens each query attends over, when not ``sequence`` (context parallelism: a device holds ``s/c`` tokens
+    #: of sequences of ``s``); None: ``sequence``.
+    attention_length: int | None = None
     optimizer_states: int = 2  # Adam's two moments
     sdpa: bool = True
     devices_per_node: int = 8

@@ -18,6 +18,7 @@ def describe_layout(layout: Layout) -> str:
         f"{layout.gradient_checkpoint}"
         + (f", {schedule}" if layout.pipeline > 1 else "")
         + (", sequence parallel" if layout.sequence_parallel else "")
+        + (f", context {layout.context}" if layout.context > 1 else "")
     )
 
 
@@ -76,4 +77,5 @@ def describe_search(result: SearchResult, device: DeviceProfile, runners_up: int
 def _shape_of(layout: Layout) -> tuple[object, ...]:
     """A layout without its ZeRO level: runners-up differing only in it are left out."""
     return (layout.data, layout.tensor, layout.pipeline, layout.micro_batches, layout.micro_batch_size,
-            layout.gradient_checkpoint, layout.schedule, layout.virtual_stages, layout.sequence_parallel)  # fmt: skip
+            layout.gradient_checkpoint, layout.schedule, layout.virtual_stages, layout.sequence_parallel,
+            layout.context)  # fmt: skip

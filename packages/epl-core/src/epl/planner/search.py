@@ -4,8 +4,9 @@ Searched: tensor degrees that divide the heads and fit in a node, pipeline degre
 as the automatic partition makes them: the most loaded holds ``ceil(L/p)`` blocks), data parallelism for the rest;
 micro-batch sizes dividing each replica's batch; ZeRO none, v0, v1, v2; checkpointing none and full (EPL's
 ``gradient_checkpoint.type: "auto"`` recomputes each block from its input); sequence parallelism on and off under
-tensor parallelism; 1F1B, interleaved (2 chunks per device) and ZeroBubble pipelines. A plan that does not fit
-ranks after every plan that does; among those that fit, the shortest predicted step wins.
+tensor parallelism; context parallelism (``context.degree``) beside data parallelism alone, as EPL runs it; 1F1B,
+interleaved (2 chunks per device) and ZeroBubble pipelines. A plan that does not fit ranks after every plan that
+does; among those that fit, the shortest predicted step wins.
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def _context_degrees(world_size: int, tensor: int, workload: Workload) -> list[int]:
+    """1, and where EPL can run it (no tensor parallelism), every context degree of the world that cuts each
+    sequence into ``2c`` equal chunks."""
+    if tensor > 1:
+        return [1]
+    return [c for c in _divisors(world_size) if c == 1 or workload.sequence % (2 * c) == 0]
+
+
 def layouts(shape: ModelShape, workload: Workload, world_size: int) -> list[Layout]:
     """Every layout :mod:`this module's <epl.planner.search>` search considers."""
     found = []
@@ -40,29 +49,30 @@ def layouts(shape: ModelShape, workload: Workload, world_size: int) -> list[Layo
             continue
         # split.sequence_parallel shares each sequence's tokens among the tensor devices
         sequence_choices = (False, True) if t > 1 and workload.sequence % t == 0 else (False,)
-        for p in _divisors(world_size // t):
-            if p > shape.layers:
-                continue
-            d = world_size // (t * p)
-            if workload.global_batch % d:
-                continue
-            replica_batch = workload.global_batch // d
-            for b in _divisors(replica_batch):
-                if b > 16:
-                    break
-                m = replica_batch // b
-                if p > 1 and m < p:
+        for c in _context_degrees(world_size, t, workload):
+            for p in _divisors(world_size // (t * c)):
+                if p > shape.layers or (c > 1 and p > 1):  # EPL's context parallelism: beside data parallelism
                     continue
-                schedules = ("1F1B", "interleaved", "ZeroBubble") if p > 1 else ("1F1B",)
-                for schedule in schedules:
-                    virtual = 2 if schedule == "interleaved" else 1
-                    if shape.layers < p * virtual:
+                d = world_size // (t * p * c)
+                if workload.global_batch % d:
+                    continue
+                replica_batch = workload.global_batch // d
+                for b in _divisors(replica_batch):
+                    if b > 16:
+                        break
+                    m = replica_batch // b
+                    if p > 1 and m < p:
                         continue
-                    for zero in ("none", "v0", "v1", "v2") if d > 1 else ("none",):
-                        for checkpoint in ("none", "full"):
-                            for sequence_parallel in sequence_choices:
-                                found.append(Layout(d, t, p, m, b, zero, checkpoint, schedule, virtual,  # type: ignore[arg-type]
-                                                    sequence_parallel=sequence_parallel))  # fmt: skip
+                    schedules = ("1F1B", "interleaved", "ZeroBubble") if p > 1 else ("1F1B",)
+                    for schedule in schedules:
+                        virtual = 2 if schedule == "interleaved" else 1
+                        if shape.layers < p * virtual:
+                            continue
+                        for zero in ("none", "v0", "v1", "v2") if d * c > 1 else ("none",):
+                            for checkpoint in ("none", "full"):
+                                for sequence_parallel in sequence_choices:
+                                    found.append(Layout(d, t, p, m, b, zero, checkpoint, schedule, virtual,  # type: ignore[arg-type]
+                                                        sequence_parallel=sequence_parallel, context=c))  # fmt: skip
     return found
 
 
