@@ -146,3 +146,41 @@ def test_two_replicas_of_two_context_devices_train_as_one_process() -> None:
     torch.testing.assert_close(mean, losses, rtol=TOLERANCE, atol=TOLERANCE)
     for result in results:
         check({"losses": losses, "state": result["state"]}, (losses, state), TOLERANCE)
+
+
+def train_with(config: dict[str, Any], kind: str) -> dict[str, Any]:
+    """One rank under ``config`` (context.degree with ZeRO, checkpointing, or 4 context devices)."""
+    import epl
+
+    epl.init(epl.Config(config))
+    engine = epl.parallelize(llama(), optimizer=adamw, loss_fn=next_token_loss)
+    losses = []
+    for batch in batches(kind):
+        share = slice(engine.replica_index * BATCH // engine.num_replicas,
+                      (engine.replica_index + 1) * BATCH // engine.num_replicas)  # fmt: skip
+        losses.append(float(engine.step({k: v[share] for k, v in batch.items() if k != "targets"},
+                                        batch["targets"][share])))  # fmt: skip
+    state = engine.state_dict(full=True)["model"]
+    return {"losses": losses, "state": state, "replicas": engine.num_replicas}
+
+
+COMPOSED = {
+    "4 context devices": ({"context.degree": 4}, 4),
+    "ZeRO v1, 2 replicas": ({"context.degree": 2, "zero.level": "v1"}, 4),
+    "checkpointing": ({"context.degree": 2, "gradient_checkpoint.type": "auto"}, 2),
+}
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_context_parallelism_composes_with_zero_and_checkpointing(name: str) -> None:
+    config, processes = COMPOSED[name]
+    losses, state = locally("packed documents")
+    results = run_ranks(train_with, processes, config, "packed documents", timeout=400)
+    replicas = results[0]["replicas"]
+    mean = [sum(values) / len(values) for values in zip(*(r["losses"] for r in results), strict=True)]
+    torch.testing.assert_close(mean, losses, rtol=TOLERANCE, atol=TOLERANCE)
+    for result in results:
+        assert result["replicas"] == replicas
+        for key, value in result["state"].items():
+            torch.testing.assert_close(value, state[key], rtol=TOLERANCE, atol=TOLERANCE, msg=key)
