@@ -152,3 +152,27 @@ def test_dropout_in_stages_keeps_replicated_values_equal_and_the_default_random_
         assert first["random"].equal(second["random"])
         for name, value in first["whole"].items():
             assert value.equal(second["whole"][name]), name
+
+
+def colocated_refused() -> str:
+    import torch
+    from torch import nn
+
+    import epl
+
+    epl.init(epl.Config({"split.sequence_parallel": True, "cluster.colocate_split_and_replicate": True}))
+    with epl.replicate(2):
+        embed = nn.Embedding(16, 8)
+    with epl.split(2):
+        head = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+    try:
+        epl.parallelize(nn.Sequential(embed, head), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    except epl.errors.EplError as error:
+        return str(error)
+    return ""
+
+
+@pytest.mark.timeout(300)
+def test_sequence_parallelism_beside_a_batch_split_over_the_same_devices_is_refused() -> None:
+    message = run_ranks(colocated_refused, 2, timeout=240)[0]
+    assert "already split the batch" in message and "colocate_split_and_replicate" in message, message

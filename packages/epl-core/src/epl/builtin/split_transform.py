@@ -93,6 +93,9 @@ def _decide_layout(model: nn.Module, context: ParallelContext) -> Layout:
         for t in find_targets(model, tg, rules)
     ]
     sequence_parallel = bool(context.config.get("split.sequence_parallel"))
+    plan = context.plan
+    if sequence_parallel and any(plan.batch_parts(i) > 1 for i in mine if plan.taskgraphs[i].strategy == "split"):
+        raise AnnotationError(sequence.BATCH_SPLIT_REFUSED)
     return layout_of(model, targets, context.loss_fn, context.example_inputs, sequence_parallel=sequence_parallel)
 
 

@@ -34,11 +34,18 @@ from epl.sharding.linear import RowParallelLinear
 from epl.sharding.parameters import is_sharded
 
 SEQUENCE_DIM = 1  # [batch, sequence, hidden]
+BATCH_SPLIT_REFUSED = (
+    "split.sequence_parallel shares each sequence's tokens among the devices of a split, but here those devices "
+    "already split the batch between them (replicate and split colocated, cluster.colocate_split_and_replicate). "
+    "Use one or the other."
+)
 
 
 def install(model: nn.Module, group: ShardGroup, summed: set[int]) -> list[Any]:
     """Put the hooks of sequence parallelism on ``model``'s stack of blocks; the handles. ``summed``: ids of
     parameters whose gradient is summed over the group already."""
+    if group.batch_split:
+        raise AnnotationError(BATCH_SPLIT_REFUSED)
     rows = [module for module in model.modules() if isinstance(module, RowParallelLinear) and module.group is group]
     stack = _stack_of(model, rows)
     group.sequence_dim = SEQUENCE_DIM
