@@ -68,6 +68,11 @@ from epl.planner.shape import ModelShape
 
 #: Bytes a device keeps for itself (CUDA context, allocator slack) when deciding whether a plan fits.
 RESERVED_BYTES = 2 * 2**30
+#: What the estimate of a context-parallel layout assumes that EPL does not do yet (docs/context.md, "Not yet").
+CONTEXT_KERNEL_NOTE = (
+    "the attention is timed as fused kernels run it; EPL's context attention still computes each block with plain "
+    "matrix products, measured 14-18x slower than SDPA on an H200 (docs/context.md)"
+)
 MFU_FORMULA = "MFU = (6*N + 12*L*h*s) * tokens / (step time * devices * peak FLOP/s); N: block and head weights"
 
 
@@ -150,6 +155,7 @@ def _with_context(shape: ModelShape, layout: Layout, workload: Workload, device:
         tokens_per_second=workload.global_batch * workload.sequence / step,
         mfu=inner.mfu * inner.step_time_s / step,
         time_parts=parts,
+        notes=(*inner.notes, CONTEXT_KERNEL_NOTE),
     )
 
 

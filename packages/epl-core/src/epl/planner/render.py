@@ -35,6 +35,7 @@ def describe(result: Estimate, device: DeviceProfile) -> str:
             f"{format_bytes(device.memory_bytes)}: {fits}",
             f"  step time {result.step_time_s:.3g} s: {parts}",
             f"  {result.tokens_per_second:,.0f} tokens/s, MFU {100 * result.mfu:.1f}%",
+            *(f"  note: {note}" for note in result.notes),
         ]
     )
 
