@@ -23,8 +23,6 @@ sides take the same step, then times them in alternating rounds (each call ends 
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,7 +31,7 @@ import torch
 from torch import nn
 
 import epl
-from benchmarks.harness import Ratio, ResultRow, Section, mib, ms, record, short_mode
+from benchmarks.harness import Ratio, ResultRow, Section, compare, mib, ms, record, short_mode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -56,28 +54,12 @@ def synced(fn: Callable[[], object]) -> Callable[[], None]:
 
 
 def alternate(baseline: Callable[[], object], candidate: Callable[[], object], rounds: int, calls: int) -> dict:
-    """Median seconds per call of each, timed in alternating rounds, and the median of the per-round ratios."""
-    base, cand = synced(baseline), synced(candidate)
-    for _ in range(2):
-        base()
-        cand()
-    times: dict[str, list[float]] = {"base": [], "epl": []}
-    ratios = []
-    for index in range(rounds):
-        measured = {}
-        for name, fn in (("base", base), ("epl", cand)) if index % 2 == 0 else (("epl", cand), ("base", base)):
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            measured[name] = (time.perf_counter() - start) / calls
-        times["base"].append(measured["base"])
-        times["epl"].append(measured["epl"])
-        ratios.append(measured["epl"] / measured["base"])
-    return {
-        "base_s": statistics.median(times["base"]),
-        "epl_s": statistics.median(times["epl"]),
-        "ratio": statistics.median(ratios),
-    }
+    """Median seconds per call of each (every call synchronized), timed in alternating rounds by the harness's
+    :func:`compare`, and the median of the per-round ratios."""
+    got = compare(
+        "gpu", synced(baseline), synced(candidate), rounds=rounds, calls_per_round=calls, warmup=2, save=False
+    )
+    return {"base_s": got.baseline_s, "epl_s": got.epl_s, "ratio": got.ratio}
 
 
 def peak_bytes(fn: Callable[[], object]) -> int:

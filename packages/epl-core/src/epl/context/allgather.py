@@ -8,12 +8,14 @@ the ring does, ``2·(c-1)/c·b·s·h_kv·d`` elements forward.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
-from epl.context.masks import TokenFacts
-from epl.context.ring import BlockGradients, ContextGroup, Masking, OnlineSoftmax, gather_facts, grouped
+from epl.context.blockwise import BlockGradientsOf, blockwise_attention
+from epl.context.masks import Masking, TokenFacts
+from epl.context.ring import ContextGroup, gather_facts
 from epl.interfaces.communicator import ReduceOp
 
 
@@ -29,56 +31,43 @@ def allgather_attention(
 ) -> torch.Tensor:
     """As :func:`epl.context.ring.ring_attention`, with the keys and values all-gathered instead of passed on."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    return _AllGatherAttention.apply(query, key, value, gather_facts(facts, group), group, masking, scale)
+    return blockwise_attention(query, key, value, facts, _Gathered(group, gather_facts(facts, group)), masking, scale)
 
 
-def _gather_kv(key: torch.Tensor, value: torch.Tensor, group: ContextGroup) -> list[tuple[torch.Tensor, ...]]:
-    """Every device's keys and values, by ring index."""
-    packed = torch.cat([key, value]).contiguous()
-    if group.count == 1:
-        return [(key, value)]
-    output = packed.new_empty((group.count * packed.shape[0], *packed.shape[1:]))
-    group.collectives["all_gather"] += 1
-    group.collectives["send_elements"] += (group.count - 1) * packed.numel()
-    group.communicator.all_gather(output, packed).wait()
-    return [tuple(piece.split(key.shape[0])) for piece in output.split(packed.shape[0])]
+@dataclass(eq=False)
+class _Gathered:
+    """Every device's keys and values, gathered (again for the backward pass, whose gradients are
+    reduce-scattered to their owners)."""
 
+    group: ContextGroup
+    facts: list[TokenFacts]
 
-class _AllGatherAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        facts: list[TokenFacts],
-        group: ContextGroup,
-        masking: Masking,
-        scale: float,
-    ) -> torch.Tensor:
-        q = grouped(query, key.shape[1])
-        merge = OnlineSoftmax(q)
-        for owner, (k, v) in enumerate(_gather_kv(key, value, group)):
-            merge.add(q, k, v, masking.between(facts[group.index], facts[owner]), scale)
-        output, lse = merge.result()
-        ctx.save_for_backward(query, key, value, output, lse)
-        ctx.facts, ctx.group, ctx.masking, ctx.scale = facts, group, masking, scale
-        return output.reshape(query.shape)
+    def forward(
+        self, key: torch.Tensor, value: torch.Tensor
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, TokenFacts]]:
+        """Each device's keys and values, by ring index."""
+        for owner, (k, v) in enumerate(self._gather(key, value)):
+            yield k, v, self.facts[owner]
 
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        query, key, value, output, lse = ctx.saved_tensors
-        group, facts, masking = ctx.group, ctx.facts, ctx.masking
-        q = grouped(query, key.shape[1])
-        gradients = BlockGradients(q, grouped(grad_output.contiguous(), key.shape[1]), output, lse, ctx.scale)
-        pieces = []
-        for owner, (k, v) in enumerate(_gather_kv(key, value, group)):
-            pieces.append(torch.cat(gradients.add(k, v, masking.between(facts[group.index], facts[owner]))))
+    def backward(
+        self, key: torch.Tensor, value: torch.Tensor, gradients_of: BlockGradientsOf
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every block's gradients, each summed on its owner."""
+        pieces = [torch.cat(gradients_of(k, v, keys)) for k, v, keys in self.forward(key, value)]
+        if self.group.count == 1:
+            return tuple(pieces[0].split(key.shape[0]))  # type: ignore[return-value]
+        mine = torch.empty_like(pieces[0])
+        self.group.collectives["reduce_scatter"] += 1
+        self.group.communicator.reduce_scatter(mine, torch.cat(pieces).contiguous(), ReduceOp.SUM).wait()
+        return tuple(mine.split(key.shape[0]))  # type: ignore[return-value]
+
+    def _gather(self, key: torch.Tensor, value: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        group = self.group
         if group.count == 1:
-            dk, dv = pieces[0].split(key.shape[0])
-        else:  # each block's gradients summed on its owner
-            mine = torch.empty_like(pieces[0])
-            group.collectives["reduce_scatter"] += 1
-            group.communicator.reduce_scatter(mine, torch.cat(pieces).contiguous(), ReduceOp.SUM).wait()
-            dk, dv = mine.split(key.shape[0])
-        return gradients.dq.reshape(query.shape), dk, dv, None, None, None, None
+            return [(key, value)]
+        packed = torch.cat([key, value]).contiguous()
+        output = packed.new_empty((group.count * packed.shape[0], *packed.shape[1:]))
+        group.collectives["all_gather"] += 1
+        group.collectives["send_elements"] += (group.count - 1) * packed.numel()
+        group.communicator.all_gather(output, packed).wait()
+        return [tuple(piece.split(key.shape[0])) for piece in output.split(packed.shape[0])]

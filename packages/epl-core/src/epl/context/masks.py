@@ -62,3 +62,15 @@ def allowed(queries: TokenFacts, keys: TokenFacts, *, causal: bool, window: int 
     if window is not None:
         mask &= q_pos - k_pos < window
     return mask
+
+
+@dataclass(frozen=True)
+class Masking:
+    """How queries may attend: ``causal``, within a sliding ``window`` (or None), and the tokens' facts."""
+
+    causal: bool = True
+    window: int | None = None
+
+    def between(self, queries: TokenFacts, keys: TokenFacts) -> torch.Tensor:
+        """``[batch, queries, keys]``: whether each query attends to each key."""
+        return allowed(queries, keys, causal=self.causal, window=self.window)

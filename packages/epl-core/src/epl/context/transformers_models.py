@@ -30,8 +30,8 @@ from torch import nn
 
 from epl.context.allgather import allgather_attention
 from epl.context.chunks import check_length, shard_sequence, unshard_sequence
-from epl.context.masks import TokenFacts, documents_from_positions
-from epl.context.ring import ContextGroup, Masking, ring_attention
+from epl.context.masks import Masking, TokenFacts, documents_from_positions
+from epl.context.ring import ContextGroup, ring_attention
 from epl.context.ulysses import ulysses_attention
 from epl.errors import AnnotationError, EplError
 

@@ -9,12 +9,15 @@ queries, keys, values and output.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from epl.context.masks import TokenFacts
-from epl.context.ring import BlockGradients, ContextGroup, Masking, OnlineSoftmax, gather_facts, grouped
+from epl.context.blockwise import BlockGradientsOf, blockwise_attention
+from epl.context.masks import Masking, TokenFacts
+from epl.context.ring import ContextGroup, gather_facts
 from epl.errors import AnnotationError
 
 
@@ -40,9 +43,9 @@ def ulysses_attention(
     facts_by_device = gather_facts(facts, group)
     everything = TokenFacts(*(torch.cat(parts, 1) for parts in zip(*(
         (f.positions, f.documents, f.valid) for f in facts_by_device), strict=True)))  # fmt: skip
-    q, k, v = (_HeadsForTokens.apply(t, group) for t in (query, key, value))
-    out = _WholeAttention.apply(q, k, v, everything, masking, scale, c)
-    return _TokensForHeads.apply(out, group)
+    q, k, v = (_Regroup.apply(t, group, True) for t in (query, key, value))
+    out = blockwise_attention(q, k, v, everything, _Slices(everything, c), masking, scale)
+    return _Regroup.apply(out, group, False)
 
 
 def _exchange(tensor: torch.Tensor, group: ContextGroup) -> torch.Tensor:
@@ -71,66 +74,39 @@ def _tokens_for_heads(tensor: torch.Tensor, group: ContextGroup) -> torch.Tensor
     return received.permute(1, 0, 2, 3, 4).reshape(b, c * hc, ct // c, d)
 
 
-class _HeadsForTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: ContextGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return _heads_for_tokens(tensor, group)
+class _Regroup(torch.autograd.Function):
+    """:func:`_heads_for_tokens` forward (``to_heads``) or :func:`_tokens_for_heads`; the other backward."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _tokens_for_heads(grad.contiguous(), ctx.group), None
-
-
-class _TokensForHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: ContextGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return _tokens_for_heads(tensor, group)
+    def forward(ctx: Any, tensor: torch.Tensor, group: ContextGroup, to_heads: bool) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_heads_for_tokens if to_heads else _tokens_for_heads)(tensor, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _heads_for_tokens(grad.contiguous(), ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        inverse = _tokens_for_heads if ctx.to_heads else _heads_for_tokens
+        return inverse(grad.contiguous(), ctx.group), None, None
 
 
-class _WholeAttention(torch.autograd.Function):
-    """Attention over the whole sequence on this device's heads, a block of keys at a time (no score matrix of
-    the whole sequence is kept)."""
+@dataclass(eq=False)
+class _Slices:
+    """The whole sequence's keys and values on this device, in ``count`` slices (one device's tokens each), so
+    that no score matrix of the whole sequence is made; their gradients stay here."""
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        facts: TokenFacts,
-        masking: Masking,
-        scale: float,
-        blocks: int,
-    ) -> torch.Tensor:
-        q = grouped(query, key.shape[1])
-        merge = OnlineSoftmax(q)
-        for start, length, k, v in _blocks(key, value, blocks):
-            merge.add(q, k, v, masking.between(facts, facts.narrow(start, length)), scale)
-        output, lse = merge.result()
-        ctx.save_for_backward(query, key, value, output, lse)
-        ctx.facts, ctx.masking, ctx.scale, ctx.blocks = facts, masking, scale, blocks
-        return output.reshape(query.shape)
+    facts: TokenFacts
+    count: int
 
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        query, key, value, output, lse = ctx.saved_tensors
-        q = grouped(query, key.shape[1])
-        gradients = BlockGradients(q, grouped(grad_output.contiguous(), key.shape[1]), output, lse, ctx.scale)
-        dk, dv = [], []
-        for start, length, k, v in _blocks(key, value, ctx.blocks):
-            block_dk, block_dv = gradients.add(k, v, ctx.masking.between(ctx.facts, ctx.facts.narrow(start, length)))
-            dk.append(block_dk)
-            dv.append(block_dv)
-        return gradients.dq.reshape(query.shape), torch.cat(dk, 2), torch.cat(dv, 2), None, None, None, None
+    def forward(
+        self, key: torch.Tensor, value: torch.Tensor
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, TokenFacts]]:
+        """Each slice with its tokens' facts."""
+        length = key.shape[2] // self.count
+        for start in range(0, key.shape[2], length):
+            yield key.narrow(2, start, length), value.narrow(2, start, length), self.facts.narrow(start, length)
 
-
-def _blocks(key: torch.Tensor, value: torch.Tensor, blocks: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-    length = key.shape[2] // blocks
-    return [(i * length, length, key.narrow(2, i * length, length), value.narrow(2, i * length, length))
-            for i in range(blocks)]  # fmt: skip
+    def backward(
+        self, key: torch.Tensor, value: torch.Tensor, gradients_of: BlockGradientsOf
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slice's gradients, put together."""
+        dk, dv = zip(*(gradients_of(k, v, keys) for k, v, keys in self.forward(key, value)), strict=True)
+        return torch.cat(dk, 2), torch.cat(dv, 2)
