@@ -102,6 +102,22 @@ def bench_short(session: nox.Session) -> None:
     session.run("python", "-m", "benchmarks.report", "--out", str(Path(session.create_tmp()) / "benchmarks.md"))
 
 
+@nox.session(name="bench-accelerate")
+def bench_accelerate(session: nox.Session) -> None:
+    """EPL's Ulysses context parallelism against Accelerate's Ulysses (DeepSpeed's UlyssesSPAttentionHF) on 2
+    processes, on the CPU (DeepSpeed's CPU accelerator, gloo), after checking both take the same step; the result in
+    benchmarks/results/context_ulysses_accelerate.json, then the report rendered into the session's temporary folder
+    (docs/benchmarks.md is written by ``nox -s bench``, which runs this benchmark too, from every benchmark's
+    results). ``EPL_BENCH_SHORT=1`` for short mode."""
+    # TEST_TOOLS has accelerate and deepspeed (pinned in constraints.txt; deepspeed builds as pure Python, no CUDA).
+    install_packages(session, *TEST_TOOLS, *BENCH_TOOLS)
+    env = {**SINGLE_THREAD, "DS_ACCELERATOR": "cpu"}
+    try:
+        session.run("pytest", "benchmarks/test_context_accelerate.py", "-s", *session.posargs, env=env)
+    finally:
+        session.run("python", "-m", "benchmarks.report", "--out", str(Path(session.create_tmp()) / "benchmarks.md"))
+
+
 @nox.session
 def bigmem(session: nox.Session) -> None:
     """The big-memory run alone: a 1.5B-parameter Llama (5.6 GiB in float32) built on meta under split(2) x 2

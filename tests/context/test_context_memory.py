@@ -25,13 +25,13 @@ def llama(layers: int) -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
-def saved_per_block(context: int) -> dict[int, float]:
+def saved_per_block(context: int, lengths: tuple[int, ...] = LENGTHS) -> dict[int, float]:
     """Bytes a block saves for backward, by sequence length (one process when ``context`` is 1)."""
     import epl
     from epl.runtime.activations import SavedActivations
 
     result = {}
-    for length in LENGTHS:
+    for length in lengths:
         tokens = torch.randint(0, VOCABULARY, (BATCH, length), generator=torch.Generator().manual_seed(0))
         held = []
         for layers in (1, 3):
@@ -57,3 +57,20 @@ def test_each_context_device_keeps_a_cth_of_the_activations() -> None:
             print(f"sequence {length}: one process {whole[length]:.0f} B a block, each of 2 devices "
                   f"{result[length]:.0f} B ({share:.3f})")  # fmt: skip
             assert share <= 1 / 2 + 0.10, (length, result[length], whole[length])
+
+
+CAPPED = (256, 512, 768, 1024, 1280)
+
+
+@pytest.mark.timeout(400)
+def test_the_longest_sequence_under_a_memory_cap_grows_c_times() -> None:
+    """The cap: what one process saves a block at 512 tokens. Measured at every length of ``CAPPED``, the longest
+    that fits the cap is 512 tokens on one process and 1,024 on each of 2 context devices."""
+    whole = saved_per_block(1, CAPPED)
+    spread = run_ranks(saved_per_block, 2, 2, CAPPED, timeout=300)
+    cap = whole[512]
+    longest = {1: max(n for n in CAPPED if whole[n] <= cap)}
+    longest[2] = min(max(n for n in CAPPED if result[n] <= cap) for result in spread)
+    print(f"cap {cap:.0f} B a block: the longest sequence under it is {longest[1]} tokens on one process, "
+          f"{longest[2]} on each of 2 context devices")  # fmt: skip
+    assert longest == {1: 512, 2: 1024}

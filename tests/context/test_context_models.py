@@ -1,7 +1,9 @@
 """``context.degree 2`` on more of transformers' models, float64, against one process (3 AdamW steps, 1e-10): GPT-2
 (learned positions read from the global ``position_ids``) and Mistral with a sliding window shorter than the
-sequence (the window crosses the devices); and the clear errors: tensor parallelism beside it, a model outside
-transformers, a sequence that does not divide, Ulysses with heads that do not divide."""
+sequence (the window crosses the devices), with ``Engine.predict`` and ``Engine.evaluate`` after training (the
+whole sequence's logits on every device); and the clear errors: a model the check finds would train differently
+(RoBERTa reads positions from its token ids; GPT-Neo's attention is its own code), a model built on meta (nothing to
+check), a model outside transformers, a sequence that does not divide, Ulysses with heads that do not divide."""
 
 from __future__ import annotations
 
@@ -63,7 +65,10 @@ def locally(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         loss.backward()
         optimizer.step()
         losses.append(float(loss))
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        outputs = model(input_ids=tokens()[0])
+        losses.append(float(next_token_loss(outputs, tokens()[0])))
+    return losses, {**{k: v.clone() for k, v in model.state_dict().items()}, "logits": outputs.logits}
 
 
 def train(names: list[str]) -> dict[str, Any]:
@@ -74,7 +79,9 @@ def train(names: list[str]) -> dict[str, Any]:
         epl.init(epl.Config({"context.degree": 2}))
         engine = epl.parallelize(MODELS[name](), optimizer=adamw, loss_fn=next_token_loss)
         losses = [float(engine.step({"input_ids": batch}, batch)) for batch in tokens()]
+        losses.append(float(engine.evaluate({"input_ids": tokens()[0]}, tokens()[0])))
         state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+        state["logits"] = engine.predict({"input_ids": tokens()[0]}).logits
         results[name] = {"losses": losses, "state": state}
     return results
 
@@ -109,12 +116,31 @@ def refusals() -> dict[str, str]:
         except epl.errors.EplError as error:
             found[name] = str(error)
 
-    def split_model() -> Any:
-        with epl.split(2):
+    def roberta() -> torch.nn.Module:
+        from transformers import RobertaConfig, RobertaForMaskedLM
+
+        torch.manual_seed(0)
+        config = RobertaConfig(vocab_size=VOCABULARY, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4, max_position_embeddings=40)  # fmt: skip
+        return RobertaForMaskedLM(config).double()
+
+    def gpt_neo() -> torch.nn.Module:
+        from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+        torch.manual_seed(0)
+        config = GPTNeoConfig(vocab_size=VOCABULARY, hidden_size=32, num_layers=2, num_heads=4,
+                              max_position_embeddings=32, attention_types=[[["global", "local"], 1]])  # fmt: skip
+        return GPTNeoForCausalLM(config).double()
+
+    def on_meta() -> Any:
+        with torch.device("meta"):
             model = gpt2()
         return epl.parallelize(model, optimizer=adamw, loss_fn=next_token_loss)
 
-    attempt("split", {}, split_model)
+    attempt("positions from the token ids", {}, lambda: epl.parallelize(roberta(), optimizer=adamw))
+    attempt("unchecked", {"context.verify": False}, lambda: epl.parallelize(roberta(), optimizer=adamw))
+    attempt("attention of its own", {}, lambda: epl.parallelize(gpt_neo(), optimizer=adamw))
+    attempt("meta", {}, on_meta)
     attempt("not transformers", {}, lambda: epl.parallelize(torch.nn.Linear(4, 4), optimizer=adamw))
     attempt("length", {}, lambda: epl.parallelize(gpt2(), optimizer=adamw, loss_fn=next_token_loss),
             lambda e: e.step({"input_ids": tokens()[0][:, :10]}, tokens()[0][:, :10]))  # fmt: skip
@@ -127,7 +153,11 @@ def refusals() -> dict[str, str]:
 @pytest.mark.timeout(300)
 def test_what_context_parallelism_cannot_do_is_a_clear_error() -> None:
     found = run_ranks(refusals, 4, timeout=240)[0]
-    assert "composes with data parallelism only" in found["split"] and "split(2)" in found["split"]
+    assert "would train to a different model" in found["positions from the token ids"]
+    assert "reads positions other than position_ids" in found["positions from the token ids"]
+    assert found["unchecked"] == "no error"  # context.verify False: the user's word, at the user's risk
+    assert "no attention layer of GPTNeoForCausalLM called it" in found["attention of its own"]
+    assert "meta device" in found["meta"] and "context.verify" in found["meta"]
     assert "is not a transformers model" in found["not transformers"]
     assert "10 tokens do not divide" in found["length"] and "multiple of 4" in found["length"]
     assert "ulysses" in found["ulysses heads"] and "key/value heads" in found["ulysses heads"]

@@ -184,3 +184,52 @@ def test_context_parallelism_composes_with_zero_and_checkpointing(name: str) -> 
         assert result["replicas"] == replicas
         for key, value in result["state"].items():
             torch.testing.assert_close(value, state[key], rtol=TOLERANCE, atol=TOLERANCE, msg=key)
+
+
+def train_presliced(kinds: list[str]) -> dict[str, Any]:
+    """``context.presliced``: each rank is given only its share of every sequence (cut by ``epl.context.my_share``),
+    with global ``position_ids`` and ``shift_labels``; and the clear errors for ``labels`` and a ``loss_fn``."""
+    import epl
+    from epl.context import my_share
+
+    results: dict[str, Any] = {}
+    for kind in kinds:
+        epl.init(epl.Config({"context.degree": 2, "context.presliced": True}))
+        engine = epl.parallelize(llama(), optimizer=adamw)
+        losses = []
+        for batch in batches(kind):
+            labels = batch["targets"]
+            whole = {
+                "input_ids": batch["input_ids"],
+                "position_ids": batch.get("position_ids", torch.arange(SEQUENCE).expand(BATCH, SEQUENCE)),
+                "shift_labels": torch.cat([labels[:, 1:], labels.new_full((BATCH, 1), -100)], 1),
+            }
+            if "attention_mask" in batch:
+                whole["attention_mask"] = batch["attention_mask"]
+            losses.append(float(engine.step({k: my_share(v, engine) for k, v in whole.items()})))
+        results[kind] = {"losses": losses, "state": engine.state_dict(full=True)["model"]}
+    for name, loss_fn, batch in [("labels", None, "labels"), ("loss_fn", next_token_loss, None)]:
+        try:
+            epl.init(epl.Config({"context.degree": 2, "context.presliced": True}))
+            engine = epl.parallelize(llama(), optimizer=adamw, loss_fn=loss_fn)
+            tokens = my_share(batches("causal")[0]["input_ids"], engine)
+            engine.step({"input_ids": tokens, "position_ids": my_share(torch.arange(SEQUENCE).expand(BATCH, SEQUENCE),
+                                                                       engine), batch: tokens})  # fmt: skip
+            results[name] = "no error"
+        except epl.errors.EplError as error:
+            results[name] = str(error)
+    return results
+
+
+@pytest.mark.timeout(500)
+def test_a_loader_that_gives_each_rank_its_share_trains_as_one_process() -> None:
+    """Right-padded and packed batches, each rank given its share: as the model's own loss on one process (which
+    transformers computes in float32: within 1e-5)."""
+    kinds = ["right-padded", "packed documents"]
+    results = run_ranks(train_presliced, 2, kinds, timeout=400)
+    for kind in kinds:
+        expected = locally(kind, own_loss=True)
+        for result in results:
+            check({"losses": result[kind]["losses"], "state": result[kind]["state"]}, expected, 1e-5)
+    assert "shift_labels" in results[0]["labels"] and "not labels" in results[0]["labels"]
+    assert "loss_fn" in results[0]["loss_fn"] and "context.presliced to False" in results[0]["loss_fn"]

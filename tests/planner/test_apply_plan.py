@@ -92,21 +92,22 @@ def train(profile: str, planned: bool, batch: int) -> dict[str, Any]:
     losses = [float(engine.step({"input_ids": mine, "labels": mine})) for _ in range(STEPS)]
     context = engine.context
     return {"losses": losses, "config": {k: context.config[k] for k in ("pipeline.num_stages", "zero.level")},
-            "tensor": max((tg.device_count for tg in context.plan.taskgraphs), default=1)}  # fmt: skip
+            "tensor": max((tg.device_count for tg in context.plan.taskgraphs), default=1),
+            "context": context.plan.context_degree}  # fmt: skip
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("batch", "tensor"), [(4, 1), (1, 2)])
-def test_a_planned_layout_trains_as_one_process(tmp_path: Path, batch: int, tensor: int) -> None:
+@pytest.mark.parametrize(("batch", "sharing"), [(4, 1), (1, 2)])
+def test_a_planned_layout_trains_as_one_process(tmp_path: Path, batch: int, sharing: int) -> None:
     """4 sequences: the planner replicates (ZeRO v0 on this profile); 1 sequence cannot be divided among
-    replicas, so the only 2-device layout is split(2)."""
+    replicas, so the 2 devices share it: split(2) or context parallelism, whichever is predicted faster."""
     profile = tmp_path / "cpu.json"
     profile.write_text(json.dumps(CPU))
     alone = run_ranks(train, 1, str(profile), False, batch, timeout=240)[0]
     ranks = run_ranks(train, 2, str(profile), True, batch, timeout=240)
-    assert ranks[0]["tensor"] == tensor
-    replicas = 2 // tensor  # each replica's loss is its rows' mean: the batch's is their mean
+    assert ranks[0]["tensor"] * ranks[0]["context"] == sharing
+    replicas = 2 // sharing  # each replica's loss is its rows' mean: the batch's is their mean
     for step in range(STEPS):
         mean = sum(rank["losses"][step] for rank in ranks) / len(ranks)
         assert mean == pytest.approx(alone["losses"][step], rel=1e-6), (replicas, ranks, alone)

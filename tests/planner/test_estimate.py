@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -96,3 +97,19 @@ def test_context_parallelism_divides_a_devices_activations_and_adds_the_ring() -
 def test_the_search_spreads_a_long_sequence_when_nothing_else_fits() -> None:
     best = search(LLAMA_8B, Workload(global_batch=1, sequence=131072), PROFILES["h100-sxm"], 8).plans[0]
     assert best.fits and best.layout.context > 1
+
+
+def test_the_search_composes_context_with_tensor_and_pipeline_parallelism() -> None:
+    """Llama 3 8B at 128K tokens on 32 devices: layouts with context, tensor and pipeline parallelism together are
+    searched, and their config names all three; a lane of t x p devices spreads the ring over nodes once c lanes
+    no longer fit one."""
+    work, device = Workload(global_batch=4, sequence=131072), PROFILES["h100-sxm"]
+    result = search(LLAMA_8B, work, device, 32)
+    composed = [plan for plan in result.plans if plan.layout.context > 1 and plan.layout.tensor > 1]
+    assert any(plan.layout.pipeline > 1 and plan.fits for plan in composed)
+    layout = Layout(1, 2, 2, 4, 1, gradient_checkpoint="full", sequence_parallel=True, context=2)
+    config = layout.config()
+    assert config["context.degree"] == 2 and config["pipeline.num_stages"] == 2 and config["split.sequence_parallel"]
+    in_node = estimate(LLAMA_8B, layout, work, device).time_parts["context_parallel"]
+    across = estimate(LLAMA_8B, replace(layout, tensor=4), work, device).time_parts["context_parallel"]
+    assert across > in_node

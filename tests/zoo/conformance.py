@@ -63,6 +63,11 @@ class Layout:
     #: then the same script in one process, whose ``parallelize`` gives the whole model the same values.
     meta: bool = False
 
+    @property
+    def context_parallel(self) -> bool:
+        """Whether the layout spreads each sequence over context devices."""
+        return dict(self.config).get("context.degree", 1) > 1
+
     def epl_config(self) -> dict[str, Any]:
         """The ``epl.Config`` of the cell."""
         config = {"communication.timeout": COLLECTIVE_TIMEOUT, **dict(self.config)}
@@ -87,6 +92,7 @@ LAYOUTS: dict[str, Layout] = {
         Layout("meta split(2)", world=2, split=2, meta=True),
         Layout("meta pipeline 2 stages", world=2, micro_batches=2, config=PIPELINE, meta=True),
         Layout("meta 3D", world=4, split=2, micro_batches=2, config=PIPELINE, meta=True),
+        Layout("context 2", world=2, config=(("context.degree", 2),)),
     )
 }
 

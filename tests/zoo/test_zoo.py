@@ -29,6 +29,9 @@ _REFERENCES: dict[tuple[Any, ...], Any] = {}
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_slice_equals_one_process_or_is_refused(layout: str) -> None:
     cells = run_layout(layout, SLICE, _REFERENCES)
-    # Every architecture of the slice trains, sharded under split (Falcon kept every block whole once).
-    bad = [f"{c.architecture}: {c.status} {c.message}" for c in cells if c.status != "ok"]
+    # Every architecture of the slice trains, sharded under split (Falcon kept every block whole once); context
+    # parallelism refuses what its attention cannot spread (encoder-decoders, soft-capped scores) with an error.
+    allowed = {"ok", "refused"} if LAYOUTS[layout].context_parallel else {"ok"}
+    bad = [f"{c.architecture}: {c.status} {c.message}" for c in cells if c.status not in allowed]
     assert not bad, "\n".join(bad)
+    assert any(c.status == "ok" for c in cells)

@@ -142,21 +142,27 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     from epl_pipeline.stages import stage_shapes
 
     plan, rank = context.plan, context.cluster.rank
-    replica = plan.replica_of(rank)
+    lane = plan.lane_of(rank)
     local = context.pipeline_stages
     program = context.state(PipelineState).program
     assert local and program is not None, "KeepLocalStage (a model transform) runs before the runner"
     _check_clipping(context)
     stages, shapes = plan.num_stages, stage_shapes(plan)
     world = context.communicator
-    # Every device of a replica: the replica's loss, and the global gradient norm adds their squares.
-    replica_group = world.split([list(plan.devices_of_replica(r)) for r in range(plan.num_replicas)])
-    shares = {s: shapes[s].part(plan.devices(s, replica).index(rank)) for s in local}
+    # Every device of a lane (a replica without context parallelism): the global gradient norm adds their
+    # squares. Every device of a replica: its loss, each lane's last stage giving 1/c of it.
+    lane_group = world.split([list(plan.devices_of_lane(r)) for r in range(plan.num_lanes)])
+    replica_group = (
+        lane_group
+        if plan.context_degree == 1
+        else world.split([list(plan.devices_of_replica(r)) for r in range(plan.num_replicas)])
+    )
+    shares = {s: shapes[s].part(plan.lane_devices(s, lane).index(rank)) for s in local}
     last, loss_share, last_stage = stages - 1, 0.0, None
     if last in local:
-        loss_share = shapes[last].loss_share(plan.devices(last, replica).index(rank))
+        loss_share = shapes[last].loss_share(plan.lane_devices(last, lane).index(rank)) / plan.context_degree
     if shapes[last].parts > 1:  # predict gathers the last stage's parts of each micro-batch
-        last_stage = _group(world, [plan.devices(last, r) for r in range(plan.num_replicas)])
+        last_stage = _group(world, [plan.lane_devices(last, r) for r in range(plan.num_lanes)])
     schedule = _schedule(context, stages, plan.num_micro_batch)
     runner = PipelineStepRunner(
         model=context.model,
@@ -173,7 +179,7 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
         loss_scaler=context.loss_scaler,
         forward_contexts=context.forward_contexts,
         max_grad_norm=context.config["optimizer.max_grad_norm"],
-        stage_peers=replica_group,
+        stage_peers=lane_group,
         stage_copies=shapes[local[0]].width,
         counted_elsewhere=_counted_elsewhere(context, local),
         clip_after_reduction=bool(plan.shared),
@@ -202,18 +208,18 @@ def _links(
     from epl_pipeline.schedules import one_stream_per_pair
 
     plan, rank, world = context.plan, context.cluster.rank, context.communicator
-    replica = plan.replica_of(rank)
+    lane = plan.lane_of(rank)
     between = [world] * (plan.num_stages - 1)
     if plan.stages_per_rank > 1 and not one_stream_per_pair(schedule):
         between = [_link_communicator(context, stage) for stage in range(plan.num_stages - 1)]
 
     def link(stage: int, to: int) -> StageLink:
         communicator = between[min(stage, to)]
-        position = plan.devices(stage, replica).index(rank)
+        position = plan.lane_devices(stage, lane).index(rank)
         if shapes[stage] == shapes[to]:
-            return Link(communicator, communicator.ranks.index(plan.devices(to, replica)[position]))
+            return Link(communicator, communicator.ranks.index(plan.lane_devices(to, lane)[position]))
         first, second = sorted((stage, to))
-        members = tuple([communicator.ranks.index(d) for d in plan.devices(s, replica)] for s in (first, second))
+        members = tuple([communicator.ranks.index(d) for d in plan.lane_devices(s, lane)] for s in (first, second))
         return boundary(communicator, members, (shapes[first], shapes[second]), stage == first, position)
 
     last = plan.num_stages - 1
@@ -224,8 +230,8 @@ def _link_communicator(context: ParallelContext, stage: int) -> Communicator:
     """This rank's communicator for the link from ``stage`` to ``stage + 1`` (its pair, or itself alone)."""
     plan, world = context.plan, context.communicator
     pairs = [
-        (plan.devices(stage, r)[p], plan.devices(stage + 1, r)[p])
-        for r in range(plan.num_replicas)
+        (plan.lane_devices(stage, r)[p], plan.lane_devices(stage + 1, r)[p])
+        for r in range(plan.num_lanes)
         for p in range(len(plan.slots[stage]))
     ]
     return _group(world, pairs)
@@ -277,7 +283,7 @@ def _check_clipping(context: ParallelContext) -> None:
     config, plan = context.config, context.plan
     if config["optimizer.max_grad_norm"] is None or config["communication.clip_after_allreduce"]:
         return
-    if plan.shared and plan.num_replicas > 1:
+    if plan.shared and plan.num_lanes > 1:
         raise ConfigError(
             "Tied weights cut across pipeline stages (each stage holds a copy) need clipping after the gradient "
             "all-reduce: before it, no device holds its replica's gradient of them. Set "

@@ -54,7 +54,7 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
     """Decide the split TaskGraphs' layout on the whole model, then shard them by their rules (in a one-process
     run: only check that every module has one); give a model built on meta the values this rank keeps; spread
     each sequence over the context devices (``context.degree``)."""
-    from epl.builtin.context_transform import SpreadSequences
+    from epl.builtin.context_transform import ProveContextParallel, SpreadSequences
     from epl.builtin.materialize_transform import MaterializeKept
     from epl.builtin.split_transform import DecideSplitLayout, ShardSplitTaskGraphs
 
@@ -64,7 +64,7 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
     if context.lazy_init is not None:
         transforms.append(MaterializeKept())
     if context.plan.context_degree > 1 and not context.plan.local:
-        transforms.append(SpreadSequences())
+        transforms += [ProveContextParallel(), SpreadSequences()]
     return transforms or None
 
 

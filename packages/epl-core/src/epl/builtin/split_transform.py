@@ -169,9 +169,11 @@ class ShardSplitTaskGraphs:
             _check_supported(context)
             layout = _decide_layout(model, context)
         world = context.communicator
-        devices = {(tg.index, r): plan.devices(tg.index, r) for tg in split for r in range(plan.num_replicas)}
+        devices = {
+            (tg.index, lane): plan.lane_devices(tg.index, lane) for tg in split for lane in range(plan.num_lanes)
+        }
         communicators = communicators_for(world, list(devices.values()))
-        rank, replica = context.cluster.rank, context.replica_index
+        rank, lane = context.cluster.rank, context.lane_index
         mine = [tg for tg in split if tg.index in plan.taskgraphs_on(rank)]
         decisions = layout.decisions
         holders = holders_of(context.taskgraphs)
@@ -180,7 +182,7 @@ class ShardSplitTaskGraphs:
         group_of: dict[str, ShardGroup] = {}
         for tg in mine:
             group = ShardGroup(
-                communicators[tuple(sorted(devices[tg.index, replica]))],
+                communicators[tuple(sorted(devices[tg.index, lane]))],
                 batch_split=plan.batch_parts(tg.index) > 1,
             )
             group.random = RegionRandom(torch.initial_seed(), group.index, context.cluster.device)

@@ -146,8 +146,22 @@ CORE_KEYS: tuple[ConfigKey, ...] = (
         types=(int,),
         default=1,
         minimum=1,
-        doc="Context parallelism: each sequence's tokens are spread over this many devices, which a replica "
-        "spans on top of those its TaskGraphs name; attention crosses them (context.mode).",
+        doc="Context parallelism: each sequence's tokens are spread over this many devices; a replica is this "
+        "many lanes, each laid out as its TaskGraphs say; attention crosses them (context.mode).",
+    ),
+    ConfigKey(
+        name="context.verify",
+        types=(bool,),
+        default=True,
+        doc="Before sharding, run the model once on a few tokens as the context devices would and as one process "
+        "does, and refuse it when they differ (docs/context.md). Needs the model's values (not built on meta).",
+    ),
+    ConfigKey(
+        name="context.presliced",
+        types=(bool,),
+        default=False,
+        doc="The data loader gives each rank its own share of every sequence (epl.context.my_share cuts it), with "
+        "global position_ids and shift_labels instead of labels; EPL then slices nothing (docs/context.md).",
     ),
     ConfigKey(
         name="context.mode",

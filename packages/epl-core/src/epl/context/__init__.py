@@ -7,5 +7,10 @@
 - :mod:`epl.context.ring`: ring attention, exact in any dtype (the online softmax merges in the input's dtype);
   keys and values travel the ring compact (grouped-query attention's ``h_kv`` heads).
 
-docs/context.md describes the user-facing side.
+docs/context.md describes the user-facing side. :func:`my_share` cuts a rank's share of whole sequences, for a
+loader that feeds each rank its own tokens (``context.presliced``).
 """
+
+from epl.context.chunks import my_share
+
+__all__ = ["my_share"]

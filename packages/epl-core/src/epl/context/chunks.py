@@ -8,6 +8,8 @@ embedding and the masks read.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from epl.errors import AnnotationError
@@ -54,3 +56,13 @@ def unshard_sequence(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
         first, second = chunks_of(index, count)
         halves[first], halves[second] = piece.chunk(2, dim=dim)
     return torch.cat([h for h in halves if h is not None], dim=dim)
+
+
+def my_share(tensor: torch.Tensor, engine: Any, dim: int = 1) -> torch.Tensor:
+    """This rank's share of ``tensor``'s sequences (whole along ``dim``) under ``engine``'s ``context.degree``:
+    what a loader gives each rank under ``context.presliced`` (``tensor`` itself without context parallelism)."""
+    plan = engine.plan
+    if plan.local or plan.context_degree == 1:
+        return tensor
+    index = plan.assignment(engine.context.cluster.rank).context_index
+    return shard_sequence(tensor, dim, index, plan.context_degree)

@@ -5,6 +5,11 @@ Before attention each device holds ``s/c`` tokens of every head; after an all-to
 output back by tokens. The heads must divide by ``c``. The tokens arrive in device order, not in sequence order:
 the masks come from the tokens' facts, so the order does not matter. Per call a device sends ``(c-1)/c`` of its
 queries, keys, values and output.
+
+When the mask is the plain one (one document per sequence, no padding, positions ``0..s-1``, no sliding window
+that binds) the whole sequence is put back in order and attended by ``scaled_dot_product_attention``, torch's fused
+kernels on CPU and CUDA (DeepSpeed-Ulysses does the same); any other mask goes block by block from the facts
+(:mod:`epl.context.blockwise`).
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from epl.context.blockwise import BlockGradientsOf, blockwise_attention
+from epl.context.chunks import shard_sequence, unshard_sequence
 from epl.context.masks import Masking, TokenFacts
 from epl.context.ring import ContextGroup, gather_facts
 from epl.errors import AnnotationError
@@ -44,8 +51,34 @@ def ulysses_attention(
     everything = TokenFacts(*(torch.cat(parts, 1) for parts in zip(*(
         (f.positions, f.documents, f.valid) for f in facts_by_device), strict=True)))  # fmt: skip
     q, k, v = (_Regroup.apply(t, group, True) for t in (query, key, value))
-    out = blockwise_attention(q, k, v, everything, _Slices(everything, c), masking, scale)
+    if _plain(everything, masking, c):
+        out = _in_sequence_order(q, k, v, c, masking.causal, scale)
+    else:
+        out = blockwise_attention(q, k, v, everything, _Slices(everything, c), masking, scale)
     return _Regroup.apply(out, group, False)
+
+
+def _plain(everything: TokenFacts, masking: Masking, count: int) -> bool:
+    """Whether the facts (of every token, in device order) make the plain mask: one document, no padding,
+    positions ``0..s-1``, and no sliding window shorter than the sequence."""
+    batch, length = everything.positions.shape
+    if masking.window is not None and masking.window < length:
+        return False
+    if not bool(everything.valid.all()) or not bool((everything.documents == everything.documents[:, :1]).all()):
+        return False
+    ordered = unshard_sequence(list(everything.positions.split(length // count, 1)), 1)
+    return torch.equal(ordered, torch.arange(length, device=ordered.device).expand(batch, length))
+
+
+def _in_sequence_order(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, causal: bool, scale: float
+) -> torch.Tensor:
+    """Attention of the whole sequence (tokens in device order, ``[b, h/c, s, d]``) by torch's fused kernels, in
+    sequence order; the output back in device order."""
+    share = q.shape[2] // count
+    ordered = [unshard_sequence(list(t.split(share, 2)), 2) for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*ordered, is_causal=causal, scale=scale, enable_gqa=True)
+    return torch.cat([shard_sequence(out, 2, device, count) for device in range(count)], 2)
 
 
 def _exchange(tensor: torch.Tensor, group: ContextGroup) -> torch.Tensor:

@@ -16,6 +16,9 @@ import enum
 class TransformPhase(enum.IntEnum):
     """The phases of the model transforms, in the order they run."""
 
+    #: Check that the whole model trains under context parallelism as in one process (``context.degree``,
+    #: :mod:`epl.context.proof`), while it is still whole. Changes no module.
+    PROVE_CONTEXT = 3
     #: Decide how the split TaskGraphs are laid out (column/row regions, fused parts, heads) from one
     #: example forward of the whole model (the core's tensor parallelism). First: the whole model still
     #: runs, before a pipeline keeps only this rank's stage. Changes no module.

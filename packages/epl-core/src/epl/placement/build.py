@@ -28,14 +28,14 @@ def build_plan(
     row_major = bool(config["cluster.device_place_prefer_intra_node"])
     per_rank = int(config["pipeline.stages_per_rank"])
     context = int(config["context.degree"])
-    if context > 1:
-        taskgraphs = _with_context(taskgraphs, context, config)
-    specs, width, slots = _replica_layout(taskgraphs, colocated, per_rank)
+    specs, lane_width, slots = _replica_layout(taskgraphs, colocated, per_rank)
+    width = lane_width * context
     if world_size % width:
         parts = " + ".join(f"{tg.name}: {tg.device_count}" for tg in specs)
         how = "the common device_count (colocated)" if colocated else parts
+        lanes = f", times context.degree {context}" if context > 1 else ""
         raise PlacementError(
-            f"The model needs {width} devices per replica ({how}), but the world size {world_size} "
+            f"The model needs {width} devices per replica ({how}{lanes}), but the world size {world_size} "
             f"is not a multiple of {width}. Run on a multiple of {width} devices "
             f"({', '.join(str(width * i) for i in range(1, 4))}, ...) or change the annotations' device_count."
         )
@@ -50,33 +50,22 @@ def build_plan(
         row_major=row_major,
         taskgraphs=tuple(specs),
         slots=tuple(slots),
-        notes=tuple(_notes(specs, width, replicas, gpu_per_worker, colocated, row_major, context))
-        + (
-            (
-                f"Context parallelism: the {width} devices of each replica share every sequence (context.degree "
-                f"{context}); each takes 1/{context} of its tokens, and every one of them is given the replica's whole "
-                "batch.",
-            )
-            if context > 1
-            else ()
-        ),
+        notes=tuple(_notes(specs, width, replicas * context, gpu_per_worker, colocated, row_major))
+        + ((_context_note(lane_width, context),) if context > 1 else ()),
         stages_per_rank=per_rank,
         context_degree=context,
     )
 
 
-def _with_context(taskgraphs: Sequence[TaskGraphSpec], context: int, config: Config) -> list[TaskGraphSpec]:
-    """The TaskGraphs with a replica ``context`` times as wide: each device of the model's one ``replicate(1)``
-    TaskGraph becomes ``context`` devices sharing every sequence."""
-    if len(taskgraphs) != 1 or taskgraphs[0].strategy != "replicate" or taskgraphs[0].device_count != 1:
-        found = ", ".join(f"{tg.strategy}({tg.device_count})" for tg in taskgraphs)
-        raise PlacementError(
-            f"context.degree {context} spreads each sequence over {context} devices of a replica; so far it "
-            f"composes with data parallelism only (the whole model in one replicate(1) TaskGraph, or no "
-            f"annotation), and this model has {found}. Tensor, pipeline and expert parallelism with context "
-            "parallelism are not supported yet."
-        )
-    return [replace(taskgraphs[0], device_count=context)]
+def _context_note(lane_width: int, context: int) -> str:
+    """What context parallelism does to the replicas, for the Plan's notes."""
+    lane = "one device" if lane_width == 1 else f"{lane_width} devices"
+    return (
+        f"Context parallelism (context.degree {context}): each replica is {context} lanes of {lane}, each "
+        f"running the whole layout on 1/{context} of every sequence's tokens; the devices at one position of a "
+        "replica's lanes attend together (context parallel groups). Every rank of a replica is given the "
+        "replica's whole batch."
+    )
 
 
 def build_local_plan(taskgraphs: Sequence[TaskGraphSpec], *, config: Config) -> Plan:
@@ -170,7 +159,6 @@ def _notes(
     gpu_per_worker: int,
     colocated: bool,
     row_major: bool,
-    context: int = 1,
 ) -> list[str]:
     notes = []
     for tg in specs:
@@ -183,7 +171,7 @@ def _notes(
                 f"{tg.name} has {tg.lazy_parameters} uninitialised (lazy) parameters, not counted: run one "
                 "forward pass before epl.parallelize to materialise them."
             )
-        if tg.strategy == "replicate" and tg.device_count > context:
+        if tg.strategy == "replicate" and tg.device_count > 1:
             notes.append(f"{tg.name} splits each replica batch {tg.device_count} ways.")
     if not row_major and replicas > 1:
         notes.append(

@@ -4,7 +4,9 @@ Data parallelism reduces a parameter's gradient over its copies: a ``replicate``
 TaskGraph's tensors over every device that runs it (all replicas, and the k devices
 of a ``replicate(k)``); a split shard over the same shard of the other replicas; a
 tensor several TaskGraphs share (tied weights across pipeline stages) over every
-owner's copies.
+owner's copies. Under context parallelism every lane of a replica counts as a replica
+here: each device's loss is its lane's estimate of the replica's loss, so the mean over
+data x context devices is the replica mean.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ def copies_of(plan: Plan, taskgraph: int, device: int, *, sharded: bool) -> Copi
     parts = plan.batch_parts(taskgraph)
     if spec.strategy == "split" and (sharded or parts == 1):
         _, slot = plan.locate(device)
-        devices = tuple(plan.device_of(replica, slot) for replica in range(plan.num_replicas))
-        return Copies(devices, plan.num_replicas * parts)
+        devices = tuple(plan.device_of(lane, slot) for lane in range(plan.num_lanes))
+        return Copies(devices, plan.num_lanes * parts)
     devices = tuple(sorted(plan.devices(taskgraph)))
     return Copies(devices, len(devices))
 
@@ -50,12 +52,12 @@ def copies_of_shared(plan: Plan, taskgraphs: tuple[int, ...], device: int, *, sh
     reduction. The divisor is one owner's. ``sharded``: a split rule's shard (split stages of one
     width shard the tied tensor alike, so the device at the same position holds the same shard).
     """
-    replica, slot = plan.locate(device)
+    lane, slot = plan.locate(device)
     own = next(tg for tg in taskgraphs if slot in plan.slots[tg])
     position = plan.slots[own].index(slot)
     devices: set[int] = set()
     for taskgraph in taskgraphs:
-        peer = plan.device_of(replica, plan.slots[taskgraph][position])
+        peer = plan.device_of(lane, plan.slots[taskgraph][position])
         devices.update(copies_of(plan, taskgraph, peer, sharded=sharded).devices)
     return Copies(tuple(sorted(devices)), copies_of(plan, own, device, sharded=sharded).divisor)
 

@@ -10,6 +10,12 @@ Placement rules (DESIGN.md):
 * Row-major (``cluster.device_place_prefer_intra_node``, the default): replica r
   holds devices ``r*D .. r*D+D-1``, TaskGraph after TaskGraph. Column-major:
   position s of replica r is device ``s*replicas + r``.
+* Context parallelism (``context.degree`` c): a replica is c *lanes*, each laid out as
+  above on its own devices (``lane_width`` = D / c of them) and taking 1/c of every
+  sequence's tokens. Lane l of the job is replica ``l // c``; placement counts lanes
+  where it counted replicas. Without context parallelism a lane is its replica. The
+  devices at one position of a replica's lanes form a context group; tensor and
+  pipeline parallelism stay inside a lane.
 """
 
 from __future__ import annotations
@@ -113,6 +119,8 @@ class DeviceAssignment:
     taskgraphs: tuple[tuple[int, int], ...]
     num_parameters: int
     parameter_bytes: int
+    #: Which share of every sequence it takes (its lane within the replica; 0 without context parallelism).
+    context_index: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,9 +154,19 @@ class Plan:
     #: Pipeline stages each device runs (``pipeline.stages_per_rank``, Megatron's virtual pipeline size): stage
     #: s runs on the devices of stage ``s % pipeline_size``.
     stages_per_rank: int = 1
-    #: Devices each sequence's tokens are spread over (``context.degree``): a replica's devices are this many
-    #: times those its TaskGraphs name, and they split no batch.
+    #: Devices each sequence's tokens are spread over (``context.degree``): a replica is this many lanes, each
+    #: running every TaskGraph on its own devices, on its share of every sequence.
     context_degree: int = 1
+
+    @property
+    def lane_width(self) -> int:
+        """Devices of one lane: what the TaskGraphs name (a replica's devices without context parallelism)."""
+        return self.devices_per_replica // self.context_degree
+
+    @property
+    def num_lanes(self) -> int:
+        """Lanes in the job: replicas times ``context_degree`` (each a full copy of the TaskGraphs' layout)."""
+        return self.num_replicas * self.context_degree
 
     @property
     def num_stages(self) -> int:
@@ -175,39 +193,72 @@ class Plan:
             widths = [tg.device_count for tg in self.taskgraphs if tg.strategy == "replicate"]
             return max(widths, default=1)
         spec = self.taskgraphs[taskgraph]
-        return spec.device_count // self.context_degree if spec.strategy == "replicate" else 1
+        return spec.device_count if spec.strategy == "replicate" else 1
 
-    def device_of(self, replica: int, slot: int) -> int:
-        """The device at position ``slot`` of ``replica``."""
+    def device_of(self, lane: int, slot: int) -> int:
+        """The device at position ``slot`` of ``lane`` (of the replica of that index without context parallelism)."""
         if self.row_major:
-            return replica * self.devices_per_replica + slot
-        return slot * self.num_replicas + replica
+            return lane * self.lane_width + slot
+        return slot * self.num_lanes + lane
 
     def locate(self, device: int) -> tuple[int, int]:
-        """(replica, slot) of ``device``."""
+        """(lane, slot) of ``device``: its replica and position there without context parallelism."""
         if not 0 <= device < self.world_size:
             raise ValueError(f"device {device} is not in a world of {self.world_size} devices")
         if self.row_major:
-            return divmod(device, self.devices_per_replica)
-        slot, replica = divmod(device, self.num_replicas)
-        return replica, slot
+            return divmod(device, self.lane_width)
+        slot, lane = divmod(device, self.num_lanes)
+        return lane, slot
+
+    def lane_of(self, rank: int) -> int:
+        """The lane that ``rank`` belongs to (its replica without context parallelism)."""
+        return self.locate(rank)[0]
 
     def replica_of(self, rank: int) -> int:
         """The replica that ``rank`` belongs to."""
-        return self.locate(rank)[0]
+        return self.lane_of(rank) // self.context_degree
+
+    def lanes_of_replica(self, replica: int) -> range:
+        """The lanes that make ``replica``."""
+        return range(replica * self.context_degree, (replica + 1) * self.context_degree)
 
     def devices(self, taskgraph: int, replica: int | None = None) -> tuple[int, ...]:
-        """Devices of ``taskgraph`` in ``replica``, or in every replica when None."""
-        replicas = range(self.num_replicas) if replica is None else [replica]
-        return tuple(self.device_of(r, s) for r in replicas for s in self.slots[taskgraph])
+        """Devices of ``taskgraph`` in ``replica`` (every lane of it), or in every replica when None."""
+        lanes = range(self.num_lanes) if replica is None else self.lanes_of_replica(replica)
+        return tuple(d for lane in lanes for d in self.lane_devices(taskgraph, lane))
+
+    def lane_devices(self, taskgraph: int, lane: int) -> tuple[int, ...]:
+        """Devices of ``taskgraph`` in ``lane`` (its replica without context parallelism), in slot order."""
+        return tuple(self.device_of(lane, slot) for slot in self.slots[taskgraph])
+
+    def devices_of_lane(self, lane: int) -> tuple[int, ...]:
+        """Every device of ``lane``, in slot order."""
+        return tuple(self.device_of(lane, slot) for slot in range(self.lane_width))
 
     def devices_of_replica(self, replica: int) -> tuple[int, ...]:
-        """Every device of ``replica``, in slot order."""
-        return tuple(self.device_of(replica, slot) for slot in range(self.devices_per_replica))
+        """Every device of ``replica``, lane after lane, in slot order."""
+        return tuple(d for lane in self.lanes_of_replica(replica) for d in self.devices_of_lane(lane))
+
+    def context_groups(self) -> list[tuple[int, ...]]:
+        """The devices that share every sequence: one position of every lane of a replica (empty without
+        context parallelism)."""
+        if self.context_degree == 1:
+            return []
+        return [
+            tuple(self.device_of(lane, slot) for lane in self.lanes_of_replica(replica))
+            for replica in range(self.num_replicas)
+            for slot in range(self.lane_width)
+        ]
+
+    def context_peers(self, rank: int) -> tuple[int, ...]:
+        """The devices of ``rank``'s context group, in lane order (``rank`` alone without context parallelism)."""
+        lane, slot = self.locate(rank)
+        return tuple(self.device_of(other, slot) for other in self.lanes_of_replica(lane // self.context_degree))
 
     def assignment(self, device: int) -> DeviceAssignment:
         """What ``device`` runs and holds."""
-        replica, slot = self.locate(device)
+        lane, slot = self.locate(device)
+        replica = lane // self.context_degree
         held = tuple(
             (tg.index, self.slots[tg.index].index(slot)) for tg in self.taskgraphs if slot in self.slots[tg.index]
         )
@@ -223,47 +274,50 @@ class Plan:
             taskgraphs=held,
             num_parameters=sum(n for n, _ in sizes),
             parameter_bytes=sum(b for _, b in sizes),
+            context_index=lane % self.context_degree,
         )
 
     def process_groups(self) -> dict[str, list[tuple[int, ...]]]:
         """The groups of devices that communicate, by kind, in device order.
 
-        ``tensor parallel``: the devices of each split TaskGraph in each replica; ``pipeline``: in
-        each replica, the devices at one position of every stage (activations between stages;
-        stages of one width); ``data parallel``: the devices
-        at one place of every replica (gradients reduced over the copies); ``tied weights``: the
-        devices holding copies of a tensor several stages share, at one position of each owner in
-        every replica (their gradients summed between the stages). Empty kinds are left out.
+        ``tensor parallel``: the devices of each split TaskGraph in each lane (replica without context
+        parallelism); ``pipeline``: in each lane, the devices at one position of every stage (activations
+        between stages; stages of one width); ``data parallel``: the devices at one place of every lane
+        (gradients reduced over the copies: data x context); ``tied weights``: the devices holding copies of a
+        tensor several stages share, at one position of each owner in every lane (their gradients summed
+        between the stages); ``context parallel``: the devices sharing every sequence (:meth:`context_groups`).
+        Empty kinds are left out.
         """
         if self.local:
             return {}
-        replicas = range(self.num_replicas)
+        lanes = range(self.num_lanes)
         groups: dict[str, list[tuple[int, ...]]] = {
             "tensor parallel": [
-                self.devices(tg.index, r)
+                self.lane_devices(tg.index, lane)
                 for tg in self.taskgraphs
                 if tg.strategy == "split" and tg.device_count > 1
-                for r in replicas
+                for lane in lanes
             ],
             "pipeline": [],
             "data parallel": [],
             "tied weights": [
-                tuple(sorted({self.device_of(r, self.slots[o][p]) for o in owners for r in replicas}))
+                tuple(sorted({self.device_of(lane, self.slots[o][p]) for o in owners for lane in lanes}))
                 for owners in self.shared
                 for p in range(min(len(self.slots[o]) for o in owners))
             ],
+            "context parallel": self.context_groups(),
         }
-        if self.context_degree > 1:  # a replica's devices share every sequence
-            groups["context parallel"] = [self.devices_of_replica(r) for r in replicas]
         widths = {tg.device_count for tg in self.taskgraphs}
         if self.num_stages > 1 and len(widths) == 1:
             (width,) = widths
             groups["pipeline"] = [
-                tuple(self.devices(s, r)[p] for s in range(self.pipeline_size)) for r in replicas for p in range(width)
+                tuple(self.lane_devices(s, lane)[p] for s in range(self.pipeline_size))
+                for lane in lanes
+                for p in range(width)
             ]
-        if self.num_replicas > 1:
+        if self.num_lanes > 1:  # gradients are reduced over the copies: data x context
             groups["data parallel"] = [
-                tuple(self.device_of(r, slot) for r in replicas) for slot in range(self.devices_per_replica)
+                tuple(self.device_of(lane, slot) for lane in lanes) for slot in range(self.lane_width)
             ]
         return {kind: sorted(set(found)) for kind, found in groups.items() if found}
 
@@ -312,7 +366,8 @@ def render_plan(plan: Plan) -> str:
     lines = [
         f"EPL plan for {count(plan.world_size, 'device')} "
         f"({count(plan.num_workers, 'worker')} x {count(plan.gpu_per_worker, 'device')})",
-        f"  {count(plan.num_replicas, 'replica')} x {count(plan.devices_per_replica, 'device')} per replica, "
+        f"  {count(plan.num_replicas, 'replica')} x {count(plan.devices_per_replica, 'device')} per replica"
+        f"{_lanes(plan)}, "
         f"{count(plan.num_stages, 'pipeline stage')}{_interleaving(plan)}, "
         f"{'row' if plan.row_major else 'column'}-major placement",
         f"  batch: {count(plan.num_micro_batch, 'micro-batch', 'micro-batches')} per replica batch; "
@@ -334,7 +389,7 @@ def render_plan(plan: Plan) -> str:
         runs = ", ".join(
             plan.taskgraphs[i].name + (f"[shard {pos}]" if plan.taskgraphs[i].strategy == "split" else "")
             for i, pos in a.taskgraphs
-        )
+        ) + (f", context share {a.context_index}" if plan.context_degree > 1 else "")
         rows.append(
             [str(device), str(a.worker), str(a.replica), runs, f"{a.num_parameters:,}", format_bytes(a.parameter_bytes)]
         )
@@ -353,6 +408,13 @@ def render_plan(plan: Plan) -> str:
     if plan.notes:
         lines += ["", "notes:"] + [f"  - {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def _lanes(plan: Plan) -> str:
+    """`` (2 context lanes of 2)`` under context parallelism, else nothing."""
+    if plan.context_degree == 1:
+        return ""
+    return f" ({plan.context_degree} context lanes of {count(plan.lane_width, 'device')})"
 
 
 def _interleaving(plan: Plan) -> str:
@@ -380,7 +442,7 @@ def render_shards(plan: Plan, tg: TaskGraphSpec) -> list[str]:
     """What each device of replica 0 holds of split TaskGraph ``tg``: devices holding alike share a table."""
     alike = "; every replica alike" if plan.num_replicas > 1 else ""
     lines = [f"shards of {tg.name} ({tg.label}), per device of replica 0{alike}:"]
-    devices = plan.devices(tg.index, 0)
+    devices = plan.lane_devices(tg.index, 0)
     for positions, rows in same_positions(tg.shards):
         held = [devices[p] for p in positions]
         lines.append(f"  device {held[0]}:" if len(held) == 1 else f"  each of devices {format_devices(held)}:")

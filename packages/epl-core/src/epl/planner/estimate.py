@@ -164,14 +164,15 @@ def _ring_seconds(shape: ModelShape, layout: Layout, workload: Workload, device:
     forward (again under full recomputation), and backward ``c-1`` hops of keys, values and their gradients and
     one more of the gradients; nothing hidden behind compute (EPL's hops wait)."""
     c = layout.context
-    share = layout.micro_batch_size * workload.sequence // c * shape.kv_heads * shape.head_dim * workload.dtype_bytes
+    kv_heads = math.ceil(shape.kv_heads / layout.tensor)  # a tensor shard's own key/value heads travel its ring
+    share = layout.micro_batch_size * workload.sequence // c * kv_heads * shape.head_dim * workload.dtype_bytes
     forward_hops = (c - 1) * (2 if layout.gradient_checkpoint == "full" else 1)
     per_block = forward_hops * 2 * share + ((c - 1) * 4 + 2) * share
     hops = forward_hops + c
     blocks = math.ceil(shape.layers / layout.pipeline) * layout.micro_batches
-    bandwidth = (
-        device.intra_node_bandwidth if c * layout.tensor <= workload.devices_per_node else device.inter_node_bandwidth
-    )
+    # A context group's devices are a lane (t x p devices) apart: within a node while c lanes fit in it.
+    lanes_in_node = c * layout.tensor * layout.pipeline <= workload.devices_per_node
+    bandwidth = device.intra_node_bandwidth if lanes_in_node else device.inter_node_bandwidth
     return blocks * (per_block / bandwidth + hops * device.collective_latency_s / 2)
 
 

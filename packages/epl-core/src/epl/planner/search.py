@@ -4,7 +4,8 @@ Searched: tensor degrees that divide the heads and fit in a node, pipeline degre
 as the automatic partition makes them: the most loaded holds ``ceil(L/p)`` blocks), data parallelism for the rest;
 micro-batch sizes dividing each replica's batch; ZeRO none, v0, v1, v2; checkpointing none and full (EPL's
 ``gradient_checkpoint.type: "auto"`` recomputes each block from its input); sequence parallelism on and off under
-tensor parallelism; context parallelism (``context.degree``) beside data parallelism alone, as EPL runs it; 1F1B,
+tensor parallelism; context parallelism (``context.degree``) with any of them (each lane of ``t x p`` devices on
+``s/c`` tokens); 1F1B,
 interleaved (2 chunks per device) and ZeroBubble pipelines. A plan that does not fit ranks after every plan that
 does; among those that fit, the shortest predicted step wins.
 """
@@ -34,11 +35,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _context_degrees(world_size: int, tensor: int, workload: Workload) -> list[int]:
-    """1, and where EPL can run it (no tensor parallelism), every context degree of the world that cuts each
-    sequence into ``2c`` equal chunks."""
-    if tensor > 1:
-        return [1]
-    return [c for c in _divisors(world_size) if c == 1 or workload.sequence % (2 * c) == 0]
+    """Every context degree left by ``tensor`` that cuts each sequence into ``2c`` equal chunks (1 included)."""
+    return [c for c in _divisors(world_size // tensor) if c == 1 or workload.sequence % (2 * c) == 0]
 
 
 def layouts(shape: ModelShape, workload: Workload, world_size: int) -> list[Layout]:
@@ -47,11 +45,11 @@ def layouts(shape: ModelShape, workload: Workload, world_size: int) -> list[Layo
     for t in _divisors(world_size):
         if t > workload.devices_per_node or shape.heads % t or shape.kv_heads % t and t % shape.kv_heads:
             continue
-        # split.sequence_parallel shares each sequence's tokens among the tensor devices
-        sequence_choices = (False, True) if t > 1 and workload.sequence % t == 0 else (False,)
         for c in _context_degrees(world_size, t, workload):
+            # split.sequence_parallel shares each device's tokens among the tensor devices
+            sequence_choices = (False, True) if t > 1 and (workload.sequence // c) % t == 0 else (False,)
             for p in _divisors(world_size // (t * c)):
-                if p > shape.layers or (c > 1 and p > 1):  # EPL's context parallelism: beside data parallelism
+                if p > shape.layers:
                     continue
                 d = world_size // (t * p * c)
                 if workload.global_batch % d:

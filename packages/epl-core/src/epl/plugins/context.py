@@ -164,6 +164,12 @@ class ParallelContext:
         """The replica this rank belongs to."""
         return 0 if self.plan.local else self.plan.replica_of(self.cluster.rank)
 
+    @property
+    def lane_index(self) -> int:
+        """The lane this rank belongs to (:class:`~epl.placement.plan.Plan`; its replica without context
+        parallelism): tensor and pipeline parallelism run inside it."""
+        return 0 if self.plan.local else self.plan.lane_of(self.cluster.rank)
+
 
 class ModelTransform(Protocol):
     """Changes this rank's model after placement (checkpointing, casting, sharding, sync hooks).

@@ -128,15 +128,23 @@ def _weights(count: int, device: torch.device) -> torch.Tensor:
     return _WEIGHTS[key]
 
 
-def batch_check(plan: Plan, world: Communicator, rank: int, enabled: bool, every: int = 1) -> BatchCheck | None:
+def batch_check(
+    plan: Plan, world: Communicator, rank: int, enabled: bool, every: int = 1, *, presliced: bool = False
+) -> BatchCheck | None:
     """The check for ``rank``'s replica, or None where it has one device or its devices split the batch.
 
-    Every rank calls it with the same plan (it makes one communicator per replica).
+    Every rank calls it with the same plan (it makes one communicator per replica). ``presliced``
+    (``context.presliced``): each lane of a replica is given its own share of every sequence, so each lane is
+    checked alone.
     """
     whole = all(plan.batch_parts(tg.index) == 1 for tg in plan.taskgraphs)
-    if not enabled or plan.local or plan.devices_per_replica < 2 or not whole:
+    width = plan.lane_width if presliced else plan.devices_per_replica
+    if not enabled or plan.local or width < 2 or not whole:
         return None
-    groups = [plan.devices_of_replica(replica) for replica in range(plan.num_replicas)]
-    communicators = communicators_for(world, groups)
-    replica = plan.replica_of(rank)
-    return BatchCheck(communicators[tuple(sorted(plan.devices_of_replica(replica)))], replica, every)
+    if presliced and plan.context_degree > 1:
+        groups = [plan.devices_of_lane(lane) for lane in range(plan.num_lanes)]
+        mine = plan.devices_of_lane(plan.lane_of(rank))
+    else:
+        groups = [plan.devices_of_replica(replica) for replica in range(plan.num_replicas)]
+        mine = plan.devices_of_replica(plan.replica_of(rank))
+    return BatchCheck(communicators_for(world, groups)[tuple(sorted(mine))], plan.replica_of(rank), every)

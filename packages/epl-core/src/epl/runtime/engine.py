@@ -104,10 +104,12 @@ class Engine:
     @property
     def last_step_tokens(self) -> int | None:
         """Tokens the last step trained on, over every replica: the elements of its token ids (a dict batch's
-        ``input_ids``, else its first integer tensor of two or more dimensions) times :attr:`num_replicas`;
-        None when the batch has none."""
+        ``input_ids``, else its first integer tensor of two or more dimensions) times :attr:`num_replicas` (and
+        times ``context.degree`` under ``context.presliced``, each rank given its share); None when the batch has
+        none."""
         tokens = self._last_batch[1]
-        return None if tokens is None else tokens * self.num_replicas
+        shares = self.plan.context_degree if self.context.config["context.presliced"] else 1
+        return None if tokens is None else tokens * self.num_replicas * shares
 
     @property
     def lr(self) -> float | None:

@@ -106,7 +106,12 @@ def parallelize(
     engine = Engine(context, context.step_runner)
     config = env.config
     engine.batch_check = batch_check(
-        plan, env.communicator, env.cluster.rank, bool(config["io.check_batches"]), config["io.check_batches_every"]
+        plan,
+        env.communicator,
+        env.cluster.rank,
+        bool(config["io.check_batches"]),
+        config["io.check_batches_every"],
+        presliced=bool(config["context.presliced"]),
     )
     if engine.batch_check is not None and context.optimizer is not None:
         context.optimizer.register_step_pre_hook(engine.batch_check.hook)

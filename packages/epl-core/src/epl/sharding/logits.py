@@ -40,6 +40,12 @@ def mark_sharded_logits(logits: torch.Tensor, group: ShardGroup, num_classes: in
     return logits
 
 
+def same_marks(source: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """``result`` marked as ``source`` is, if it is (logits gathered along another dimension stay class-sharded)."""
+    mark = _mark(source)
+    return result if mark is None else mark_sharded_logits(result, *mark)
+
+
 def _mark(tensor: torch.Tensor) -> tuple[ShardGroup, int] | None:
     return getattr(tensor, _MARK, None) if isinstance(tensor, torch.Tensor) else None
 
