@@ -18,6 +18,8 @@ sides take the same step, then times them in alternating rounds (each call ends 
   2048, GQA 32/4), sequence 2048, batch 4, AdamW (fused), AMP bf16 and checkpointing on both
   sides: tokens/s and MFU (PaLM's FLOPs, ``6·N + 12·L·h·s`` per token, recomputation not
   counted, over the GPU's dense bf16 peak).
+* **Context attention blocks:** EPL's ring attention on one device (no communication), bf16, 32 query heads over
+  8, 8,192 tokens, causal, forward and backward, against ``scaled_dot_product_attention``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import epl
@@ -322,3 +325,49 @@ def test_llama_1b_tokens_per_second_and_mfu() -> None:
     record("gpu_llama_1b", [row], section=_section("Llama 1.1B", text), details=[detail])
     print(detail)
     assert got["ratio"] < 1.5, detail
+
+
+def test_context_attention_blocks_against_sdpa() -> None:
+    """One device's ring attention over its whole sequence (no communication: a group of one), bf16, causal, forward
+    and backward, against ``scaled_dot_product_attention``: the cost of EPL's blocks (torch's memory-efficient
+    kernel per chunk pair, merged by log-sum-exp) before any communication."""
+    from epl.context.masks import TokenFacts
+    from epl.context.ring import ContextGroup, ring_attention
+
+    class _Alone:
+        rank, world_size = 0, 1
+
+    group = ContextGroup(_Alone())  # type: ignore[arg-type]
+    sequence = 1024 if short_mode() else 8192
+    heads, kv_heads, dim = 32, 8, 128
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, n, sequence, dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+               .requires_grad_() for n in (heads, kv_heads, kv_heads))  # fmt: skip
+    facts = TokenFacts.of(torch.arange(sequence, device="cuda")[None])
+
+    def sdpa() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+
+    def blocks() -> None:
+        ring_attention(q, k, v, facts, group).sum().backward()
+
+    with torch.no_grad():
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        found = ring_attention(q, k, v, facts, group)
+        assert float((found - expected).abs().max()) < 3e-2
+    rounds, calls = (3, 2) if short_mode() else (7, 5)
+    got = alternate(sdpa, blocks, rounds, calls)
+    row = ResultRow(
+        f"Context attention blocks, one device, {sequence:,} tokens, bf16 (CUDA)",
+        "`scaled_dot_product_attention`",
+        time=(Ratio(got["ratio"]),),
+        plot="context blocks vs SDPA on CUDA",
+    )
+    detail = (
+        f"{heads} heads over {kv_heads}, head size {dim}, causal, forward and backward: SDPA "
+        f"{ms(got['base_s'] * 1e3)}, EPL's blocks {ms(got['epl_s'] * 1e3)} (ratio {got['ratio']:.2f})"
+    )
+    text = "EPL's context attention on one device (no communication) against SDPA: the kernels' own cost."
+    record("gpu_context_blocks", [row], section=_section("context attention blocks", text), details=[detail])
+    print(detail)
+    assert got["ratio"] < 20, detail

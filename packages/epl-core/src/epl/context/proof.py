@@ -16,6 +16,7 @@ different ones refuse it, naming by how much. No communication: the check is the
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,7 +121,7 @@ def prove_context_parallel(model: nn.Module, count: int, attention: str) -> None
         with torch.no_grad():
             # As a batch without position_ids runs: positions are the model's own in one process, the global
             # ones EPL passes under context parallelism.
-            whole = _first_tensor(model(input_ids=tokens, use_cache=False))
+            whole = _first_tensor(model(input_ids=tokens, **_no_cache(model)))
             spread, calls = _spread(model, tokens, positions, count, attention)
     finally:
         model.set_attn_implementation(original)
@@ -157,8 +158,15 @@ def _spread(
     for module in model.modules():
         module.__dict__["_epl_context"] = devices
     model.set_attn_implementation(attention)
-    output = _first_tensor(model(input_ids=my_tokens, position_ids=my_positions, use_cache=False))
+    output = _first_tensor(model(input_ids=my_tokens, position_ids=my_positions, **_no_cache(model)))
     return unshard_sequence(list(output.split(tokens.shape[0])), 1), devices.calls
+
+
+def _no_cache(model: nn.Module) -> dict[str, bool]:
+    """``use_cache=False`` where the model's forward takes it (a key/value cache would outlive the check)."""
+    parameters = inspect.signature(model.forward).parameters
+    takes = "use_cache" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    return {"use_cache": False} if takes else {}
 
 
 def _first_tensor(outputs: Any) -> torch.Tensor:
