@@ -19,6 +19,7 @@ dtype or device, is computed by matrix products.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -321,3 +322,28 @@ class _BlockwiseAttention(torch.autograd.Function):
 
         dk, dv = ctx.blocks.backward(key, value, gradients_of)
         return gradients.dq.reshape(query.shape).to(query.dtype), dk, dv, None, None, None, None
+
+
+@dataclass(eq=False)
+class KeySlices:
+    """The whole sequence's keys and values held here, in ``count`` slices (one device's tokens each), so that no
+    score matrix of the whole sequence is made; their gradients stay here (Ulysses, and the proof's simulated
+    devices)."""
+
+    facts: TokenFacts
+    count: int
+
+    def forward(
+        self, key: torch.Tensor, value: torch.Tensor
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, TokenFacts]]:
+        """Each slice with its tokens' facts."""
+        length = key.shape[2] // self.count
+        for start in range(0, key.shape[2], length):
+            yield key.narrow(2, start, length), value.narrow(2, start, length), self.facts.narrow(start, length)
+
+    def backward(
+        self, key: torch.Tensor, value: torch.Tensor, gradients_of: BlockGradientsOf
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slice's gradients, put together."""
+        dk, dv = zip(*(gradients_of(k, v, keys) for k, v, keys in self.forward(key, value)), strict=True)
+        return torch.cat(dk, 2), torch.cat(dv, 2)

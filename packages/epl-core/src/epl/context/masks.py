@@ -40,6 +40,12 @@ class TokenFacts:
         """The facts :meth:`stacked` packed."""
         return cls(stacked[0], stacked[1], stacked[2].bool())
 
+    @classmethod
+    def concatenated(cls, parts: list[TokenFacts]) -> TokenFacts:
+        """The facts of ``parts``' tokens one after another (along the tokens)."""
+        columns = zip(*((f.positions, f.documents, f.valid) for f in parts), strict=True)
+        return cls(*(torch.cat(pieces, 1) for pieces in columns))
+
     def narrow(self, start: int, length: int) -> TokenFacts:
         """The facts of tokens ``start:start+length``."""
         return TokenFacts(*(t.narrow(1, start, length) for t in (self.positions, self.documents, self.valid)))

@@ -17,14 +17,13 @@ different ones refuse it, naming by how much. No communication: the check is the
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from epl.context.blockwise import blockwise_attention
+from epl.context.blockwise import KeySlices, blockwise_attention
 from epl.context.chunks import shard_sequence, unshard_sequence
 from epl.context.masks import Masking, TokenFacts
 from epl.errors import AnnotationError
@@ -46,44 +45,23 @@ class SimulatedDevices:
     facts: TokenFacts
     calls: int = 0
     presliced: bool = False
-    names: list[str] = field(default_factory=list)
 
     def attend(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, masking: Masking, scale: float | None
     ) -> torch.Tensor:
-        """Each device's queries over every device's keys and values, by EPL's blockwise attention."""
+        """Each device's queries over every device's keys and values, by EPL's blockwise attention (a block per
+        device, as the ring brings them)."""
         self.calls += 1
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         facts = [_rows(self.facts, device, self.rows) for device in range(self.count)]
-        blocks = _AllDevices(
-            [(k, v, f) for k, v, f in zip(key.split(self.rows), value.split(self.rows), facts, strict=True)]
-        )
+        blocks = KeySlices(TokenFacts.concatenated(facts), self.count)
+        keys, values = (torch.cat(t.split(self.rows), 2) for t in (key, value))
         return torch.cat(
             [
-                blockwise_attention(q, k, v, f, blocks, masking, scale)
-                for q, k, v, f in zip(
-                    query.split(self.rows), key.split(self.rows), value.split(self.rows), facts, strict=True
-                )
+                blockwise_attention(q, keys, values, f, blocks, masking, scale)
+                for q, f in zip(query.split(self.rows), facts, strict=True)
             ]
         )
-
-
-@dataclass(eq=False)
-class _AllDevices:
-    """Every simulated device's keys and values (forward only: the check takes no gradient)."""
-
-    blocks: list[tuple[torch.Tensor, torch.Tensor, TokenFacts]]
-
-    def forward(
-        self, key: torch.Tensor, value: torch.Tensor
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, TokenFacts]]:
-        """Each device's block."""
-        del key, value
-        yield from self.blocks
-
-    def backward(self, key: torch.Tensor, value: torch.Tensor, gradients_of: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Not used: the check runs without gradients."""
-        raise NotImplementedError
 
 
 def _rows(facts: TokenFacts, device: int, rows: int) -> TokenFacts:

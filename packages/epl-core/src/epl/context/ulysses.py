@@ -14,14 +14,12 @@ kernels on CPU and CUDA (DeepSpeed-Ulysses does the same); any other mask goes b
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from epl.context.blockwise import BlockGradientsOf, blockwise_attention
+from epl.context.blockwise import KeySlices, blockwise_attention
 from epl.context.chunks import shard_sequence, unshard_sequence
 from epl.context.masks import Masking, TokenFacts
 from epl.context.ring import ContextGroup, gather_facts
@@ -48,13 +46,12 @@ def ulysses_attention(
         )
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     facts_by_device = gather_facts(facts, group)
-    everything = TokenFacts(*(torch.cat(parts, 1) for parts in zip(*(
-        (f.positions, f.documents, f.valid) for f in facts_by_device), strict=True)))  # fmt: skip
+    everything = TokenFacts.concatenated(facts_by_device)
     q, k, v = (_Regroup.apply(t, group, True) for t in (query, key, value))
     if _plain(everything, masking, c):
         out = _in_sequence_order(q, k, v, c, masking.causal, scale)
     else:
-        out = blockwise_attention(q, k, v, everything, _Slices(everything, c), masking, scale)
+        out = blockwise_attention(q, k, v, everything, KeySlices(everything, c), masking, scale)
     return _Regroup.apply(out, group, False)
 
 
@@ -119,27 +116,3 @@ class _Regroup(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         inverse = _tokens_for_heads if ctx.to_heads else _heads_for_tokens
         return inverse(grad.contiguous(), ctx.group), None, None
-
-
-@dataclass(eq=False)
-class _Slices:
-    """The whole sequence's keys and values on this device, in ``count`` slices (one device's tokens each), so
-    that no score matrix of the whole sequence is made; their gradients stay here."""
-
-    facts: TokenFacts
-    count: int
-
-    def forward(
-        self, key: torch.Tensor, value: torch.Tensor
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, TokenFacts]]:
-        """Each slice with its tokens' facts."""
-        length = key.shape[2] // self.count
-        for start in range(0, key.shape[2], length):
-            yield key.narrow(2, start, length), value.narrow(2, start, length), self.facts.narrow(start, length)
-
-    def backward(
-        self, key: torch.Tensor, value: torch.Tensor, gradients_of: BlockGradientsOf
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every slice's gradients, put together."""
-        dk, dv = zip(*(gradients_of(k, v, keys) for k, v, keys in self.forward(key, value)), strict=True)
-        return torch.cat(dk, 2), torch.cat(dv, 2)
