@@ -238,7 +238,8 @@ def _take_presliced(
 
 
 def _gather_sequence(group: ContextGroup, local: torch.Tensor) -> torch.Tensor:
-    """The whole sequence of ``local`` (this device's tokens along dimension 1), without gradients."""
+    """The whole sequence of ``local`` (this device's tokens along dimension 1), in order; no gradient flows
+    (:class:`_GatherSequence` gives it one)."""
     piece = local.contiguous()
     output = piece.new_empty((group.count * piece.shape[0], *piece.shape[1:]))
     group.collectives["all_gather"] += 1
@@ -279,11 +280,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, group: ContextGroup) -> torch.Tensor:  # type: ignore[override]
         ctx.group = group
-        piece = local.contiguous()
-        output = piece.new_empty((group.count * piece.shape[0], *piece.shape[1:]))
-        group.collectives["all_gather"] += 1
-        group.communicator.all_gather(output, piece).wait()
-        return unshard_sequence(list(output.split(piece.shape[0])), 1)
+        return _gather_sequence(group, local)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
