@@ -127,6 +127,15 @@ def bigmem(session: nox.Session) -> None:
     session.run("pytest", "benchmarks/test_big_memory.py", "-s", *session.posargs, env=SINGLE_THREAD)
 
 
+@nox.session(name="compile")
+def compile_suite(session: nox.Session) -> None:
+    """``compile.enabled`` under every layout with inductor (CI runs a slice with aot_eager), and its benchmark."""
+    install_packages(session, *TEST_TOOLS, *BENCH_TOOLS)
+    env = {**SINGLE_THREAD, "EPL_COMPILE_BACKEND": "inductor"}
+    session.run("pytest", "tests/compiling", *session.posargs, env=env)
+    session.run("pytest", "benchmarks/test_compile.py", "-s", env=SINGLE_THREAD)
+
+
 @nox.session
 def zoo(session: nox.Session) -> None:
     """The model-zoo conformance run: every architecture of tests/zoo/architectures.py's full matrix under every

@@ -17,7 +17,8 @@ sides take the same step, then times them in alternating rounds (each call ends 
 * **Llama 1B:** transformers' Llama with TinyLlama's shape (1.1B parameters, 22 layers, hidden
   2048, GQA 32/4), sequence 2048, batch 4, AdamW (fused), AMP bf16 and checkpointing on both
   sides: tokens/s and MFU (PaLM's FLOPs, ``6·N + 12·L·h·s`` per token, recomputation not
-  counted, over the GPU's dense bf16 peak).
+  counted, over the GPU's dense bf16 peak). Run twice: eager, and compiled (``compile.enabled`` against each
+  block ``torch.compile``d in the plain loop, as torchtitan does).
 * **Context attention blocks:** EPL's ring attention on one device (no communication), bf16, 32 query heads over
   8, 8,192 tokens, causal, forward and backward, against ``scaled_dot_product_attention``.
 """
@@ -280,20 +281,32 @@ def model_flops_per_token(model: nn.Module, shape: dict[str, int], sequence: int
     return 6 * weights + 12 * shape["layers"] * shape["hidden"] * sequence
 
 
-def test_llama_1b_tokens_per_second_and_mfu() -> None:
+def compile_blocks_as_torchtitan(model: nn.Module) -> None:
+    """Each transformer block replaced by ``torch.compile(block)``, as torchtitan compiles (after checkpointing)."""
+    for index, block in enumerate(model.model.layers):
+        model.model.layers.register_module(str(index), torch.compile(block))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile"])
+def test_llama_1b_tokens_per_second_and_mfu(compiled: bool) -> None:
     shape = dict(ONE_B, layers=2) if short_mode() else ONE_B
     batch, sequence = (1, 512) if short_mode() else (4, 2048)
     tokens = _tokens(batch, sequence, shape["vocabulary"])
     config = {"amp.level": "O1", "amp.dtype": "bfloat16", "gradient_checkpoint.type": "auto"}
+    config["compile.enabled"] = compiled
     rounds, calls = (3, 1) if short_mode() else (7, 3)
     with fresh_device():
         plain = llama(**shape)
         hf_checkpointing(plain)
+        if compiled:
+            compile_blocks_as_torchtitan(plain)
         plain_opt = adamw(plain.parameters())
         engine = epl_engine(llama(**shape), config, adamw)
         batch_dict = {"input_ids": tokens, "labels": tokens}
         first = (float(plain_llama_step(plain, plain_opt, tokens)), float(engine.step(batch_dict)))
         assert abs(first[0] - first[1]) < 1e-2 * abs(first[0]), first
+        if compiled:
+            assert engine.compile_report is not None and not engine.compile_report.eager, engine.compile_report
         got = alternate(
             lambda: plain_llama_step(plain, plain_opt, tokens), lambda: engine.step(batch_dict), rounds, calls
         )
@@ -306,23 +319,26 @@ def test_llama_1b_tokens_per_second_and_mfu() -> None:
     tps = {"plain": per_step / got["base_s"], "epl": per_step / got["epl_s"]}
     mfu = {k: v * flops / peak_flops for k, v in tps.items()} if peak_flops else None
     mfu_text = f"MFU plain {mfu['plain']:.1%}, EPL {mfu['epl']:.1%}" if mfu else f"MFU: no bf16 peak known for {name}"
+    settings = "AMP bf16 + checkpointing + compile" if compiled else "AMP bf16 + checkpointing"
     detail = (
-        f"{name}: {parameters / 1e9:.2f}B parameters, batch {batch} x {sequence}; tokens/s plain {tps['plain']:,.0f}, "
-        f"EPL {tps['epl']:,.0f} (step ratio {got['ratio']:.3f}); {mfu_text}; EPL step peak {mib(peak)}; "
-        f"first loss {first}"
+        f"{name}, {settings}: {parameters / 1e9:.2f}B parameters, batch {batch} x {sequence}; tokens/s plain "
+        f"{tps['plain']:,.0f}, EPL {tps['epl']:,.0f} (step ratio {got['ratio']:.3f}); {mfu_text}; EPL step peak "
+        f"{mib(peak)}; first loss {first}"
     )
     row = ResultRow(
-        "Llama 1.1B, AMP bf16 + checkpointing, one GPU",
+        f"Llama 1.1B, {settings}, one GPU",
         "the same in a plain PyTorch loop",
         time=(Ratio(got["ratio"]),),
-        plot="Llama 1.1B on one GPU",
+        plot=f"Llama 1.1B on one GPU{', compiled' if compiled else ''}",
     )
     text = (
         "Tokens/s and MFU of transformers' Llama with TinyLlama's shape on one GPU, EPL (`amp.level O1` bf16, "
-        "`gradient_checkpoint.type auto`) against a plain loop with `torch.autocast` and transformers' own "
-        "checkpointing; fused AdamW on both. No compile on either side."
+        "`gradient_checkpoint.type auto`, and `compile.enabled` in the compiled run) against a plain loop with "
+        "`torch.autocast`, transformers' own checkpointing and, compiled, each block `torch.compile`d as torchtitan "
+        "does; fused AdamW on both."
     )
-    record("gpu_llama_1b", [row], section=_section("Llama 1.1B", text), details=[detail])
+    record(f"gpu_llama_1b{'_compile' if compiled else ''}", [row], section=_section("Llama 1.1B", text),
+           details=[detail])  # fmt: skip
     print(detail)
     assert got["ratio"] < 1.5, detail
 

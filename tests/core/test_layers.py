@@ -35,7 +35,7 @@ PLUGINS = {
 LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["epl.errors", "epl.ports", "epl.lazy"]),
     ("interfaces", ["epl.interfaces"]),
-    ("parallel layers", ["epl.nn", "epl.sharding", "epl.materialize", "epl.context"]),
+    ("parallel layers", ["epl.nn", "epl.sharding", "epl.materialize", "epl.context", "epl.compiling"]),
     ("config", ["epl.config"]),
     ("annotations", ["epl.annotations"]),
     ("placement", ["epl.placement"]),

@@ -14,7 +14,8 @@ What is here, by what a plugin does with it:
   the core's :class:`LocalStepRunner` to build on, and the helpers runners share
   (:func:`micro_batches`, :func:`split_batch`, :func:`batch_size`, :func:`to_device`, :func:`as_arguments`,
   :func:`call_model`, :func:`compute_loss`, :func:`example_input`, :func:`tensors_in`, :func:`forked_rng`,
-  :func:`shapes_only`, :func:`meta_copy`, :func:`inside`, :func:`step_or_skip`, :func:`clip_grad_norm`);
+  :func:`shapes_only`, :func:`meta_copy`, :func:`inside`, :func:`step_or_skip`, :func:`clip_grad_norm`,
+  :func:`repeated_blocks` (a transformer's layers, for per-block techniques));
 * communicate: :class:`Communicator` (the protocol a communicator implements), :class:`Work`,
   :class:`CompletedWork`, :class:`ReduceOp`, :func:`broadcast_tensors`, :func:`communicators_for`,
   :class:`Cluster`, :func:`free_port`, :func:`slurm_step` (a Slurm task's place, for launchers),
@@ -44,6 +45,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.annotations.strategies import Strategy, replicate, split
     from epl.annotations.taskgraph import TaskGraph, holders_of
     from epl.builtin.local_runner import ForwardContext, LocalStepRunner, inside, step_or_skip
+    from epl.compiling.blocks import repeated_blocks
     from epl.config import Config
     from epl.errors import (
         AnnotationError,
@@ -123,6 +125,7 @@ _EXPORTS: dict[str, str] = {
     "tensors_in": "epl.sharding.dataflow",
     "forked_rng": "epl.sharding.dataflow",
     "shapes_only": "epl.materialize.streaming",
+    "repeated_blocks": "epl.compiling.blocks",
     "meta_copy": "epl.sharding.meta",
     # communication
     "Communicator": "epl.interfaces.communicator",

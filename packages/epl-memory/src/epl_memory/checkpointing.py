@@ -150,24 +150,14 @@ def plan_auto(model: nn.Module, allowed: Callable[[nn.Module], bool], within: Co
     this stage's items), and only Sequentials inside them are segmented.
     """
 
+    from epl.plugin_api import repeated_blocks
+
     def runs(name: str) -> bool:
         return not within or any(name == root or name.startswith(f"{root}.") for root in within)
 
-    best: tuple[int, list[str]] = (0, [])
-    for name, container in model.named_modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = [
-            (f"{name}.{child}" if name else child, module)
-            for child, module in container.named_children()
-            if runs(f"{name}.{child}" if name else child)
-        ]
-        kinds = {type(child) for _, child in children}
-        repeated = len(children) >= 2 and len(kinds) == 1 and _holds_parameters(children[0][1])
-        if repeated and len(children) > best[0]:
-            best = (len(children), [n for n, child in children if allowed(child)])
-    if best[1]:
-        return CheckpointPlan(modules=tuple(best[1]))
+    blocks = [name for name, block in repeated_blocks(model, within) if allowed(block)]
+    if blocks:
+        return CheckpointPlan(modules=tuple(blocks))
     sequentials = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Sequential) and len(m) >= 2]
     sequentials = [(n, m) for n, m in sequentials if allowed(m) and runs(n)]
     if not sequentials:
@@ -202,10 +192,6 @@ def apply_plan(model: nn.Module, plan: CheckpointPlan, check: GradientCheck | No
         sequential = model.get_submodule(name) if name else model
         assert isinstance(sequential, nn.Sequential)
         recompute_segments(sequential, ranges)
-
-
-def _holds_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
 
 
 @dataclass

@@ -94,6 +94,11 @@ class KeepLocalStage:
         _check_same_call_order(program, context)
         context.pipeline_stages = local
         context.stage_modules = tuple(name for name, owner_stage in roots.items() if owner_stage in local)
+        from epl.plugin_api import ActionKind
+
+        schedule = _schedule(context, plan.num_stages, plan.num_micro_batch)
+        weights = ActionKind.BACKWARD_WEIGHT
+        context.split_backward = any(a is not None and a.kind is weights for lane in schedule for a in lane)
         context.state(PipelineState).program = program
         device = context.cluster.device
         for name, owner_stage in roots.items():

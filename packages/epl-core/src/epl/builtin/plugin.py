@@ -53,7 +53,7 @@ def epl_split_rules() -> dict[type[nn.Module], SplitRule]:
 def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | None:
     """Decide the split TaskGraphs' layout on the whole model, then shard them by their rules (in a one-process
     run: only check that every module has one); give a model built on meta the values this rank keeps; spread
-    each sequence over the context devices (``context.degree``)."""
+    each sequence over the context devices (``context.degree``); compile the repeated blocks (``compile.enabled``)."""
     from epl.builtin.context_transform import ProveContextParallel, SpreadSequences
     from epl.builtin.materialize_transform import MaterializeKept
     from epl.builtin.split_transform import DecideSplitLayout, ShardSplitTaskGraphs
@@ -65,6 +65,10 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
         transforms.append(MaterializeKept())
     if context.plan.context_degree > 1 and not context.plan.local:
         transforms += [ProveContextParallel(), SpreadSequences()]
+    if context.config["compile.enabled"]:
+        from epl.builtin.compile_transform import CompileBlocks
+
+        transforms.append(CompileBlocks())
     return transforms or None
 
 

@@ -193,4 +193,27 @@ CORE_KEYS: tuple[ConfigKey, ...] = (
         doc='The device profile auto.auto_parallel: "plan" plans for: a name `epl plan --device` takes, or a JSON '
         "file (`epl calibrate --out FILE`); empty: the profile of this machine's GPU when the planner knows it.",
     ),
+    # EPL for PyTorch: torch.compile (docs/compile.md)
+    ConfigKey(
+        name="compile.enabled",
+        types=(bool,),
+        default=False,
+        doc="Compile each repeated block (a transformer's layers; the model or its pipeline stages whole when it "
+        "has none) with torch.compile after EPL's transforms, as torchtitan does. What a backend cannot compile "
+        "runs eager, named in a warning and in engine.compile_report.",
+    ),
+    ConfigKey(
+        name="compile.backend",
+        types=(str,),
+        default="inductor",
+        doc="The torch.compile backend for compile.enabled (torch._dynamo.list_backends(); aot_eager traces and "
+        "differentiates without generating code).",
+    ),
+    ConfigKey(
+        name="compile.mode",
+        types=(str,),
+        default="",
+        doc='The inductor mode for compile.enabled ("default", "reduce-overhead", "max-autotune", ...); empty: '
+        "torch.compile's default.",
+    ),
 )

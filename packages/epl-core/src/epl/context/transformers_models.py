@@ -101,6 +101,7 @@ def register_attention() -> None:
     AttentionInterface.register(ATTENTION, context_attention)
 
 
+@torch.compiler.disable  # collectives and EPL's own kernels: a compiled block breaks its graph here (compile.enabled)
 def context_attention(
     module: nn.Module,
     query: torch.Tensor,

@@ -54,6 +54,10 @@ class TransformPhase(enum.IntEnum):
     #: Keep weights in host memory between uses (epl-memory's offload). Last: the weights this device
     #: keeps are final once they are partitioned.
     OFFLOAD = 70
+    #: Compile each repeated block's forward (the core's ``compile.enabled``, :mod:`epl.compiling`). Last: it
+    #: compiles the forwards as the other phases left them (checkpointing's recomputation inside), while the
+    #: hooks they installed on modules (ZeRO's fetches, offload) stay eager around the compiled code.
+    COMPILE = 80
 
 
 class WrapperPhase(enum.IntEnum):

@@ -89,6 +89,10 @@ class ParallelContext:
     #: The qualified names of the modules this rank's pipeline stages run whole (their roots), set with
     #: ``pipeline_stages``; the rest of the model is not called as such. Empty: the whole model runs.
     stage_modules: tuple[str, ...] = ()
+    #: Whether the step runner splits each backward into input gradients and, later, weight gradients
+    #: (zero-bubble schedules), set with ``stage_modules``. A compiled block's backward is one graph that
+    #: computes both, so ``compile.enabled`` keeps the blocks eager then.
+    split_backward: bool = False
     #: The shard group of each split TaskGraph this rank runs, by TaskGraph index (set by the split transform).
     shard_groups: dict[int, ShardGroup] = field(default_factory=dict)
     #: This rank's context group (``epl.context.ring.ContextGroup``) under ``context.degree`` > 1, set by the

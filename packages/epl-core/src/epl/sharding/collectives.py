@@ -4,6 +4,8 @@ Each function is a pair: an operator in the forward pass and its adjoint in the
 backward pass, over the :class:`~epl.interfaces.shard_group.ShardGroup`'s communicator.
 Every call waits for its collective, so a timeout surfaces where it happened,
 and counts it in ``group.collectives`` (tests assert there is no hidden traffic).
+``torch.compile`` runs them as they are (``torch.compiler.disable``): a compiled block breaks its graph at each,
+rather than tracing the communicator and guarding on its counters.
 
 ==========================  ======================================  ======================================
 function                    forward                                 backward
@@ -194,43 +196,51 @@ def _exchange(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     return output
 
 
+@torch.compiler.disable
 def copy_to_shards(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward (the input of column-parallel layers)."""
     return _CopyToShards.apply(tensor, group)
 
 
+@torch.compiler.disable
 def reduce_from_shards(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     """All-reduce (sum) forward; identity backward (the output of row-parallel layers)."""
     return _ReduceFromShards.apply(tensor, group)
 
 
+@torch.compiler.disable
 def gather_from_shards(tensor: torch.Tensor, group: ShardGroup, dim: int, sizes: list[int]) -> torch.Tensor:
     """All-gather every shard's piece along ``dim`` (piece lengths ``sizes``); backward keeps this shard's slice."""
     return _GatherFromShards.apply(tensor, group, dim, sizes)
 
 
+@torch.compiler.disable
 def split_to_shards(tensor: torch.Tensor, group: ShardGroup, dim: int, sizes: list[int]) -> torch.Tensor:
     """This shard's slice along ``dim`` (lengths ``sizes``); backward all-gathers the gradient."""
     return _SplitToShards.apply(tensor, group, dim, sizes)
 
 
+@torch.compiler.disable
 def gather_rows(tensor: torch.Tensor, group: ShardGroup, dim: int = 0) -> torch.Tensor:
     """Every device's rows (along ``dim``, dimension 0 by default), in device order; backward reduce-scatters
     (sums) the gradient."""
     return _GatherRows.apply(tensor, group, dim)
 
 
+@torch.compiler.disable
 def scatter_rows(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     """This device's rows of ``tensor`` (identical on every device); backward all-gathers the gradient."""
     return _ScatterRows.apply(tensor, group)
 
 
+@torch.compiler.disable
 def reduce_scatter_rows(tensor: torch.Tensor, group: ShardGroup, dim: int = 0) -> torch.Tensor:
     """Sum the devices' partial ``tensor`` and keep this device's rows (along ``dim``); backward all-gathers the
     gradient."""
     return _ReduceScatterRows.apply(tensor, group, dim)
 
 
+@torch.compiler.disable
 def all_to_all(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     """Send chunk j of dimension 0 to device j and receive device j's chunk into chunk j; backward sends back."""
     return _AllToAll.apply(tensor, group)

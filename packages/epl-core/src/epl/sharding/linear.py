@@ -27,6 +27,7 @@ def _features(module: nn.Module, shard: ShardContext) -> tuple[int, int]:
     return (weight.shape[1], weight.shape[0]) if shard.weight_layout == "out_in" else tuple(weight.shape)
 
 
+@torch.compiler.disable  # a cache of weak references: run as it is under torch.compile
 def entered(x: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     """``x`` entered into the shards (copy, or gather of rows), shared by every layer reading the same ``x``.
 

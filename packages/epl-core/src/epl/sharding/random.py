@@ -42,12 +42,14 @@ class RegionRandom:
         """Whether the region's state is in use now."""
         return self._saved is not None
 
+    @torch.compiler.disable  # swaps the generator's state: run as it is under torch.compile
     def enter(self) -> None:
         """Use the region's state (a column layer's output is sharded from here on)."""
         if self._saved is None:
             self._saved = self._get()
             self._set(self.state)
 
+    @torch.compiler.disable
     def leave(self) -> None:
         """Back to the default state (a row layer sums the region up)."""
         if self._saved is not None:

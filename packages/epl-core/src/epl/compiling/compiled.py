@@ -1,0 +1,137 @@
+"""Compile blocks' forwards with ``torch.compile``; name what a backend cannot compile, and run it eager."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from epl.errors import ConfigError
+
+_log = logging.getLogger("epl.compile")
+_COMPILED = "_epl_compiled_forward"
+_NO_CACHE = "_epl_without_kv_cache"
+
+
+@dataclass
+class CompileReport:
+    """What ``compile.enabled`` did on this rank.
+
+    ``compiled``: the modules whose forward is compiled, by name. ``graphs``: graphs the backend was given, by
+    block type (one per block type when nothing breaks the graph; more for graph breaks, recompilations for new
+    shapes, and inference). ``eager``: what runs eager instead, by block type, with the backend's error.
+    """
+
+    backend: str
+    compiled: list[str] = field(default_factory=list)
+    graphs: dict[str, int] = field(default_factory=dict)
+    eager: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line for logs: what is compiled, into how many graphs, and what stayed eager."""
+        kinds = ", ".join(f"{kind}: {count} graph{'s' * (count != 1)}" for kind, count in self.graphs.items())
+        line = f"{len(self.compiled)} modules compiled by {self.backend}" + (f" ({kinds})" if kinds else "")
+        if self.eager:
+            line += "; eager: " + "; ".join(f"{kind} ({why})" for kind, why in self.eager.items())
+        return line
+
+
+class CompileState:
+    """The :class:`CompileReport` of one ``epl.parallelize`` call, kept in its context (None: ``compile.enabled``
+    is off)."""
+
+    report: CompileReport | None = None
+
+
+class _NamedBackend:
+    """A backend that counts the graphs of one block type, and gives a graph it fails on back to run eager
+    (as dynamo captured it), naming the block type and the error in the report."""
+
+    def __init__(self, inner: Callable[..., Any], kind: str, report: CompileReport) -> None:
+        self.inner, self.kind, self.report = inner, kind, report
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        self.report.graphs[self.kind] = self.report.graphs.get(self.kind, 0) + 1
+        try:
+            return self.inner(graph, example_inputs)  # type: ignore[no-any-return]
+        except Exception as error:  # any backend failure: this graph runs eager, and the report says why
+            why = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+            self.report.eager[self.kind] = why
+            _log.warning("compile: %s stays eager: %s failed on it (%s)", self.kind, self.report.backend, why)
+            return graph.forward
+
+    def __getattr__(self, name: str) -> Any:  # the inner backend's own settings (e.g. inductor's config)
+        return getattr(self.inner, name)
+
+
+def _backend(name: str, mode: str) -> Callable[..., Any]:
+    """The backend ``compile.backend`` names, with ``compile.mode`` for inductor; a clear error otherwise."""
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        raise ConfigError(f"compile.backend {name!r} is not a torch.compile backend; use one of {', '.join(known)}.")
+    if name == "inductor":
+        return torch._TorchCompileInductorWrapper(mode or None, None, None)  # what torch.compile(mode=...) builds
+    if mode:
+        raise ConfigError(f"compile.mode {mode!r} applies to the inductor backend only, not {name!r}; remove it.")
+    return torch._dynamo.lookup_backend(name)  # type: ignore[no-any-return]
+
+
+def compile_blocks(modules: Sequence[tuple[str, nn.Module]], backend: str, mode: str = "") -> CompileReport:
+    """Compile each module's ``forward`` (as it is now: a checkpointed forward is compiled with its
+    recomputation) with ``torch.compile``; the module, its name, parameters and hooks stay as they are.
+
+    Modules of one type share a backend, so dynamo compiles their code once and reuses the graph for every
+    module whose attributes pass its guards (transformer blocks: one graph for all of them).
+    """
+    report = CompileReport(backend)
+    inner = _backend(backend, mode)
+    by_kind: dict[type[nn.Module], _NamedBackend] = {}
+    for name, module in modules:
+        if getattr(module, _COMPILED, False):
+            continue
+        kind = type(module)
+        if kind not in by_kind:
+            by_kind[kind] = _NamedBackend(inner, kind.__name__, report)
+        module.forward = torch.compile(module.forward, backend=by_kind[kind])  # type: ignore[method-assign]
+        setattr(module, _COMPILED, True)
+        report.compiled.append(name or "model")
+    return report
+
+
+def without_kv_cache(model: nn.Module) -> list[str]:
+    """Make a transformers model's forward default to ``use_cache=False``; return the types of the modules changed.
+
+    EPL trains and predicts whole sequences, so nothing reads a KV cache. Built on every call, it is an input each
+    block guards on by its layer's index, so every block would compile again (and dynamo gives up after 8). A
+    call that passes ``use_cache`` gets what it asks for.
+    """
+    changed = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if not getattr(config, "use_cache", False) or getattr(module, _NO_CACHE, False):
+            continue
+        try:
+            takes = "use_cache" in inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):
+            takes = False
+        if not takes:
+            continue
+        original = module.forward
+
+        @functools.wraps(original)
+        def forward(*args: Any, __original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+            kwargs.setdefault("use_cache", False)
+            return __original(*args, **kwargs)
+
+        module.forward = forward  # type: ignore[method-assign]
+        setattr(module, _NO_CACHE, True)
+        changed.append(type(module).__name__)
+    return changed
