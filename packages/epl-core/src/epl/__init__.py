@@ -20,6 +20,7 @@ from epl.lazy import lazy_exports
 if TYPE_CHECKING:
     from epl import io, nn
     from epl.annotations import Strategy, TaskGraph, replicate, set_default_strategy, split
+    from epl.compiling import CompileReport
     from epl.config import Config
     from epl.errors import (
         AnnotationError,
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from epl.plugins import hookimpl
     from epl.progress import Progress
     from epl.runtime import Engine, parallelize, plan
-    from epl.runtime.checkpoint import read_model_state
+    from epl.runtime.checkpoint import CheckpointSave, read_model_state
     from epl.runtime.env import Env, init
 
 #: Public name -> the module it lives in.
@@ -59,6 +60,8 @@ _EXPORTS = {
     "parallelize": "epl.runtime",
     "plan": "epl.runtime",
     "read_model_state": "epl.runtime.checkpoint",
+    "CheckpointSave": "epl.runtime.checkpoint",
+    "CompileReport": "epl.compiling",
     "Env": "epl.runtime.env",
     "init": "epl.runtime.env",
     "AnnotationError": "epl.errors",
@@ -88,9 +91,11 @@ __all__ = [
     "BatchError",
     "BatchMismatchError",
     "UninitializedError",
+    "CheckpointSave",
     "Cluster",
     "ClusterError",
     "Communicator",
+    "CompileReport",
     "Config",
     "ConfigError",
     "ConfigKey",

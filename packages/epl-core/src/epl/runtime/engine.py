@@ -17,7 +17,9 @@ from epl.runtime.memory import MemoryReport
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
+    from epl.compiling import CompileReport
     from epl.runtime.batch_check import BatchCheck
+    from epl.runtime.checkpoint import CheckpointSave
 
 #: Version of the layout of ``Engine.state_dict``.
 STATE_VERSION = 1
@@ -40,6 +42,8 @@ class Engine:
         self._last_batch: tuple[int | None, int | None] = (None, None)
         #: Compares each step's batch over the ranks of this replica (``io.check_batches``; None: not checked).
         self.batch_check: BatchCheck | None = None
+        #: The checkpoint ``save(asynchronous=True)`` is writing (None once seen done by a step).
+        self._pending_save: CheckpointSave | None = None
 
     # -- training --------------------------------------------------------------------
     def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
@@ -49,6 +53,9 @@ class Engine:
         loss scaler skipped for a non-finite gradient. ``ReduceLROnPlateau`` needs a metric: step it
         yourself (``engine.lr_scheduler.step(validation_loss)``).
         """
+        if self._pending_save is not None and self._pending_save.done():
+            pending, self._pending_save = self._pending_save, None
+            pending.surface()  # the error of a checkpoint written in the background, if nobody saw it yet
         skipped_before = self._skipped_updates()
         check = (
             self.batch_check if self.batch_check is not None and self.batch_check.due(self.global_step + 1) else None
@@ -110,6 +117,14 @@ class Engine:
         tokens = self._last_batch[1]
         shares = self.plan.context_degree if self.context.config["context.presliced"] else 1
         return None if tokens is None else tokens * self.num_replicas * shares
+
+    @property
+    def compile_report(self) -> CompileReport | None:
+        """What ``compile.enabled`` compiled on this rank, into how many graphs, and what stayed eager (None when
+        it is off)."""
+        from epl.compiling import CompileState
+
+        return self.context.state(CompileState).report
 
     @property
     def lr(self) -> float | None:
@@ -286,7 +301,7 @@ class Engine:
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
 
-    def save(self, path: str | os.PathLike[str]) -> None:
+    def save(self, path: str | os.PathLike[str], *, asynchronous: bool = False) -> CheckpointSave:
         """Write a checkpoint directory at ``path`` that any layout can load (every rank calls it).
 
         Built on ``torch.distributed.checkpoint``: every rank writes its part in parallel;
@@ -294,10 +309,18 @@ class Engine:
         the loss scaler, the step counter and every rank's RNG states are included. A
         crash while saving leaves the previous checkpoint at ``path`` intact. See
         :mod:`epl.runtime.checkpoint`.
+
+        ``asynchronous=True`` copies the state to CPU memory and returns while the files are written in the
+        background (the steps that follow change nothing in the checkpoint); the returned
+        :class:`~epl.runtime.checkpoint.CheckpointSave` has ``done()`` and ``wait(timeout)``. The next save, a
+        load, ``epl.init`` and the end of the process wait for it; a failure is raised by ``wait()`` or by the
+        next step, save or load.
         """
         from epl.runtime.checkpoint import save_checkpoint
 
-        save_checkpoint(self, path)
+        handle = save_checkpoint(self, path, asynchronous=asynchronous)
+        self._pending_save = handle if asynchronous else None
+        return handle
 
     def load(self, path: str | os.PathLike[str], *, strict: bool = True) -> None:
         """Restore a checkpoint written by :meth:`save`, under this engine's layout (every rank calls it).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -53,13 +54,22 @@ class Env:
         return self.communicator is None
 
     def close(self) -> None:
-        """Stop capturing annotations and release the communicator. ``Env.get()`` then fails."""
-        self.annotations.remove()
-        if self.communicator is not None:
-            self.communicator.close()
-        if Env._current is self:
-            Env._current = None
-            set_active_recorder(None)
+        """Stop capturing annotations and release the communicator. ``Env.get()`` then fails.
+
+        A checkpoint still being written in the background (``engine.save(path, asynchronous=True)``) is waited
+        for first, and its error raised once the rest is closed.
+        """
+        checkpoint = sys.modules.get("epl.runtime.checkpoint")  # loaded by a save: nothing to wait for otherwise
+        try:
+            if checkpoint is not None:
+                checkpoint.wait_for_background_save()
+        finally:
+            self.annotations.remove()
+            if self.communicator is not None:
+                self.communicator.close()
+            if Env._current is self:
+                Env._current = None
+                set_active_recorder(None)
 
     def __repr__(self) -> str:
         return f"epl.Env(cluster={self.cluster}, config={self.config!r})"
