@@ -22,6 +22,7 @@ from epl.plugin_api import (
     LossFn,
     LossScaler,
     Schedule,
+    Work,
     batch_size,
     clip_grad_norm,
     compute_loss,
@@ -35,7 +36,7 @@ from epl_pipeline.channel import Channel
 from epl_pipeline.program import StageProgram
 from epl_pipeline.resharding import Boundary, ReshardingChannel
 from epl_pipeline.schedules import Event
-from epl_pipeline.split_backward import PendingWeights, backward_input, backward_weight
+from epl_pipeline.split_backward import PendingWeights, backward, backward_input, backward_weight
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ class PipelineStepRunner:
         #: The ranks along the pipeline (the schedule's lanes; each runs one or more stages).
         self.lanes = len(schedule)
         self.actions = schedule[self.stages[0]]
+        self._actions = [action for action in self.actions if action is not None]
         #: This device's share of the replica's loss: 1/parts on one device of each part of the last stage.
         self.replica, self.loss_share = replica, loss_share
         self.shares = {stage: (shares or {}).get(stage, (0, 1)) for stage in self.stages}
@@ -162,6 +164,8 @@ class PipelineStepRunner:
         #: once reduced between its stages.
         self.clip_after_reduction = clip_after_reduction
         self._grad_norm: torch.Tensor | None = None
+        #: The step's loss all-reduce over the replica, once started, and the tensor it fills.
+        self._loss_sum: tuple[Work, torch.Tensor] | None = None
 
     @property
     def grad_norm(self) -> float | None:
@@ -198,13 +202,17 @@ class PipelineStepRunner:
         if self.loss_scaler is not None:
             self.loss_scaler.start()
         timeline, self.peak_in_flight = [], 0
-        actions = [action for action in self.actions if action is not None]
+        self._loss_sum = None
+        if not self.last:  # adds nothing to the replica's loss: its share of the all-reduce can start now
+            self._start_replica_loss([])
+        actions = self._actions
         for index, action in enumerate(actions):
             self._following = actions[index + 1] if index + 1 < len(actions) else None
             self._started = time.time()
             self._run(action, pieces)
             timeline.append(Event(action, self._started, time.time()))
-            self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
+            if len(self._in_flight) > self.peak_in_flight:
+                self.peak_in_flight = len(self._in_flight)
         for channels in self.channels.values():
             channels.flush()
         self.last_timeline = timeline
@@ -219,22 +227,35 @@ class PipelineStepRunner:
         if self.loss_scaler is not None:
             self.loss_scaler.unscale(self._params)
         step_or_skip(self.optimizer, self.loss_scaler, self._params)
-        losses = [self._losses[m] for m in range(self.num_micro_batch)] if self.last else []
-        self._losses.clear()
-        return self._replica_loss(losses)
+        assert self._loss_sum is not None, "the last stage starts the loss all-reduce after its last loss"
+        (work, loss), self._loss_sum = self._loss_sum, None
+        work.wait()
+        return loss
 
     @torch.no_grad()
     def evaluate(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """The replica's mean loss of one replica batch by a forward-only pass (no gradient, no update)."""
-        return self._replica_loss(self._forward_only(inputs, targets, with_loss=True))
+        work, loss = self._replica_loss(self._forward_only(inputs, targets, with_loss=True))
+        work.wait()
+        return loss
 
-    def _replica_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The mean of the last stage's micro-batch ``losses`` over its parts, on every stage of the replica."""
+    def _replica_loss(self, losses: list[torch.Tensor]) -> tuple[Work, torch.Tensor]:
+        """Start summing the mean of the last stage's micro-batch ``losses`` over its parts, on every stage of the
+        replica: the all-reduce, and the tensor that holds the replica's loss once it completes."""
         loss = torch.zeros((), dtype=torch.float64)
         if self.last and self.loss_share:
             loss = torch.stack(losses).mean().to(torch.float64) * self.loss_share
-        self.replica.all_reduce(loss).wait()
-        return loss
+        return self.replica.all_reduce(loss), loss
+
+    def _start_replica_loss(self, losses: list[torch.Tensor]) -> None:
+        """Start the step's loss all-reduce over the replica, which :meth:`step` waits for when it returns.
+
+        A stage that adds nothing to the loss starts it when the step begins, the last stage once its last
+        micro-batch's loss is known, so that it travels while the stages still compute (the replica's
+        collectives keep one order on every stage: this one comes before the clipping's, on each of them).
+        """
+        self._loss_sum = self._replica_loss(losses)
+        self._losses.clear()
 
     def _micro_batches(self, inputs: Any, targets: Any) -> list[tuple[Any, Any]]:
         """``inputs`` and ``targets`` on this device, cut into micro-batches whose rows share out over every stage."""
@@ -308,6 +329,8 @@ class PipelineStepRunner:
 
     def _loss(self, output: Any, targets: Any) -> torch.Tensor:
         """The last stage's scalar loss of one micro-batch (inside the forward contexts)."""
+        if not self.forward_contexts:
+            return compute_loss(output, targets, self.loss_fn)
         with inside(self.forward_contexts):
             return compute_loss(output, targets, self.loss_fn)
 
@@ -346,7 +369,10 @@ class PipelineStepRunner:
             self._started = time.time()  # the action starts once its inputs have arrived
         self._receive_ahead()
         inputs = self._own_part(stage, inputs)
-        with inside(self.forward_contexts):
+        if self.forward_contexts:
+            with inside(self.forward_contexts):
+                result = self.program.run(self.model, stage, inputs, values)
+        else:
             result = self.program.run(self.model, stage, inputs, values)
         if outbound is not None:
             sent = outbound.send(result, rows=batch_size(inputs))
@@ -356,6 +382,8 @@ class PipelineStepRunner:
         else:
             loss = self._loss(result, self._own_part(stage, targets))
             self._losses[m] = loss.detach()
+            if len(self._losses) == self.num_micro_batch:  # the step's last loss: the replica's loss can travel
+                self._start_replica_loss([self._losses[m] for m in range(self.num_micro_batch)])
             outputs = [loss / self.num_micro_batch]
             if self.loss_scaler is not None:
                 outputs = [self.loss_scaler.scale_loss(outputs[0])]
@@ -376,7 +404,7 @@ class PipelineStepRunner:
             input_grads = input_grads or [None] * len(flight.inputs)
         else:
             if flight.outputs:
-                torch.autograd.backward(flight.outputs, grads)
+                backward(flight.outputs, grads)
             input_grads = [t.grad for t in flight.inputs]
         flight.outputs = []
         if inbound is not None:

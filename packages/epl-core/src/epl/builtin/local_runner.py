@@ -168,5 +168,7 @@ class LocalStepRunner:
 
     def loss(self, inputs: Any, targets: Any) -> torch.Tensor:
         """The scalar loss of ``inputs`` against ``targets`` (computed inside the forward contexts)."""
+        if not self.forward_contexts:  # nothing to enter (no AMP): no context managers to build per micro-batch
+            return compute_loss(call_model(self.model, inputs), targets, self.loss_fn)
         with inside(self.forward_contexts):
             return compute_loss(call_model(self.model, inputs), targets, self.loss_fn)

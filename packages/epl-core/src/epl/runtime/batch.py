@@ -47,6 +47,11 @@ def samples_and_tokens(batch: Any) -> tuple[int | None, int | None]:
     Samples: dimension 0 of its first tensor. Tokens: the elements of its token ids, which are a dict's
     ``input_ids``, else its first integer tensor of two or more dimensions (batch x sequence).
     """
+    if isinstance(batch, torch.Tensor):  # the same answer as below, without walking a structure
+        if batch.dim() == 0:
+            return None, None
+        token_ids = batch.dim() >= 2 and not batch.is_floating_point() and not batch.is_complex()
+        return batch.shape[0], batch.numel() if token_ids and batch.dtype != torch.bool else None
     tensors = [t for t in tensors_in(batch) if t.dim() > 0]
     if not tensors:
         return None, None
@@ -62,6 +67,8 @@ def split_batch(batch: Any, parts: int, *, what: str) -> list[Any]:
     Non-tensor leaves are passed to every piece unchanged. ``what`` names the
     reason for the split in the error when the size does not divide.
     """
+    if isinstance(batch, torch.Tensor) and batch.dim() > 0 and batch.shape[0] and not batch.shape[0] % parts:
+        return list(batch.chunk(parts))  # the views _piece makes, in one call
     size = batch_size(batch)
     if size is None:
         raise BatchError(f"Cannot split a batch without tensors into {parts} parts for {what}.")
@@ -94,6 +101,8 @@ def as_arguments(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 def call_model(model: nn.Module, inputs: Any) -> Any:
     """Call ``model`` with ``inputs`` taken as arguments by ``as_arguments``."""
+    if isinstance(inputs, torch.Tensor):
+        return model(inputs)
     args, kwargs = as_arguments(inputs)
     return model(*args, **kwargs)
 
