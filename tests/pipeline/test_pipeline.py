@@ -42,22 +42,37 @@ def batches(replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+def split_out_of_order(num_stages: int, num_micro_batches: int) -> list[list[Any]]:
+    """GPipe with each backward split, the input gradients in reverse order and the weight gradients after them
+    in forward order (the first stage's W's then run in another order than its I's)."""
+    from epl.plugin_api import Action, ActionKind
+
+    forwards, inputs, weights = (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+    micro = range(num_micro_batches)
+    return [
+        [Action(s, forwards, m) for m in micro]
+        + [Action(s, inputs, m) for m in reversed(micro)]
+        + [Action(s, weights, m) for m in micro]
+        for s in range(num_stages)
+    ]
+
+
 class ThirdPartySchedules:
-    """A plugin that adds a schedule through the hook (GPipe under another name)."""
+    """A plugin that adds schedules through the hook (GPipe under another name, and a split one)."""
 
     @hookimpl
     def epl_pipeline_schedules(self) -> dict[str, Any]:
-        """Register ``MySchedule``."""
+        """Register ``MySchedule`` and ``MySplitSchedule``."""
         from epl_pipeline.schedules import gpipe
 
-        return {"MySchedule": gpipe}
+        return {"MySchedule": gpipe, "MySplitSchedule": split_out_of_order}
 
 
 def train(strategy: str) -> dict[str, Any]:
     import epl
     from epl.plugins import get_plugin_manager
 
-    if strategy == "MySchedule":
+    if strategy.startswith("My"):
         get_plugin_manager().register(ThirdPartySchedules(), name="third-party-schedules")
     epl.init(epl.Config({"pipeline.num_micro_batch": MICRO, "pipeline.strategy": strategy}))
     engine = epl.parallelize(build(), optimizer=lambda p: torch.optim.Adam(p, lr=1e-2), loss_fn=nn.MSELoss())
@@ -86,7 +101,7 @@ def reference(replicas: int) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("strategy", ["PreferForward", "PreferBackward", "ZeroBubble", "MySchedule"])
+@pytest.mark.parametrize("strategy", ["PreferForward", "PreferBackward", "ZeroBubble", "MySchedule", "MySplitSchedule"])
 def test_pipeline_equals_the_local_run(world_size: int, strategy: str) -> None:
     ranks = run_ranks(train, world_size, strategy, timeout=180)
     replicas = ranks[0]["replicas"]
@@ -101,7 +116,8 @@ def test_pipeline_equals_the_local_run(world_size: int, strategy: str) -> None:
             torch.testing.assert_close(value, expected_state[name], rtol=1e-12, atol=1e-12, msg=f"rank {rank} {name}")
         assert len(result["state"]) == 4  # only this stage's two Linear layers are kept
         # activations are freed after their backward: micro-batches held at once, measured
-        peak = {"PreferForward": MICRO, "PreferBackward": 2 - result["stage"], "ZeroBubble": 2, "MySchedule": MICRO}
+        peak = {"PreferForward": MICRO, "PreferBackward": 2 - result["stage"], "ZeroBubble": 2}
+        peak |= {"MySchedule": MICRO, "MySplitSchedule": MICRO}
         assert result["peak_in_flight"] == peak[strategy]
 
 

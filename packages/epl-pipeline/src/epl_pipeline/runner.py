@@ -38,6 +38,8 @@ from epl_pipeline.resharding import Boundary, ReshardingChannel
 from epl_pipeline.schedules import Event
 from epl_pipeline.split_backward import PendingWeights, backward, backward_input, backward_weight
 
+I, W = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT  # noqa: E741
+
 
 @dataclass(frozen=True)
 class Link:
@@ -84,7 +86,7 @@ class _InFlight:
 
     outputs: list[torch.Tensor]  # what the backward starts from (sent tensors needing a gradient, or the loss)
     inputs: list[torch.Tensor] = field(default_factory=list)  # received tensors that collect a gradient
-    pending: PendingWeights | None = None  # between I and W
+    pending: PendingWeights | None = None  # between I and W (None: the first stage's W runs the whole backward)
 
 
 class PipelineStepRunner:
@@ -148,6 +150,14 @@ class PipelineStepRunner:
         self.device, self.gradient_reducer = device, gradient_reducer
         self.loss_scaler, self.forward_contexts = loss_scaler, list(forward_contexts)
         self.channels = {stage: _StageChannels(stage, *links[stage], device) for stage in self.stages}
+        #: Stages without a previous stage whose W's run in the order of their I's: their I's compute and send
+        #: nothing, so their W's receive the gradients (in the order the I's would have).
+        self._whole_at_weight = {
+            stage
+            for stage in self.stages
+            if self.channels[stage].inbound is None
+            and _order(self._actions, stage, (I,)) == _order(self._actions, stage, (W,))
+        }
         self._in_flight: dict[tuple[int, int], _InFlight] = {}  # by (stage, micro-batch)
         self._losses: dict[int, torch.Tensor] = {}
         self._params = [p for p in model.parameters() if p.requires_grad]
@@ -343,9 +353,11 @@ class PipelineStepRunner:
         elif action.kind is ActionKind.BACKWARD_INPUT:
             self._backward(*key, split=True)
         elif action.kind is ActionKind.BACKWARD_WEIGHT:
-            self._receive_ahead()
             flight = self._in_flight.pop(key)
-            assert flight.pending is not None
+            if flight.pending is None:  # the first stage's I left the whole backward to its W
+                self._backward_whole(action.stage, flight)
+                return
+            self._receive_ahead()
             backward_weight(flight.pending)
         else:
             raise EplError(f"The pipeline executor runs F, B, I and W actions, not {action.kind.name}.")
@@ -391,6 +403,12 @@ class PipelineStepRunner:
 
     def _backward(self, stage: int, m: int, *, split: bool) -> None:
         inbound, outbound = self.channels[stage].inbound, self.channels[stage].outbound
+        if split and stage in self._whole_at_weight:
+            # The first stage sends no input gradient: its I computes nothing and nobody waits for it. Its W
+            # receives the gradient and runs the whole backward (gradients are received in the order of the
+            # W's, which is that of the I's), so what the schedule puts between them does not wait for it.
+            self._receive_ahead()
+            return
         flight = self._in_flight[stage, m] if split else self._in_flight.pop((stage, m))
         grads: list[torch.Tensor | None]
         if outbound is None:
@@ -412,6 +430,23 @@ class PipelineStepRunner:
                 [g if g is not None else torch.zeros_like(t) for g, t in zip(input_grads, flight.inputs, strict=True)]
             )
         flight.inputs = []
+
+    def _backward_whole(self, stage: int, flight: _InFlight) -> None:
+        """The first stage's W after an I that did nothing: receive the gradient, then the whole backward."""
+        outbound = self.channels[stage].outbound
+        grads: list[torch.Tensor | None] = [None]
+        if outbound is not None:
+            grads = list(outbound.receive_gradients())
+            self._started = time.time()
+        self._receive_ahead()
+        if flight.outputs:
+            backward(flight.outputs, grads)
+        flight.outputs = flight.inputs = []
+
+
+def _order(actions: Sequence[Action], stage: int, kinds: tuple[ActionKind, ...]) -> list[int]:
+    """The micro-batches of ``stage``'s actions of ``kinds``, in the order ``actions`` runs them."""
+    return [a.micro_batch for a in actions if a.stage == stage and a.kind in kinds]
 
 
 def _flush(*channels: Channel | None) -> None:
