@@ -43,5 +43,5 @@ class CompileBlocks:
             _log.info("compile: %s run with use_cache=False (a KV cache recompiles every block)", changed)
         report = compile_blocks(blocks, str(config["compile.backend"]), str(config["compile.mode"]))
         context.state(CompileState).report = report
-        _log.info("compile: %d modules (%s ... %s)", len(report.compiled), report.compiled[0], report.compiled[-1])
+        _log.info("compile: %s", report.describe())
         return model

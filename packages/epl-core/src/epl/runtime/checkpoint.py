@@ -452,7 +452,7 @@ def _read(engine: CheckpointedEngine, folder: Path, strict: bool) -> _Read:
     problem any rank found, is an error on every rank."""
     cluster, several = engine.context.cluster, not _alone(engine)
     verification = _Verification(folder, cluster.rank, cluster.world_size) if several else _Verification(folder)
-    try:
+    with verification.blaming_damage():
         reader = files.safe_reader(folder)  # reads .metadata once, for these checks and for DCP's load
         saved = reader.read_metadata().state_dict_metadata
         meta_entry = saved.get("engine/meta")
@@ -482,12 +482,7 @@ def _read(engine: CheckpointedEngine, folder: Path, strict: bool) -> _Read:
             optimizer_problem = _optimizer_problem(engine, meta)
             if strict:
                 problem = optimizer_problem or _scheduler_problem(engine, meta)
-        damaged, unchecked = verification.result()
-    except BaseException:
-        damaged, _ = verification.result()
-        if damaged:
-            raise verification.error(damaged) from None
-        raise
+    damaged, unchecked = verification.result()
     flags = torch.tensor([cluster.rank + 1 if (unchecked or problem) else 0, damaged, *held], dtype=torch.int64)
     if several:
         engine.context.communicator.all_reduce(flags, _max()).wait()
@@ -540,6 +535,18 @@ class _Verification:
     def error(self, damaged: int) -> EplError:
         """The error for the file :meth:`result` found damaged."""
         return files.damaged_file_error(self.folder, self.names[damaged - 1], self.sums)
+
+    @contextlib.contextmanager
+    def blaming_damage(self) -> Iterator[None]:
+        """Around reading the files: an error raised while reading is replaced by the damaged-file error when a
+        file turns out damaged (a damaged file explains whatever reading it raised)."""
+        try:
+            yield
+        except BaseException:
+            damaged, _ = self.result()
+            if damaged:
+                raise self.error(damaged) from None
+            raise
 
 
 def _model_problems(
@@ -892,17 +899,12 @@ def read_model_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """
     folder = _readable(Path(path))
     verification = _Verification(folder)
-    try:
+    with verification.blaming_damage():
         reader = files.safe_reader(folder)
         saved = reader.read_metadata().state_dict_metadata
         wanted = {key: _placeholder(meta) for key, meta in saved.items() if key.startswith("model/")}
         tensors, problem = _load(reader, wanted, folder)
-        damaged, unchecked = verification.result()
-    except BaseException:
-        damaged, _ = verification.result()
-        if damaged:
-            raise verification.error(damaged) from None
-        raise
+    damaged, unchecked = verification.result()
     if damaged:
         raise verification.error(damaged)
     if unchecked or problem:
