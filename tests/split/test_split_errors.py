@@ -64,6 +64,19 @@ def test_a_module_without_a_rule_fails_on_the_laptop_with_how_to_register_one() 
     assert "def epl_split_rules" in message and "outside the epl.split scope" in message
 
 
+def test_a_bias_free_conv1d_is_not_taken_for_stacked_experts() -> None:
+    """Its weight is [out_channels, in/groups, kernel] and ``out_channels`` names its first size (Bailing's
+    hybrid layers): it gets the missing-rule error, not the fused-experts one."""
+    epl.init()
+    with epl.split(2, name="conv"):
+        model = nn.Sequential(nn.Conv1d(8, 8, 4, groups=8, bias=False))
+    with pytest.raises(epl.AnnotationError) as error:
+        epl.parallelize(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    message = str(error.value)
+    assert "no split rule says how to shard that type" in message and "Conv1d" in message
+    assert "experts" not in message
+
+
 def test_a_third_party_rule_is_used() -> None:
     epl.init()
     epl.Env.get().plugins.register(ScaleRules(), name="scale-rules")

@@ -3,11 +3,15 @@
 Bootstrapped through the same rendezvous as torch.distributed: rank 0 of each
 group creates an NCCL unique id and shares it through the job's key-value store.
 Operations run on PyTorch's current CUDA stream; a handle waits on a CUDA event.
+EPL's small control collectives (step and batch checks, checkpoint agreement, pipeline descriptions) pass
+CPU tensors, which torch.distributed gives to gloo; NCCL reads device memory only, so here they travel
+through device copies, copied back when the handle is waited for.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import json
 import time
@@ -23,6 +27,9 @@ from epl_comm.rendezvous import join_process_group
 
 #: Seconds between two polls of a CUDA event while waiting.
 POLL_SECONDS = 0.001
+
+#: Host tensors given to an operation, each with the device copy it fills for them.
+_CopiesBack = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def load_nccl() -> Any:
@@ -86,6 +93,7 @@ class CupyCommunicator(Communicator):
         self.rank = self.ranks.index(dist.get_rank())
         self.timeout = timeout
         self._store = store
+        self.device = torch.device("cuda", torch.cuda.current_device())
         if self.rank == 0:
             store.set(key, json.dumps(list(self._nccl.get_unique_id())))
         store.wait([key], datetime.timedelta(seconds=timeout))
@@ -107,6 +115,8 @@ class CupyCommunicator(Communicator):
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
         """Reduce ``tensor`` over all members, in place (AVG is a sum divided by the member count)."""
+        back: _CopiesBack = []
+        tensor = self._on_device(tensor, back)
         after = (lambda: tensor.div_(self.world_size)) if op is ReduceOp.AVG else None
         return self._run(
             "all_reduce",
@@ -115,10 +125,13 @@ class CupyCommunicator(Communicator):
                 tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor), self._op(op), s
             ),
             after,
+            back=back,
         )
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM) -> Work:
         """Reduce ``tensor`` into member ``dst``'s (AVG: a sum divided by the member count there)."""
+        back: _CopiesBack = []
+        tensor = self._on_device(tensor, back)
         after = (lambda: tensor.div_(self.world_size)) if op is ReduceOp.AVG and self.rank == dst else None
         return self._run(
             "reduce",
@@ -127,10 +140,13 @@ class CupyCommunicator(Communicator):
                 tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor), self._op(op), dst, s
             ),
             after,
+            back=back,
         )
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
         """Reduce ``input`` and give member i chunk i in ``output``."""
+        back: _CopiesBack = []
+        input, output = self._on_device(input, back, write=False), self._on_device(output, back, read=False)
         after = (lambda: output.div_(self.world_size)) if op is ReduceOp.AVG else None
         return self._run(
             "reduce_scatter",
@@ -139,24 +155,31 @@ class CupyCommunicator(Communicator):
                 input.data_ptr(), output.data_ptr(), output.numel(), self._dtype(input), self._op(op), s
             ),
             after,
+            back=back,
         )
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """Concatenate every member's ``input`` into ``output``."""
+        back: _CopiesBack = []
+        input, output = self._on_device(input, back, write=False), self._on_device(output, back, read=False)
         return self._run(
             "all_gather",
             input,
             lambda s: self._comm.allGather(input.data_ptr(), output.data_ptr(), input.numel(), self._dtype(input), s),
+            back=back,
         )
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
         """Copy member ``src``'s tensor to every member."""
+        back: _CopiesBack = []
+        tensor = self._on_device(tensor, back)
         return self._run(
             "broadcast",
             tensor,
             lambda s: self._comm.broadcast(
                 tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor), src, s
             ),
+            back=back,
         )
 
     def all_to_all(
@@ -167,6 +190,8 @@ class CupyCommunicator(Communicator):
         input_splits: Sequence[int] | None = None,
     ) -> Work:
         """Grouped NCCL send/recv: chunk j of ``input`` to member j, member j's chunk into ``output``."""
+        back: _CopiesBack = []
+        input, output = self._on_device(input, back, write=False), self._on_device(output, back, read=False)
         ins = list(input_splits) if input_splits is not None else [input.numel() // self.world_size] * self.world_size
         outs = (
             list(output_splits) if output_splits is not None else [output.numel() // self.world_size] * self.world_size
@@ -181,10 +206,11 @@ class CupyCommunicator(Communicator):
                 self._comm.recv(output.data_ptr() + out_offset * size, outs[peer], dtype, peer, stream)
             self._nccl.groupEnd()
 
-        return self._run("all_to_all", input, launch)
+        return self._run("all_to_all", input, launch, back=back)
 
     def send(self, tensor: torch.Tensor, dst: int) -> Work:
         """Send ``tensor`` to member ``dst``."""
+        tensor = self._on_device(tensor, [], write=False)  # a device copy lives on in the stream's order
         return self._run(
             "send",
             tensor,
@@ -194,11 +220,14 @@ class CupyCommunicator(Communicator):
 
     def recv(self, tensor: torch.Tensor, src: int) -> Work:
         """Receive into ``tensor`` from member ``src``."""
+        back: _CopiesBack = []
+        tensor = self._on_device(tensor, back, read=False)
         return self._run(
             "recv",
             tensor,
             lambda s: self._comm.recv(tensor.data_ptr(), tensor.numel(), self._dtype(tensor), src, s),
             peer=self.ranks[src],
+            back=back,
         )
 
     def barrier(self) -> Work:
@@ -236,13 +265,28 @@ class CupyCommunicator(Communicator):
         launch: Callable[[int], None],
         after: Callable[[], None] | None = None,
         peer: int | None = None,
+        back: _CopiesBack | None = None,
     ) -> CupyWork:
+        if back:
+            after = functools.partial(_then_copy_back, after, list(back))
         record = self.log.start(op, tensor, peer)
         stream = torch.cuda.current_stream()
         launch(stream.cuda_stream)
         event = torch.cuda.Event()
         event.record(stream)
         return CupyWork(event, record, self.log, self.timeout, after)
+
+    def _on_device(
+        self, tensor: torch.Tensor, back: _CopiesBack, *, read: bool = True, write: bool = True
+    ) -> torch.Tensor:
+        """``tensor`` itself when on CUDA; else a device copy (of its values: ``read``), listed in ``back`` to be
+        copied into ``tensor`` once the operation is waited for (``write``)."""
+        if tensor.is_cuda:
+            return tensor
+        staged = tensor.to(self.device) if read else torch.empty_like(tensor, device=self.device)
+        if write:
+            back.append((tensor, staged))
+        return staged
 
     def _dtype(self, tensor: torch.Tensor) -> int:
         names = {
@@ -270,6 +314,13 @@ class CupyCommunicator(Communicator):
             ReduceOp.PRODUCT: "NCCL_PROD",
         }
         return int(getattr(self._nccl, names[op]))
+
+
+def _then_copy_back(after: Callable[[], None] | None, back: _CopiesBack) -> None:
+    if after is not None:
+        after()
+    for host, staged in back:
+        host.copy_(staged)
 
 
 def _offsets(sizes: list[int]) -> list[int]:

@@ -130,7 +130,7 @@ class ReplayedStages:
                     module = model.get_submodule(name)
                     if not isinstance(module, RemoteStage):
                         replaced.append((module, module.__dict__.get("forward")))
-                        module.forward = functools.partial(_stand_in, name, _device_of(module))
+                        module.forward = functools.partial(_stand_in, name, _device_of(module, model))
             yield
         finally:
             for module, own in replaced:
@@ -218,8 +218,11 @@ def _stand_in(name: str, device: torch.device, *args: Any, **kwargs: Any) -> Any
     return replay.remote_call(name, device)
 
 
-def _device_of(module: nn.Module) -> torch.device:
-    tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
+def _device_of(module: nn.Module, model: nn.Module) -> torch.device:
+    """Where ``module`` computes; for a module without tensors (it takes its inputs' device), the rest of ``model``'s:
+    the stage's device, not the CPU, or its stand-in zeros would meet the stage's tensors on another device."""
+    tensors = itertools.chain(module.parameters(), module.buffers(), model.parameters(), model.buffers())
+    tensor = next(tensors, None)
     return tensor.device if tensor is not None else torch.device("cpu")
 
 

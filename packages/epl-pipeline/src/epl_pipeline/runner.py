@@ -188,7 +188,12 @@ class PipelineStepRunner:
         if self.loss_scaler is not None:
             self.loss_scaler.unscale(self._params)  # clip the true gradients
         self._grad_norm = clip_grad_norm(
-            self._params, self.max_grad_norm, self.stage_peers, self.counted_elsewhere, self.stage_copies
+            self._params,
+            self.max_grad_norm,
+            self.stage_peers,
+            self.counted_elsewhere,
+            self.stage_copies,
+            device=self.device,
         ).detach()
 
     @property
@@ -252,7 +257,7 @@ class PipelineStepRunner:
     def _replica_loss(self, losses: list[torch.Tensor]) -> tuple[Work, torch.Tensor]:
         """Start summing the mean of the last stage's micro-batch ``losses`` over its parts, on every stage of the
         replica: the all-reduce, and the tensor that holds the replica's loss once it completes."""
-        loss = torch.zeros((), dtype=torch.float64)
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)  # every member's on the replica's device
         if self.last and self.loss_share:
             loss = torch.stack(losses).mean().to(torch.float64) * self.loss_share
         return self.replica.all_reduce(loss), loss

@@ -108,7 +108,7 @@ def fingerprint(batch: Any) -> torch.Tensor:
         samples.append(sampled.to(torch.float64))
     if not samples:
         return torch.zeros(1, dtype=torch.float64)
-    joined = torch.cat(samples)
+    joined = torch.cat([sample.to(samples[0].device) for sample in samples])  # inputs and targets may differ in device
     weights = _weights(joined.numel(), joined.device)
     sums = (joined @ weights).cpu()
     return torch.cat([torch.tensor(sizes, dtype=torch.float64), sums])

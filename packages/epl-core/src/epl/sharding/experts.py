@@ -75,8 +75,12 @@ def stacked_experts_count(module: nn.Module) -> int | None:
     """The number of experts of a module holding weights stacked by expert, or None.
 
     Every parameter it holds itself has 3 or more dimensions and the same first size,
-    and one of its integer attributes says that size (``num_experts``).
+    and one of its integer attributes says that size (``num_experts``). torch's own layers
+    are never experts: a bias-free ``Conv1d`` has a 3-dimensional weight whose first size
+    is its ``out_channels``.
     """
+    if type(module).__module__.startswith("torch.nn."):
+        return None
     params = list(module.parameters(recurse=False))
     if not params or any(p.dim() < 3 for p in params):
         return None

@@ -27,6 +27,8 @@ def total_grad_norm(
     stages: Communicator | None = None,
     counted_elsewhere: Collection[int] = frozenset(),
     stage_copies: int = 1,
+    *,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """The 2-norm (float64) of the gradient of ``parameters``, shards summed over their groups.
 
@@ -35,7 +37,9 @@ def total_grad_norm(
     ``stages``: the devices of every pipeline stage of the same replica, whose squares are added;
     ``counted_elsewhere``: ids of parameters (whole or shards) another stage also holds and counts (tied weights);
     ``stage_copies``: how many members of ``stages`` hold this device's stage (its shards, or copies of it):
-    each adds that share of its squares.
+    each adds that share of its squares; ``device``: where the norm is computed when this device holds no gradient
+    (a stage without trainable parameters, or whose gradients ZeRO keeps on other owners), so that its share of the
+    ``stages`` all-reduce is on the other members' device (without it: the CPU).
     """
     params = list(parameters)
     whole: list[torch.Tensor] = []
@@ -52,7 +56,7 @@ def total_grad_norm(
         _, _, grads = shards.setdefault(id(communicator), (communicator, param.device, []))
         if param.grad is not None and id(param) not in counted_elsewhere:
             grads.append(param.grad)
-    device = whole[0].device if whole else next((d for _, d, _ in shards.values()), None)
+    device = whole[0].device if whole else next((d for _, d, _ in shards.values()), device)
     total = _sum_of_squares(whole, device)
     for communicator, shard_device, grads in shards.values():  # in the order of the parameters: same on every device
         squares = _sum_of_squares(grads, shard_device).reshape(1)
@@ -71,6 +75,8 @@ def clip_grad_norm(
     stages: Communicator | None = None,
     counted_elsewhere: Collection[int] = frozenset(),
     stage_copies: int = 1,
+    *,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Scale the gradients so that their global 2-norm is at most ``max_norm``; return the norm before clipping.
 
@@ -78,13 +84,13 @@ def clip_grad_norm(
     to 1, non-finite norms not an error), with each shard and each tensor held whole counted
     once (see :func:`total_grad_norm`); with ``stages``, over every pipeline stage of the
     replica, tied weights (``counted_elsewhere`` on all stages but one) once, each stage once however many
-    devices hold it (``stage_copies``, see :func:`total_grad_norm`). Without shards or
+    devices hold it (``stage_copies``, and ``device``: see :func:`total_grad_norm`). Without shards or
     stages it is ``clip_grad_norm_`` itself.
     """
     params = list(parameters)
     if stages is None and all(shard_spec(p) is None for p in params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    norm = total_grad_norm(params, stages, counted_elsewhere, stage_copies)
+    norm = total_grad_norm(params, stages, counted_elsewhere, stage_copies, device=device)
     coefficient = (max_norm / (norm + EPSILON)).clamp(max=1.0)
     dense: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for param in params:
