@@ -21,6 +21,9 @@ sides take the same step, then times them in alternating rounds (each call ends 
   block ``torch.compile``d in the plain loop, as torchtitan does).
 * **Context attention blocks:** EPL's ring attention on one device (no communication), bf16, 32 query heads over
   8, 8,192 tokens, causal, forward and backward, against ``scaled_dot_product_attention``.
+* **Pipelines on 4 GPUs** (skipped, saying so, with fewer): ``benchmarks/test_pipeline.py``'s race, one stage
+  per GPU over NCCL: GPipe, 1F1B and ZeroBubble against ``torch.distributed.pipelining`` (ZeroBubble against its
+  ``Schedule1F1B``; target <= 1.0, which the 2-core CPU cannot measure: its stages share cores).
 """
 
 from __future__ import annotations
@@ -387,3 +390,38 @@ def test_context_attention_blocks_against_sdpa() -> None:
     record("gpu_context_blocks", [row], section=_section("context attention blocks", text), details=[detail])
     print(detail)
     assert got["ratio"] < 20, detail
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(_gpus() < 4, reason=f"needs 4 GPUs, one per pipeline stage; this machine has {_gpus()}")
+def test_pipeline_schedules_on_four_gpus() -> None:
+    """The CPU pipeline race with a GPU per stage: where ZeroBubble's filled bubbles can show."""
+    from benchmarks import test_pipeline as race
+
+    figures = race.run(4, *((5, 2) if short_mode() else (15, 4)))
+    rows, details = [], []
+    for name, (_, schedule) in race.SCHEDULES.items():
+        timing, label = figures[name], race.LABELS[name]
+        rows.append(
+            ResultRow(
+                f"Pipeline {label}, 4 stages on 4 GPUs",
+                f"torch.distributed.pipelining `{schedule}`",
+                time=(Ratio(timing["ratio"]),),
+                plot=f"pipeline {label}, 4 GPUs",
+            )
+        )
+        details.append(
+            f"{label}: torch {ms(timing['torch_ms'])}, EPL {ms(timing['epl_ms'])} per step, ratio "
+            f"{timing['ratio']:.3f}; EPL measured bubble {timing['epl_measured_bubble']:.3f}"
+        )
+    text = (
+        "Step time of EPL's pipeline over `torch.distributed.pipelining`, the CPU race's 8-layer MLP (width 512, "
+        "batch 256 in 8 micro-batches) with one stage per GPU over NCCL, rank 0's clock. Target <= 1.00."
+    )
+    record("gpu_pipeline", rows, section=_section("pipelines on 4 GPUs", text), details=details)
+    print("\n".join(details))
+    race.check(figures, 4)

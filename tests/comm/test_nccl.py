@@ -92,3 +92,41 @@ def test_data_parallel_on_two_gpus_equals_one_gpu() -> None:
 def test_the_batch_check_works_over_nccl() -> None:
     for message in run_ranks(mismatched_batches, 2, timeout=180):
         assert "were given different batches" in message, message
+
+
+#: Wide enough that each activation and gradient message (1024 rows x 2048 float32, 8 MiB) exceeds NCCL's
+#: 4 MiB buffers, so a send waits for its receive: the case where one stream for both directions would hang.
+WIDE, ROWS, PIPELINE_MICRO = 2048, 4096, 4
+
+
+def pipeline_train(strategy: str) -> dict[str, Any]:
+    """2 stages (one process per GPU), or the same script in one process: losses and every weight."""
+    epl.init(epl.Config({"pipeline.num_micro_batch": PIPELINE_MICRO, "pipeline.strategy": strategy}))
+    torch.manual_seed(0)
+    with epl.replicate(device_count=1, name="stage_0"):
+        first = nn.Sequential(nn.Linear(WIDE, WIDE), nn.ReLU())
+    with epl.replicate(device_count=1, name="stage_1"):
+        second = nn.Sequential(nn.Linear(WIDE, WIDE), nn.ReLU(), nn.Linear(WIDE, 4))
+    engine = epl.parallelize(
+        nn.Sequential(first, second), optimizer=lambda p: torch.optim.SGD(p, lr=1e-2), loss_fn=nn.MSELoss()
+    )
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(2):
+        x, y = torch.randn(ROWS, WIDE, generator=generator), torch.randn(ROWS, 4, generator=generator)
+        losses.append(float(engine.step(x, y)))
+    return {"losses": losses, "state": {k: v.detach().cpu() for k, v in engine.model.state_dict().items()}}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(_gpus() < 2, reason=f"needs 2 GPUs for NCCL between processes; this machine has {_gpus()}")
+@pytest.mark.parametrize("strategy", ["PreferBackward", "ZeroBubble"])
+def test_two_pipeline_stages_on_two_gpus_equal_one_gpu(strategy: str) -> None:
+    """Messages larger than NCCL's buffers both ways, receives posted ahead: nothing hangs, and the step (losses,
+    the loss all-reduce over stages on the GPUs, every weight) equals the same script on one GPU."""
+    expected = run_ranks(pipeline_train, 1, strategy, timeout=120)[0]
+    got = run_ranks(pipeline_train, 2, strategy, timeout=240)
+    for rank in got:
+        assert rank["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+        for name, value in rank["state"].items():
+            torch.testing.assert_close(value, expected["state"][name], rtol=1e-4, atol=1e-5, msg=name)

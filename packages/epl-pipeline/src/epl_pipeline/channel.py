@@ -123,8 +123,18 @@ class _Posted:
 class Channel:
     """One direction of values between this stage and a neighbour, with the matching gradients."""
 
-    def __init__(self, world: Communicator, peer: int, device: torch.device, what: str) -> None:
+    def __init__(
+        self,
+        world: Communicator,
+        peer: int,
+        device: torch.device,
+        what: str,
+        gradients: Communicator | None = None,
+    ) -> None:
+        """Values go to or come from member ``peer`` of ``world``; their gradients the same way, or by
+        ``gradients``, a communicator of their own over the same ranks."""
         self.world, self.peer, self.device, self.what = world, peer, device, what
+        self.gradient_world = gradients if gradients is not None else world
         self.description: Description | None = None
         self._pending: list[tuple[Work, torch.Tensor]] = []
         # Receives posted ahead of need (``prefetch``): their buffers and handles, oldest first.
@@ -179,14 +189,14 @@ class Channel:
         """Send the gradients of the received tensors that need one, in order."""
         for grad in grads:
             data = grad.detach().contiguous()
-            self._track(self.world.send(data, self.peer), data)
+            self._track(self.gradient_world.send(data, self.peer), data)
 
     def receive_gradients(self) -> list[torch.Tensor]:
         """Receive the gradients of the sent tensors that need one, in order."""
         if self._gradients_ahead:
             return self._gradients_ahead.popleft().wait()
         assert self.description is not None
-        return self._post(self._gradient_specs()).wait()
+        return self._post(self._gradient_specs(), gradients=True).wait()
 
     # -- receiving ahead -----------------------------------------------------------------
     def prefetch(self) -> None:
@@ -198,16 +208,17 @@ class Channel:
     def prefetch_gradients(self) -> None:
         """Post the receives of the next gradients now; the next :meth:`receive_gradients` takes them."""
         if self.description is not None:
-            self._gradients_ahead.append(self._post(self._gradient_specs()))
+            self._gradients_ahead.append(self._post(self._gradient_specs(), gradients=True))
 
     def _gradient_specs(self) -> list[_TensorSpec]:
         assert self.description is not None
         return [spec for spec in self.description.tensor_specs if spec.requires_grad]
 
-    def _post(self, specs: list[_TensorSpec]) -> _Posted:
-        """Start receiving one tensor of each of ``specs``, in order."""
+    def _post(self, specs: list[_TensorSpec], *, gradients: bool = False) -> _Posted:
+        """Start receiving one tensor of each of ``specs``, in order (values, or ``gradients``)."""
+        world = self.gradient_world if gradients else self.world
         tensors = [torch.empty(spec.shape, dtype=spec.dtype, device=self.device) for spec in specs]
-        return _Posted(tensors, [self.world.recv(tensor, self.peer) for tensor in tensors])
+        return _Posted(tensors, [world.recv(tensor, self.peer) for tensor in tensors])
 
     def flush(self) -> None:
         """Wait for every send started so far."""

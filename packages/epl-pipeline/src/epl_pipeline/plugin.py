@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     import click
+    import torch
     from torch import nn
 
     from epl.plugin_api import (
@@ -215,20 +216,44 @@ def _links(
     plan, rank, world = context.plan, context.cluster.rank, context.communicator
     lane = plan.lane_of(rank)
     between = [world] * (plan.num_stages - 1)
-    if plan.stages_per_rank > 1 and not one_stream_per_pair(schedule):
+    per_link = plan.stages_per_rank > 1 and not one_stream_per_pair(schedule)
+    if per_link:
         between = [_link_communicator(context, stage) for stage in range(plan.num_stages - 1)]
+    backward = between
+    if gradients_apart(context.cluster.device):
+        backward = (
+            [_link_communicator(context, stage) for stage in range(plan.num_stages - 1)]
+            if per_link
+            else [world.split([list(world.ranks)])] * (plan.num_stages - 1)
+        )
 
     def link(stage: int, to: int) -> StageLink:
         communicator = between[min(stage, to)]
+        apart = backward[min(stage, to)]
+        assert apart.ranks == communicator.ranks, "member indices must mean the same ranks in both directions"
+        gradients = None if apart is communicator else apart
         position = plan.lane_devices(stage, lane).index(rank)
         if shapes[stage] == shapes[to]:
-            return Link(communicator, communicator.ranks.index(plan.lane_devices(to, lane)[position]))
+            peer = communicator.ranks.index(plan.lane_devices(to, lane)[position])
+            return Link(communicator, peer, gradients)
         first, second = sorted((stage, to))
         members = tuple([communicator.ranks.index(d) for d in plan.lane_devices(s, lane)] for s in (first, second))
-        return boundary(communicator, members, (shapes[first], shapes[second]), stage == first, position)
+        return boundary(communicator, members, (shapes[first], shapes[second]), stage == first, position, gradients)
 
     last = plan.num_stages - 1
     return {s: (link(s, s - 1) if s > 0 else None, link(s, s + 1) if s < last else None) for s in local}
+
+
+def gradients_apart(device: torch.device) -> bool:
+    """Whether the gradients going back between two stages travel on a communicator of their own.
+
+    NCCL runs the sends and receives between two ranks on one stream, each waiting for the one before it: a
+    stage that posts its next gradient receive ahead of its next activation send, while its neighbour posts
+    its next activation receive ahead of its gradient send, would wait forever (torch.distributed.pipelining
+    batches the two for this reason). On their own communicators each direction is one ordered stream, as
+    every message is under gloo, which matches each alone: the CPU keeps one communicator.
+    """
+    return device.type != "cpu"
 
 
 def _link_communicator(context: ParallelContext, stage: int) -> Communicator:

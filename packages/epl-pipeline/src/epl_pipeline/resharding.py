@@ -116,6 +116,8 @@ class Boundary:
     #: Whether a receiving device holds the whole gradient of a value without the batch dimension (its stage
     #: runs whole micro-batches).
     whole_gradients: bool
+    #: The communicator over the same ranks that carries the gradients, when not ``communicator``.
+    gradient_communicator: Communicator | None = None
 
 
 def boundary(
@@ -124,10 +126,12 @@ def boundary(
     shapes: tuple[StageShape, StageShape],
     sending: bool,
     position: int,
+    gradient_communicator: Communicator | None = None,
 ) -> Boundary:
     """The side of the boundary of the device at ``position`` of the sending (``sending``) or receiving stage.
 
-    ``members``: the communicator's member index of each position of the sending and the receiving stage.
+    ``members``: the communicator's member index of each position of the sending and the receiving stage;
+    ``gradient_communicator``: the one over the same ranks that carries the gradients, when not ``communicator``.
     """
     into, back = forward_transfers(*shapes), backward_transfers(*shapes)
     senders, receivers = members
@@ -145,6 +149,7 @@ def boundary(
         tuple(gradients),
         Fraction(shapes[0].parts, shapes[1].parts),
         shapes[1].parts == 1,
+        gradient_communicator,
     )
 
 
@@ -158,7 +163,15 @@ class ReshardingChannel:
         self.description: Description | None = None
         self._values = [(route, Channel(side.communicator, route.peer, device, what)) for route in side.values]
         self._gradients = [
-            (route, Channel(side.communicator, route.peer, device, f"The gradients of {what[0].lower()}{what[1:]}"))
+            (
+                route,
+                Channel(
+                    side.gradient_communicator or side.communicator,  # gradients travel as values, the other way
+                    route.peer,
+                    device,
+                    f"The gradients of {what[0].lower()}{what[1:]}",
+                ),
+            )
             for route in side.gradients
         ]
         self._batched_gradients: list[bool] = []  # per value needing a gradient: whether it has rows

@@ -43,10 +43,12 @@ I, W = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT  # noqa: E741
 
 @dataclass(frozen=True)
 class Link:
-    """The way to a neighbouring stage's device: a communicator, and that device's member index in it."""
+    """The way to a neighbouring stage's device: a communicator, and that device's member index in it; and the
+    communicator over the same ranks that carries the gradients going the other way, when not the same one."""
 
     communicator: Communicator
     peer: int
+    gradients: Communicator | None = None
 
 
 #: The way to a neighbouring stage: one device (stages that run the micro-batch alike), or the devices that
@@ -64,7 +66,7 @@ class _StageChannels:
         def channel(link: StageLink | None, what: str) -> Channel | ReshardingChannel | None:
             if isinstance(link, Boundary):
                 return ReshardingChannel(link, device, what)
-            return None if link is None else Channel(link.communicator, link.peer, device, what)
+            return None if link is None else Channel(link.communicator, link.peer, device, what, link.gradients)
 
         self.inbound = channel(previous, f"The values stage {stage - 1} sends")
         self.outbound = channel(following, f"The values stage {stage} sends")
