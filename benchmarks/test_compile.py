@@ -95,19 +95,14 @@ def test_compiled_blocks_against_eager_and_the_plain_loop_compiled() -> None:
                    calls_per_round=calls, warmup=2, save=False)  # fmt: skip
     overhead = compare("compile_overhead", plain_step, lambda: compiled.step(batch), rounds=rounds,
                        calls_per_round=calls, warmup=2, save=False)  # fmt: skip
+    feature = "`compile.enabled` (inductor), transformers Llama, CPU"
     rows = [
-        ResultRow(
-            "`compile.enabled` (inductor), transformers Llama, CPU",
-            "the same engine eager",
-            time=gain.row(ResultRow("", "")).time,
-            plot="compile vs eager",
-        ),  # fmt: skip
-        ResultRow(
-            "`compile.enabled` (inductor), transformers Llama, CPU",
-            "plain loop, each block `torch.compile`d (torchtitan's way)",
-            time=overhead.row(ResultRow("", "")).time,
-            plot="compile vs plain compiled",
-        ),  # fmt: skip
+        gain.row(ResultRow(feature, "the same engine eager", plot="compile vs eager")),
+        overhead.row(
+            ResultRow(
+                feature, "plain loop, each block `torch.compile`d (torchtitan's way)", plot="compile vs plain compiled"
+            )
+        ),
     ]
     details = [
         f"eager {ms(gain.baseline_s * 1e3)}, compiled {ms(gain.epl_s * 1e3)} per step: ratio {gain.ratio:.3f}",

@@ -33,9 +33,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class PipelineState:
-    """epl-pipeline's state in a ParallelContext: the stage programs the runner executes."""
+    """epl-pipeline's state in a ParallelContext: the stage programs the runner executes, and its schedule."""
 
     program: StageProgram | None = None
+    schedule: Schedule | None = None
 
 
 @hookimpl
@@ -100,7 +101,8 @@ class KeepLocalStage:
         schedule = _schedule(context, plan.num_stages, plan.num_micro_batch)
         weights = ActionKind.BACKWARD_WEIGHT
         context.split_backward = any(a is not None and a.kind is weights for lane in schedule for a in lane)
-        context.state(PipelineState).program = program
+        state = context.state(PipelineState)
+        state.program, state.schedule = program, schedule
         device = context.cluster.device
         for name, owner_stage in roots.items():
             if owner_stage not in local:
@@ -150,8 +152,9 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     plan, rank = context.plan, context.cluster.rank
     lane = plan.lane_of(rank)
     local = context.pipeline_stages
-    program = context.state(PipelineState).program
-    assert local and program is not None, "KeepLocalStage (a model transform) runs before the runner"
+    state = context.state(PipelineState)
+    program, schedule = state.program, state.schedule
+    assert local and program is not None and schedule is not None, "KeepLocalStage (a model transform) runs first"
     _check_clipping(context)
     stages, shapes = plan.num_stages, stage_shapes(plan)
     world = context.communicator
@@ -169,7 +172,6 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
         loss_share = shapes[last].loss_share(plan.lane_devices(last, lane).index(rank)) / plan.context_degree
     if shapes[last].parts > 1:  # predict gathers the last stage's parts of each micro-batch
         last_stage = _group(world, [plan.lane_devices(last, r) for r in range(plan.num_lanes)])
-    schedule = _schedule(context, stages, plan.num_micro_batch)
     runner = PipelineStepRunner(
         model=context.model,
         optimizer=context.optimizer,

@@ -35,7 +35,7 @@ from epl.plugin_api import (
 from epl_pipeline.channel import Channel
 from epl_pipeline.program import StageProgram
 from epl_pipeline.resharding import Boundary, ReshardingChannel
-from epl_pipeline.schedules import Event
+from epl_pipeline.schedules import Event, micro_batch_order
 from epl_pipeline.split_backward import PendingWeights, backward, backward_input, backward_weight
 
 I, W = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT  # noqa: E741
@@ -158,7 +158,7 @@ class PipelineStepRunner:
             stage
             for stage in self.stages
             if self.channels[stage].inbound is None
-            and _order(self._actions, stage, (I,)) == _order(self._actions, stage, (W,))
+            and micro_batch_order(self._actions, stage, (I,)) == micro_batch_order(self._actions, stage, (W,))
         }
         self._in_flight: dict[tuple[int, int], _InFlight] = {}  # by (stage, micro-batch)
         self._losses: dict[int, torch.Tensor] = {}
@@ -346,8 +346,6 @@ class PipelineStepRunner:
 
     def _loss(self, output: Any, targets: Any) -> torch.Tensor:
         """The last stage's scalar loss of one micro-batch (inside the forward contexts)."""
-        if not self.forward_contexts:
-            return compute_loss(output, targets, self.loss_fn)
         with inside(self.forward_contexts):
             return compute_loss(output, targets, self.loss_fn)
 
@@ -388,10 +386,7 @@ class PipelineStepRunner:
             self._started = time.time()  # the action starts once its inputs have arrived
         self._receive_ahead()
         inputs = self._own_part(stage, inputs)
-        if self.forward_contexts:
-            with inside(self.forward_contexts):
-                result = self.program.run(self.model, stage, inputs, values)
-        else:
+        with inside(self.forward_contexts):
             result = self.program.run(self.model, stage, inputs, values)
         if outbound is not None:
             sent = outbound.send(result, rows=batch_size(inputs))
@@ -449,11 +444,6 @@ class PipelineStepRunner:
         if flight.outputs:
             backward(flight.outputs, grads)
         flight.outputs = flight.inputs = []
-
-
-def _order(actions: Sequence[Action], stage: int, kinds: tuple[ActionKind, ...]) -> list[int]:
-    """The micro-batches of ``stage``'s actions of ``kinds``, in the order ``actions`` runs them."""
-    return [a.micro_batch for a in actions if a.stage == stage and a.kind in kinds]
 
 
 def _flush(*channels: Channel | None) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from epl.plugin_api import Action, ActionKind, Schedule, ScheduleGenerator
@@ -290,7 +290,7 @@ def _check_link_orders(per_stage: Sequence[Sequence[Action]]) -> None:
     """``ValueError`` unless both ends of every link ``s -> s+1`` exchange their messages in the same order."""
 
     def order(stage: int, kinds: tuple[ActionKind, ...]) -> list[int]:
-        return [a.micro_batch for a in per_stage[stage] if a.kind in kinds]
+        return micro_batch_order(per_stage[stage], stage, kinds)
 
     for s in range(len(per_stage) - 1):
         sent, received = order(s, (F,)), order(s + 1, (F,))
@@ -305,6 +305,11 @@ def _check_link_orders(per_stage: Sequence[Sequence[Action]]) -> None:
                 f"stage {s + 1} sends its input gradients (B or I) in micro-batch order {sent} but stage {s} runs "
                 f"its B or I in order {received}; the executor matches messages in order, so they must agree"
             )
+
+
+def micro_batch_order(actions: Iterable[Action | None], stage: int, kinds: tuple[ActionKind, ...]) -> list[int]:
+    """The micro-batches of ``stage``'s actions of ``kinds``, in the order ``actions`` lists them."""
+    return [a.micro_batch for a in actions if a is not None and a.stage == stage and a.kind in kinds]
 
 
 def one_stream_per_pair(schedule: Schedule) -> bool:

@@ -18,9 +18,20 @@ from epl.sharding.norms import clip_grad_norm
 ForwardContext = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
+#: What :func:`inside` returns when there is nothing to enter (reusable: it holds no state).
+_NOTHING = contextlib.nullcontext()
+
+
+def inside(forward_contexts: Sequence[ForwardContext]) -> contextlib.AbstractContextManager[None]:
+    """Enter every one of ``forward_contexts`` (e.g. AMP's autocast) for a forward and its loss.
+
+    Without any (no AMP), a shared no-op: a forward then builds no context managers per micro-batch.
+    """
+    return _entered(forward_contexts) if forward_contexts else _NOTHING
+
+
 @contextlib.contextmanager
-def inside(forward_contexts: Sequence[ForwardContext]) -> Iterator[None]:
-    """Enter every one of ``forward_contexts`` (e.g. AMP's autocast) for a forward and its loss."""
+def _entered(forward_contexts: Sequence[ForwardContext]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for enter in forward_contexts:
             stack.enter_context(enter())
@@ -168,7 +179,5 @@ class LocalStepRunner:
 
     def loss(self, inputs: Any, targets: Any) -> torch.Tensor:
         """The scalar loss of ``inputs`` against ``targets`` (computed inside the forward contexts)."""
-        if not self.forward_contexts:  # nothing to enter (no AMP): no context managers to build per micro-batch
-            return compute_loss(call_model(self.model, inputs), targets, self.loss_fn)
         with inside(self.forward_contexts):
             return compute_loss(call_model(self.model, inputs), targets, self.loss_fn)
