@@ -163,3 +163,26 @@ def test_differently_seeded_devices_start_from_the_first_and_shards_do_not_cross
             torch.testing.assert_close(result["whole"][key], value, rtol=0, atol=0)
         assert "holds shard" in result["refused"] and "state_dict(full=True)" in result["refused"]
         assert result["only_shards_kept"]  # the whole tensors are not kept alive beside the shards
+
+
+def refused_in_one_stage() -> str:
+    """2 stages x split(2): a module no rule covers, in the first stage only."""
+    epl.init(epl.Config({"pipeline.num_micro_batch": 2, "communication.timeout": 30}))
+    with epl.split(2, name="stage_0"):
+        first = nn.Sequential(nn.Linear(4, 4), Mixer(4))
+    with epl.split(2, name="stage_1"):
+        second = nn.Linear(4, 4)
+    try:
+        epl.parallelize(nn.Sequential(first, second), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    except epl.AnnotationError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_a_module_without_a_rule_in_one_stage_is_refused_by_every_rank() -> None:
+    """The second stage's ranks refuse too, in the same phase: they do not go on into the pipeline's collectives
+    to wait there for the first stage's ranks, which have left (and, in a process that goes on, pair those
+    collectives with the next model's)."""
+    for message in run_ranks(refused_in_one_stage, 4, timeout=90):
+        assert "stage_0 (split(2)) holds the module '0.1'" in message and "Mixer" in message, message

@@ -86,12 +86,11 @@ def _decide_layout(model: nn.Module, context: ParallelContext) -> Layout:
     """The layout of the split TaskGraphs this rank runs."""
     rules = context.plugins.split_rules()
     mine = set(context.plan.taskgraphs_on(context.cluster.rank))
-    targets = [
-        t
-        for tg in context.taskgraphs
-        if tg.index in mine and tg.strategy.kind == "split"
-        for t in find_targets(model, tg, rules)
-    ]
+    # Every split TaskGraph's targets, not only this rank's: a module no rule covers is then refused by every
+    # rank here, before any collective. Were only its own ranks to refuse, the other stages' ranks would go on
+    # into the pipeline's collectives and wait there for ranks that have left.
+    found = {tg.index: find_targets(model, tg, rules) for tg in context.taskgraphs if tg.strategy.kind == "split"}
+    targets = [t for index, listed in found.items() if index in mine for t in listed]
     sequence_parallel = bool(context.config.get("split.sequence_parallel"))
     plan = context.plan
     if sequence_parallel and any(plan.batch_parts(i) > 1 for i in mine if plan.taskgraphs[i].strategy == "split"):
