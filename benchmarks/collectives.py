@@ -46,7 +46,8 @@ def collectives_of(step: Callable[[], object], element_size: int = 4) -> Collect
 
 def less_batch_check(counts: dict[str, int]) -> tuple[dict[str, int], int]:
     """``counts`` without the all-gathers of EPL's batch check (a few float64 numbers over a replica's ranks, in
-    its first steps and every 50th: :mod:`epl.runtime.batch_check`), and how many there were."""
+    its first steps and every 50th: :mod:`epl.runtime.batch_check`) and of its check of non-finite steps (two
+    numbers a rank, every step: :mod:`epl.runtime.nonfinite`), and how many there were."""
     check = {key: n for key, n in counts.items() if "allgather" in key and _numbers(key) < 64}
     return {key: n for key, n in counts.items() if key not in check}, sum(check.values())
 

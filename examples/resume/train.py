@@ -2,13 +2,13 @@
 
     epl launch --nproc-per-node 2 --max-restarts 2 examples/resume/train.py --fail-once-at 7
 
-On each start the script loads its last checkpoint (if there is one) and goes on from that step,
-skipping the batches it already trained on; `--fail-once-at STEP` makes rank 1 crash at that step on
-the first start only (EPL_RESTART_COUNT is 0), to show the restart. See README.md beside this file.
+On each start the script loads its last checkpoint (if there is one) and goes on from that step, its
+data loader from where it stood (the checkpoint records it); `--fail-once-at STEP` makes rank 1 crash at
+that step on the first start only (EPL_RESTART_COUNT is 0), to show the restart. See README.md beside this
+file.
 """
 
 import argparse
-import itertools
 import json
 import os
 from pathlib import Path
@@ -35,19 +35,18 @@ engine = epl.parallelize(
     loss_fn=nn.MSELoss(),
     lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps),
 )
-if args.checkpoint.exists():
-    engine.load(args.checkpoint)  # weights, optimizer, LR scheduler, step counter, RNG states
-
 samples = torch.Generator().manual_seed(1)  # its own generator: engine.load restores the global RNG's state
 data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=samples), torch.randn(64, 1, generator=samples))
 loader = epl.io.data_loader(data, batch_size=4, engine=engine, drop_last=True)
+if args.checkpoint.exists():
+    engine.load(args.checkpoint)  # weights, optimizer, LR scheduler, step counter, RNG states, the loader's place
 restart = int(os.environ.get("EPL_RESTART_COUNT", "0"))
-epoch, done = divmod(engine.global_step, len(loader))  # where the checkpoint left off
+epoch = loader.sampler.epoch  # the checkpoint's epoch (0 on a first start)
 losses = []
 with epl.Progress(engine, total=args.steps, log_every=1) as progress:
     while engine.global_step < args.steps:
         loader.sampler.set_epoch(epoch)
-        for x, y in itertools.islice(loader, done, None):  # skip what the checkpoint has trained on
+        for x, y in loader:  # after a load: the rest of the checkpoint's epoch
             loss = engine.step(x, y)
             losses.append(float(loss))
             progress.update(loss)
@@ -58,7 +57,7 @@ with epl.Progress(engine, total=args.steps, log_every=1) as progress:
                 engine.save(args.checkpoint)
             if step == args.steps:
                 break
-        epoch, done = epoch + 1, 0
+        epoch += 1
 
 if args.result is not None and epl.Env.get().cluster.rank == 0:
     weights = {name: value.tolist() for name, value in engine.model.state_dict().items()}

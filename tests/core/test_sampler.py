@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils.data import IterableDataset, TensorDataset
@@ -67,6 +69,8 @@ class Stream(IterableDataset):  # type: ignore[type-arg]
     ("call", "message"),
     [
         (lambda: epl.io.ReplicaSampler(DATA), "needs engine="),
+        # The order the docs once showed: the engine where the batch size goes.
+        (lambda: epl.io.data_loader(DATA, SimpleNamespace(num_replicas=2, replica_index=0)), "an Engine as batch_size"),
         (lambda: epl.io.ReplicaSampler(DATA, num_replicas=2, replica_index=2), "replica_index 2 is not in 0..1"),
         (lambda: epl.io.ReplicaSampler(Stream(), num_replicas=2, replica_index=0), "map-style dataset"),
         (

@@ -24,6 +24,8 @@ from tests.pipeline.test_split_stages import batches as split_stage_batches
 pytestmark = pytest.mark.multiprocess
 
 MICRO_BATCHES, REPLICA_ROWS = 4, 16  # 3 steps: the split-stage tests' batches
+#: Rows of a last evaluation: 4 micro-batches of 4, the last holding 1 row and 3 of padding.
+ODD_ROWS = 13
 MAX_NORM = 0.05
 TOLERANCE = 1e-10
 CONFIG = {
@@ -69,6 +71,10 @@ def train(stages: Stages, config: dict[str, Any]) -> dict[str, Any]:
     x, y = data[0]
     engine.eval()
     evaluated = {"loss": float(engine.evaluate(x[rows] * 2, y[rows])), "output": engine.predict(x[rows] * 2)}
+    # ODD_ROWS do not divide into the micro-batches: the last one is padded (a part of a replicate stage's is padding)
+    odd = slice(rows.start, rows.start + ODD_ROWS)
+    evaluated["odd loss"] = float(engine.evaluate(x[odd] * 2, y[odd]))
+    evaluated["odd output"] = engine.predict(x[odd] * 2)
     return pipeline_rank_result(engine, losses, norms, evaluated=evaluated)
 
 
@@ -98,8 +104,12 @@ def train_locally(stages: Stages, replicas: int, clip: bool = True) -> dict[str,
     with torch.no_grad():
         outputs = [model(xs * 2) for xs in x.chunk(replicas)]
         evaluated = [float(nn.functional.mse_loss(o, ys)) for o, ys in zip(outputs, y.chunk(replicas), strict=True)]
+        odd = [
+            float(nn.functional.mse_loss(o[:ODD_ROWS], ys[:ODD_ROWS]))
+            for o, ys in zip(outputs, y.chunk(replicas), strict=True)
+        ]
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "norms": norms, "state": state, "outputs": outputs, "evaluated": evaluated}
+    return {"losses": losses, "norms": norms, "state": state, "outputs": outputs, "evaluated": evaluated, "odd": odd}
 
 
 def assert_equal_to_local(
@@ -115,10 +125,13 @@ def assert_equal_to_local(
         torch.testing.assert_close(result["losses"], local["losses"][replica], **close)
         torch.testing.assert_close(result["norms"], local["norms"], **close)
         assert result["evaluated"]["loss"] == pytest.approx(local["evaluated"][replica], rel=TOLERANCE)
+        assert result["evaluated"]["odd loss"] == pytest.approx(local["odd"][replica], rel=TOLERANCE)
         if stage == 1:  # every device of the last stage returns the replica's whole outputs
             torch.testing.assert_close(result["evaluated"]["output"], local["outputs"][replica], **close)
+            expected = local["outputs"][replica][:ODD_ROWS]
+            torch.testing.assert_close(result["evaluated"]["odd output"], expected, **close)
         else:
-            assert result["evaluated"]["output"] is None
+            assert result["evaluated"]["output"] is None and result["evaluated"]["odd output"] is None
         for name, value in result["state"].items():
             torch.testing.assert_close(value, local["state"][name], msg=name, **close)
     assert {name for r in results for name in r["state"]} == set(local["state"])
@@ -187,7 +200,8 @@ def test_replicate_stages_refuse_clipping_before_the_reduction_and_batches_that_
     for message in run_ranks(clipping_before_the_reduction, 3, timeout=80):
         assert "'stage_0' is replicate(2)" in message and "communication.clip_after_allreduce=True" in message
     for message in run_ranks(rows_that_do_not_share_out, 3, timeout=80):
-        assert "A replica batch of 12 samples" in message and "multiple of 8" in message
+        assert "engine.step got a batch of 12 rows" in message and "replicate stages" in message
+        assert "multiples of 8" in message
 
 
 def test_each_row_moves_from_one_holder_spread_by_position() -> None:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         PlacementError,
         PluginError,
         UninitializedError,
+        VocabularyError,
     )
     from epl.interfaces.cluster import Cluster
     from epl.interfaces.communicator import Communicator, ReduceOp, Work
@@ -68,6 +69,7 @@ _EXPORTS = {
     "BatchError": "epl.errors",
     "BatchMismatchError": "epl.errors",
     "UninitializedError": "epl.errors",
+    "VocabularyError": "epl.errors",
     "ClusterError": "epl.errors",
     "ConfigError": "epl.errors",
     "EplError": "epl.errors",
@@ -91,6 +93,7 @@ __all__ = [
     "BatchError",
     "BatchMismatchError",
     "UninitializedError",
+    "VocabularyError",
     "CheckpointSave",
     "Cluster",
     "ClusterError",

@@ -43,6 +43,11 @@ class BatchMismatchError(EplError):
     """The ranks of one replica were given different batches (``io.check_batches``)."""
 
 
+class VocabularyError(EplError, IndexError):
+    """A token id or class label outside the vocabulary of a split embedding or output layer (an ``IndexError``, as
+    PyTorch raises for it in one process)."""
+
+
 class UninitializedError(EplError):
     """A tensor of a model built on the ``meta`` device that neither ``reset_parameters`` nor transformers'
     ``_init_weights`` initialises, so EPL cannot give it values (:mod:`epl.materialize`)."""

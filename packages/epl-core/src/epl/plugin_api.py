@@ -14,7 +14,9 @@ What is here, by what a plugin does with it:
   the core's :class:`LocalStepRunner` to build on, and the helpers runners share
   (:func:`micro_batches`, :func:`split_batch`, :func:`batch_size`, :func:`to_device`, :func:`as_arguments`,
   :func:`call_model`, :func:`compute_loss`, :func:`example_input`, :func:`tensors_in`, :func:`forked_rng`,
-  :func:`shapes_only`, :func:`meta_copy`, :func:`inside`, :func:`step_or_skip`, :func:`clip_grad_norm`,
+  :func:`shapes_only`, :func:`meta_copy`, :func:`inside`, :func:`step_or_skip` with the
+  :class:`NonFiniteCheck` it takes (every rank skips a step whose loss or gradients are not finite),
+  :func:`clip_grad_norm`,
   :func:`repeated_blocks` (a transformer's layers, for per-block techniques));
 * communicate: :class:`Communicator` (the protocol a communicator implements), :class:`Work`,
   :class:`CompletedWork`, :class:`ReduceOp`, :func:`broadcast_tensors`, :func:`communicators_for`,
@@ -88,6 +90,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.progress.bar import LAUNCH_TERMINAL_VARIABLE
     from epl.runtime.batch import as_arguments, batch_size, call_model, micro_batches, split_batch, to_device
     from epl.runtime.loss import compute_loss
+    from epl.runtime.nonfinite import NonFiniteCheck
     from epl.sharding.dataflow import example_input, forked_rng, tensors_in
     from epl.sharding.meta import meta_copy
     from epl.sharding.norms import clip_grad_norm
@@ -113,6 +116,7 @@ _EXPORTS: dict[str, str] = {
     "ForwardContext": "epl.builtin.local_runner",
     "inside": "epl.builtin.local_runner",
     "step_or_skip": "epl.builtin.local_runner",
+    "NonFiniteCheck": "epl.runtime.nonfinite",
     "micro_batches": "epl.runtime.batch",
     "clip_grad_norm": "epl.sharding.norms",
     "split_batch": "epl.runtime.batch",

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -88,7 +91,8 @@ def _option(*names: str, env: str, **kwargs: object):  # type: ignore[no-untyped
     env="LOG_DIR",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="Keep each rank's full output in LOG_DIR/rank_N.log.",
+    help="Keep each rank's full output in LOG_DIR/rank_N.log [default: a temporary folder, deleted when the job "
+    "succeeds].",
 )
 @_option("--mpi", "mpi", env="MPI", is_flag=True, help="Start the processes with mpiexec.")
 @_option(
@@ -150,8 +154,9 @@ def launch_command(
 
     TARGET is a Python file, a shell script (the manual's run.sh) or any command;
     the arguments after it are passed to it untouched. Each rank's output is shown
-    live with a [rank N] prefix. When a rank fails, the others are stopped and the
-    launcher exits with the failing rank's code.
+    live with a [rank N] prefix and kept whole in its log. When a rank fails, the
+    others are stopped, its error is shown once with its log, and the launcher exits
+    with the failing rank's code.
 
     \b
     Examples:
@@ -196,11 +201,20 @@ def launch_command(
         port = config.master_port or free_port(config.master_addr)
     except (LaunchError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
+    temporary = None
+    if log_dir is None:  # every rank's log all the same: a failure's message names the failed rank's
+        temporary = Path(tempfile.mkdtemp(prefix="epl-launch-logs-"))
+        config = dataclasses.replace(config, log_dir=temporary)
 
     def start(restart: int, port: int) -> Outcome:
         return run_mpi(config, port, restart) if config.mpi else LocalJob(config, port, restart).run()
 
-    outcome = run_with_restarts(config, port, start)
+    outcome: Outcome | None = None
+    try:
+        outcome = run_with_restarts(config, port, start)
+    finally:
+        if temporary is not None and (outcome is None or outcome.exit_code == 0 or outcome.interrupted):
+            shutil.rmtree(temporary, ignore_errors=True)  # kept after a failure: its message names the logs
     sys.exit(report(outcome))
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from epl_launch.config import LaunchConfig, default_omp_threads
 from epl_launch.output import RankOutput, terminal_environment
 from epl_launch.processes import signal_group
+from epl_launch.tracebacks import error_of, failed_lines, ranks_text
 
 #: Seconds between two looks at the workers.
 POLL_SECONDS = 0.05
@@ -88,21 +89,29 @@ class LocalJob:
         self.workers: list[subprocess.Popen[bytes]] = []
         self._readers: list[threading.Thread] = []
         self._interrupted: int | None = None
+        #: (local rank, exit code) of every rank that failed, once one has.
+        self._failed: list[tuple[int, int]] = []
 
     def run(self) -> Outcome:
         """Start the workers and wait: all succeed (0), one fails (its code), or a signal ends the job."""
         # Handled until every worker is gone: a second Ctrl-C must not cut the shutdown short.
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        outcome = Outcome(1)
         try:
             self._start()
-            return self._watch()
+            outcome = self._watch()
         finally:
             self._stop_all()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             for reader in self._readers:
                 reader.join(timeout=5)
-            self.output.close()
+            try:
+                if self._failed:  # told once every rank's output is in: the errors they printed last
+                    outcome = self._describe(self._failed)
+            finally:
+                self.output.close(show_held=not self._failed)
+        return outcome
 
     def _start(self) -> None:
         for local_rank in range(self.config.nproc_per_node):
@@ -135,46 +144,59 @@ class LocalJob:
                 )
             codes = [worker.poll() for worker in self.workers]
             if any(code not in (None, 0) for code in codes):
-                return self._failure()
+                self._failed = self._settle()
+                return Outcome(1)  # described once the ranks are stopped (run)
             if all(code == 0 for code in codes):
                 return Outcome(0)
+            self.output.release()  # tracebacks of ranks that went on after printing them
             time.sleep(POLL_SECONDS)
 
-    def _failure(self) -> Outcome:
-        """Name the rank that caused the failure, not one that failed because a peer went away.
-
-        Ranks whose peer died fail too, sometimes first. Wait a moment for the failures
-        to settle, then prefer a failed rank whose last output is not a lost-connection error.
-        """
+    def _settle(self) -> list[tuple[int, int]]:
+        """Every rank that failed, after a moment for the failures to settle: ranks whose peer died fail too,
+        sometimes first."""
         deadline = time.monotonic() + SETTLE_SECONDS
         while time.monotonic() < deadline and any(w.poll() is None for w in self.workers):
             time.sleep(POLL_SECONDS)
-        failed = [(i, w.returncode) for i, w in enumerate(self.workers) if w.returncode not in (None, 0)]
-        causes = [(i, code) for i, code in failed if not self._peer_lost(i)]
-        return self._describe(*(causes or failed)[0])
+        return [(i, w.returncode) for i, w in enumerate(self.workers) if w.returncode not in (None, 0)]
 
     def _peer_lost(self, local_rank: int) -> bool:
         recent = "".join(self.output.recent.get(self.config.global_rank(local_rank), ()))
         return PEER_LOST.search(recent) is not None
 
-    def _describe(self, local_rank: int, code: int) -> Outcome:
+    def _describe(self, failed: list[tuple[int, int]]) -> Outcome:
+        """Say what failed, once: the error each causing rank raised (not the errors of the ranks that only lost
+        their connection to it), then the rank that caused it, how it ended, and its log."""
+        causes = [(i, code) for i, code in failed if not self._peer_lost(i)] or failed
+        local_rank, code = causes[0]
         rank = self.config.global_rank(local_rank)
+        errors = {
+            self.config.global_rank(i): error_of(self.output.tracebacks.get(self.config.global_rank(i), ()))
+            for i, _ in causes
+        }
+        said = failed_lines(errors)
         if code < 0:
             how, exit_code = f"was killed by {signal.Signals(-code).name}", 128 - code
         else:
             how, exit_code = f"exited with code {code}", code
-        log = self.output.log_path(rank)
-        where = f"; its log: {log}" if log is not None else " (use --log-dir to keep each rank's log)"
+        where = self._logs([r for r, error in errors.items() if error is not None and error == errors[rank]] or [rank])
         late = LATE_RANKS.findall("".join(self.output.recent.get(rank, ())))
         if late:  # the rank that failed only reported the one that stopped arriving
-            names = late[-1].split(", ")
-            who = f"rank {names[0]}" if len(names) == 1 else f"ranks {', '.join(names)}"
-            return Outcome(
-                exit_code,
+            who = ranks_text(late[-1].split(", "))
+            said.append(
                 f"epl launch: {who} stopped taking part in collectives: rank {rank}'s collective timed out "
-                f"waiting for it and {how}{where}. Stopped the other ranks.",
+                f"waiting for it and {how}{where}. Stopped the other ranks."
             )
-        return Outcome(exit_code, f"epl launch: rank {rank} {how}{where}. Stopped the other ranks.")
+        else:
+            said.append(f"epl launch: rank {rank} {how}{where}. Stopped the other ranks.")
+        return Outcome(exit_code, "\n".join(said))
+
+    def _logs(self, ranks: list[int]) -> str:
+        """``; its log: PATH`` (the first of ``ranks``), with the logs of the others that raised the same error."""
+        paths = [self.output.log_path(rank) for rank in ranks]
+        if paths[0] is None:
+            return ""
+        others = ", ".join(f"rank {rank}'s: {path}" for rank, path in zip(ranks[1:], paths[1:], strict=True))
+        return f"; its log: {paths[0]}" + (f" ({others})" if others else "")
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._interrupted = signum

@@ -18,6 +18,7 @@ from epl_launch.config import GROUPS_DIR_VARIABLE, LaunchConfig, LaunchError, de
 from epl_launch.local import POLL_SECONDS, STOP_SIGNALS, Outcome, restart_environment
 from epl_launch.output import RankOutput
 from epl_launch.processes import signal_group
+from epl_launch.tracebacks import error_of, failed_lines
 
 #: The prefix epl_launch.mpi_worker puts on every line.
 _PREFIX = re.compile(rb"^\[rank (\d+)\] ")
@@ -73,20 +74,23 @@ def run_mpi(config: LaunchConfig, master_port: int, restart: int = 0) -> Outcome
     )
     reader = threading.Thread(target=_copy_output, args=(job, output), daemon=True)
     reader.start()
+    failed = False
     try:
         while job.poll() is None and not stop:
+            output.release()  # tracebacks of ranks that went on after printing them
             time.sleep(POLL_SECONDS)
         if stop:
             _stop(job, config.grace_period)
             name = signal.Signals(stop[0]).name
             return Outcome(128 + stop[0], f"epl launch: {name} received; mpiexec stopped every rank.", interrupted=True)
         reader.join(timeout=5)
+        failed = job.returncode != 0
         return _mpi_outcome(job.returncode, groups, output)
     finally:
         _end_groups(groups)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        output.close()
+        output.close(show_held=not failed)
 
 
 def _copy_output(job: subprocess.Popen[bytes], output: RankOutput) -> None:
@@ -122,7 +126,7 @@ def _mpi_outcome(code: int, groups: Path, output: RankOutput) -> Outcome:
         return Outcome(exit_code, f"epl launch: the MPI job failed with code {code}.")
     _, rank_code, rank = failures[0]
     log = output.log_path(rank)
-    where = f"; its log: {log}" if log is not None else " (use --log-dir to keep each rank's log)"
-    return Outcome(
-        rank_code, f"epl launch: rank {rank} exited with code {rank_code}{where}. mpiexec stopped the other ranks."
-    )
+    where = f"; its log: {log}" if log is not None else ""
+    said = failed_lines({rank: error_of(output.tracebacks.get(rank, ()))})
+    said.append(f"epl launch: rank {rank} exited with code {rank_code}{where}. mpiexec stopped the other ranks.")
+    return Outcome(rank_code, "\n".join(said))

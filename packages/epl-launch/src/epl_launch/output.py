@@ -5,6 +5,12 @@ returns (``\\r``) and no newline: when the launcher's output is a terminal, the 
 redraw is shown in place as the *status line* (the ranks are told with ``EPL_LAUNCH_TERMINAL``,
 see :func:`terminal_environment`), cleared before other lines and drawn again after them.
 Elsewhere (a pipe, a file) only whole lines are written, a redrawn line in its last state.
+
+A traceback (``Traceback (most recent call last):`` and what follows) goes to the rank's log
+at once but is *held* from the terminal: when the rank ends with it, the launcher shows its
+error once (:mod:`epl_launch.tracebacks`), not every rank's whole traceback. When the rank
+goes on instead (an error it caught and logged), the launcher shows the held lines
+``HOLD_SECONDS`` after the traceback began, in order (:meth:`RankOutput.release`).
 """
 
 from __future__ import annotations
@@ -13,15 +19,19 @@ import collections
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import IO
 
 from epl.plugin_api import LAUNCH_TERMINAL_VARIABLE
+from epl_launch.tracebacks import starts_traceback
 
 #: Lines of each rank's output kept in memory (to tell a failure's cause from its consequences).
 RECENT_LINES = 50
 #: Bytes read from a rank's output at a time (whatever is there, up to this).
 READ_BYTES = 65536
+#: Seconds a traceback is held from the terminal while its rank still runs; then it is shown as printed.
+HOLD_SECONDS = 3.0
 #: Moves to the start of the line and clears it.
 CLEAR_LINE = "\r\x1b[K"
 
@@ -53,6 +63,10 @@ class RankOutput:
         self.recent: dict[int, collections.deque[str]] = {
             rank: collections.deque(maxlen=RECENT_LINES) for rank in ranks
         }
+        #: Each rank's last traceback (from its first line on), shown or not.
+        self.tracebacks: dict[int, list[str]] = {}
+        self._held: dict[int, list[str]] = {}  # lines not shown yet, from a traceback's first line on
+        self._held_since: dict[int, float] = {}  # when each held block began
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
             for rank in ranks:  # a fresh, existing log per rank, even for a rank that prints nothing; a restart adds
@@ -75,11 +89,32 @@ class RankOutput:
         if rank in self.recent:
             self.recent[rank].append(text + "\n")
         with self._lock:
-            clear = CLEAR_LINE if self._status else ""
-            if rank == self._status_rank:  # the rank's own line replaces its redrawn one
-                self._status, self._status_rank = "", None
-            sys.stdout.write(f"{clear}{prefix(rank)}{text}\n{self._status}")
-            sys.stdout.flush()
+            if rank in self._held or starts_traceback(text):
+                if rank not in self._held:
+                    self.tracebacks[rank] = []
+                    self._held_since[rank] = time.monotonic()
+                self._held.setdefault(rank, []).append(text)
+                self.tracebacks[rank].append(text)
+                return
+            self._write(rank, text)
+
+    def _write(self, rank: int, text: str) -> None:
+        """Show one line of ``rank``'s on the terminal, prefixed (the lock held)."""
+        clear = CLEAR_LINE if self._status else ""
+        if rank == self._status_rank:  # the rank's own line replaces its redrawn one
+            self._status, self._status_rank = "", None
+        sys.stdout.write(f"{clear}{prefix(rank)}{text}\n{self._status}")
+        sys.stdout.flush()
+
+    def release(self, age: float | None = HOLD_SECONDS) -> None:
+        """Show the tracebacks held for ``age`` seconds or more (None: all of them), as printed, with the lines
+        held after them: their rank went on after printing them."""
+        now = time.monotonic()
+        with self._lock:
+            for rank in [r for r, since in self._held_since.items() if age is None or now - since >= age]:
+                for text in self._held.pop(rank):
+                    self._write(rank, text)
+                del self._held_since[rank]
 
     def status(self, rank: int, text: str) -> None:
         """Rank ``rank`` redrew its current line as ``text``: show it in place (on a terminal only)."""
@@ -111,8 +146,13 @@ class RankOutput:
         thread.start()
         return thread
 
-    def close(self) -> None:
-        """Close the log files."""
+    def close(self, *, show_held: bool = True) -> None:
+        """Close the log files; ``show_held``: show the tracebacks still held first (when the job did not fail: the
+        ranks caught those errors), else leave them to the logs (the launcher has said what failed)."""
+        if show_held:
+            self.release(None)
+        self._held.clear()
+        self._held_since.clear()
         for log in self._logs.values():
             log.close()
         self._logs.clear()

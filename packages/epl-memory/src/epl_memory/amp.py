@@ -12,8 +12,11 @@ its backward; once the gradients are reduced (or just before they are clipped) t
 are multiplied by the float32 reciprocal of the scale, noting any inf or NaN; whether
 any rank noted one is agreed over the world communicator (ranks of other pipeline
 stages or ZeRO partitions hold other gradients), and then every rank skips the
-update. A dynamic scale starts at 2^15, halves on a skipped step and doubles after
-``amp.growth_interval`` consecutive good steps; a fixed ``amp.loss_scale`` never changes.
+update. EPL's step runners fold that agreement into the core's check of non-finite steps
+(``found_nonfinite`` gives this rank's finding, ``record`` takes every rank's verdict: one
+all-gather for both); ``update`` agrees on its own. A dynamic scale starts at 2^15, halves
+on a skipped step and doubles after ``amp.growth_interval`` consecutive good steps; a fixed
+``amp.loss_scale`` never changes.
 """
 
 from __future__ import annotations
@@ -168,14 +171,28 @@ class AmpLossScaler:
         Unscales first if that has not happened in this step. With more than one process
         this is an all-reduce over the world communicator, so every rank must call it.
         """
-        self.unscale(params)
-        flag = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for found in self._found:
-            flag += found.to(self.device)
+        flag = self.found_nonfinite(params).reshape(1)
         if self.communicator is not None and self.communicator.world_size > 1:
             self.communicator.all_reduce(flag, ReduceOp.MAX).wait()
-        finite = bool(flag.item() == 0)
+        return self.record(bool(flag.item() == 0))
+
+    @torch.no_grad()
+    def found_nonfinite(self, params: Iterable[nn.Parameter]) -> torch.Tensor:
+        """This rank's finding alone (no collective, no host sync): a float32 scalar on the device, above 0 when
+        one of its gradients was not finite. Unscales first if that has not happened in this step.
+
+        The step runners agree it with every rank (epl-core's ``NonFiniteCheck``), then call :meth:`record`.
+        """
+        self.unscale(params)
+        flag = torch.zeros((), dtype=torch.float32, device=self.device)
+        for found in self._found:
+            flag += found.to(self.device)
         self.start()
+        return flag
+
+    def record(self, finite: bool) -> bool:
+        """Adjust the scale by every rank's verdict on this step's gradients (``finite``: none found an inf or
+        NaN); return ``finite`` (True: the update is applied)."""
         if not finite:
             self.skipped_steps += 1
             self.growth_tracker = 0

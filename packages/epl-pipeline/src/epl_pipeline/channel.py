@@ -4,9 +4,13 @@ The first time a stage sends, it sends a description (the value's structure, and
 tensor its shape, dtype and whether it needs a gradient; non-tensor leaves, and
 :class:`ShapeOnly` stand-ins for tensors whose values are not needed, as constants);
 from then on only the tensors travel, and the receiver allocates them from the
-description. Gradients travel back with the shapes both sides already know. A receiver may
-post its next receive early (``prefetch``), so that the values travel while it computes;
-receives are still posted in the order the sender sends.
+description. Each call (a training step, an evaluation, a prediction) starts with
+:meth:`Channel.begin`: its first transfer then carries one number, 0 when the values keep
+the last call's description, else the length of the new description that follows, so that
+calls may differ in batch size; within a call every micro-batch must keep the description.
+Gradients travel back with the shapes both sides already know. A receiver may post its next
+receive early (``prefetch``), so that the values travel while it computes; receives are
+still posted in the order the sender sends.
 """
 
 from __future__ import annotations
@@ -136,43 +140,66 @@ class Channel:
         self.world, self.peer, self.device, self.what = world, peer, device, what
         self.gradient_world = gradients if gradients is not None else world
         self.description: Description | None = None
+        #: Whether this call's first transfer (which says whether the description changed) has happened.
+        self._settled = False
         self._pending: list[tuple[Work, torch.Tensor]] = []
         # Receives posted ahead of need (``prefetch``): their buffers and handles, oldest first.
         self._values_ahead: collections.deque[_Posted] = collections.deque()
         self._gradients_ahead: collections.deque[_Posted] = collections.deque()
 
+    def begin(self) -> None:
+        """Start a call (a step, an evaluation, a prediction): its first transfer says whether the values'
+        description changed since the last call (e.g. a batch of another size). Both ends call it, in the same
+        order of calls."""
+        self._settled = False
+
     # -- forward: values ---------------------------------------------------------------
     def send(self, values: list[Any], rows: int | None = None) -> list[torch.Tensor]:
-        """Send ``values`` (their description the first time); return the tensors sent.
+        """Send ``values`` (first in a call: whether their description changed, and if so the new one); return
+        the tensors sent.
 
         ``rows`` (this device's rows of the micro-batch) is unused: the peer takes every row.
         """
         description, tensors = Description.of(values)
-        if self.description is None:
-            encoded = description.encode()
-            length = torch.tensor([encoded.numel()], dtype=torch.int64)
-            self._track(self.world.send(length, self.peer), length)
-            self._track(self.world.send(encoded, self.peer), encoded)
-            self.description = description
+        if not self._settled:
+            self._announce(description)
         elif description != self.description:
+            assert self.description is not None
             raise EplError(
-                f"{self.what} changed between micro-batches: first {self._summary(self.description)}, now "
-                f"{self._summary(description)}. Pipelines need the same shapes every step: give every "
-                "batch the same size (drop_last=True) and keep the same structure."
+                f"{self.what} changed between micro-batches of one batch: {self._summary(self.description)} for the "
+                f"first, {self._summary(description)} now. The batch is cut into micro-batches of equal size, and "
+                "each must give every stage the same shapes and structure: make the model's outputs depend only on "
+                "the shapes of its inputs (e.g. pad every sequence of a batch to one length)."
             )
         for tensor in tensors:
             data = tensor.detach().contiguous()
             self._track(self.world.send(data, self.peer), data)
         return tensors
 
+    def _announce(self, description: Description) -> None:
+        """This call's first transfer: 0 when ``description`` is the last call's, else its length and itself."""
+        if description == self.description:
+            same = torch.zeros(1, dtype=torch.int64)
+            self._track(self.world.send(same, self.peer), same)
+        else:
+            encoded = description.encode()
+            length = torch.tensor([encoded.numel()], dtype=torch.int64)
+            self._track(self.world.send(length, self.peer), length)
+            self._track(self.world.send(encoded, self.peer), encoded)
+            self.description = description
+        self._settled = True
+
     def receive(self) -> tuple[list[Any], list[torch.Tensor]]:
         """Receive values; the tensors that need a gradient come as leaves that collect it."""
-        if self.description is None:
+        if not self._settled:
             length = torch.empty(1, dtype=torch.int64)
             self.world.recv(length, self.peer).wait()
-            encoded = torch.empty(int(length), dtype=torch.uint8)
-            self.world.recv(encoded, self.peer).wait()
-            self.description = Description.decode(encoded)
+            if int(length):
+                encoded = torch.empty(int(length), dtype=torch.uint8)
+                self.world.recv(encoded, self.peer).wait()
+                self.description = Description.decode(encoded)
+            self._settled = True
+        assert self.description is not None, "the sender describes its values in its first call"
         posted = self._values_ahead.popleft() if self._values_ahead else self._post(self.description.tensor_specs)
         tensors = posted.wait()
         arrived = iter(tensors)
@@ -202,12 +229,12 @@ class Channel:
     def prefetch(self) -> None:
         """Post the receives of the next values now (once their description is known), so that they travel
         while this stage computes; the next :meth:`receive` takes them."""
-        if self.description is not None:
+        if self._settled:
             self._values_ahead.append(self._post(self.description.tensor_specs))
 
     def prefetch_gradients(self) -> None:
         """Post the receives of the next gradients now; the next :meth:`receive_gradients` takes them."""
-        if self.description is not None:
+        if self._settled:
             self._gradients_ahead.append(self._post(self._gradient_specs(), gradients=True))
 
     def _gradient_specs(self) -> list[_TensorSpec]:
@@ -232,7 +259,10 @@ class Channel:
 
     @staticmethod
     def _summary(description: Description) -> str:
+        """The values' tensors as ``float32[4, 64, 128]`` (dtype and shape), other values as they are."""
         return ", ".join(
-            f"{str(s.dtype).removeprefix('torch.')}{list(s.shape)}" if isinstance(s, _TensorSpec) else repr(s)
+            f"{str(s.dtype).removeprefix('torch.')}{list(s.shape)}"
+            if isinstance(s, (_TensorSpec, ShapeOnly))
+            else repr(s)
             for s in description.leaves
         )

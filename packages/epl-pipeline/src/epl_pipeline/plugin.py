@@ -146,6 +146,7 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     """The pipeline executor, running the schedule named by ``pipeline.strategy``."""
     if not _pipelined(context):
         return None
+    from epl.plugin_api import NonFiniteCheck
     from epl_pipeline.runner import PipelineStepRunner
     from epl_pipeline.stages import stage_shapes
 
@@ -194,6 +195,7 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
         shares=shares,
         last_stage=last_stage,
         rows_multiple=math.lcm(*(shape.parts for shape in shapes)),
+        nonfinite=NonFiniteCheck.from_context(context),
     )
     return runner
 

@@ -177,6 +177,11 @@ class ReshardingChannel:
         self._batched_gradients: list[bool] = []  # per value needing a gradient: whether it has rows
         self._rows = 0  # this device's rows of each micro-batch
 
+    def begin(self) -> None:
+        """Start a call (see :meth:`Channel.begin`) on every channel of the boundary, values and gradients."""
+        for _, channel in [*self._values, *self._gradients]:
+            channel.begin()
+
     # -- forward: values ---------------------------------------------------------------
     def send(self, values: list[Any], rows: int | None = None) -> list[torch.Tensor]:
         """Send each receiving device its rows of ``values`` (``rows``: this device's rows); return the tensors."""

@@ -21,6 +21,7 @@ from epl.plugin_api import (
     GradientReducer,
     LossFn,
     LossScaler,
+    NonFiniteCheck,
     Schedule,
     Work,
     batch_size,
@@ -33,6 +34,7 @@ from epl.plugin_api import (
     to_device,
 )
 from epl_pipeline.channel import Channel
+from epl_pipeline.padding import Cut, cut, first_rows
 from epl_pipeline.program import StageProgram
 from epl_pipeline.resharding import Boundary, ReshardingChannel
 from epl_pipeline.schedules import Event, micro_batch_order
@@ -70,8 +72,14 @@ class _StageChannels:
 
         self.inbound = channel(previous, f"The values stage {stage - 1} sends")
         self.outbound = channel(following, f"The values stage {stage} sends")
-        self.eval_inbound = channel(previous, f"What stage {stage - 1} sends while evaluating")
-        self.eval_outbound = channel(following, f"What stage {stage} sends while evaluating")
+        self.eval_inbound = channel(previous, f"What stage {stage - 1} sends in engine.evaluate or predict")
+        self.eval_outbound = channel(following, f"What stage {stage} sends in engine.evaluate or predict")
+
+    def begin(self, *, training: bool) -> None:
+        """Start a call on the training or the forward-only channels: the values' description may change."""
+        for channel in (self.inbound, self.outbound) if training else (self.eval_inbound, self.eval_outbound):
+            if channel is not None:
+                channel.begin()
 
     def flush(self) -> None:
         """Wait for every send started on the training channels."""
@@ -104,7 +112,9 @@ class PipelineStepRunner:
     Each stage forward and the last stage's loss run inside ``forward_contexts`` (e.g.
     AMP's autocast), the backward outside them. With a ``loss_scaler`` the last stage
     scales each micro-batch's loss before its backward; after the reduction the gradients
-    are unscaled and the update is skipped when any rank of the job found a non-finite one.
+    are unscaled. The update is skipped on every rank when any rank of the job found a loss
+    or gradients that are not finite (``nonfinite``, the core's ``NonFiniteCheck``; the loss
+    scaler's check folded in).
     With ``max_grad_norm`` the gradients are clipped by their 2-norm over every stage of the
     replica (``stage_peers``: the devices at this position of every stage) and every shard;
     a weight tied between stages (each holds a copy) is counted once, by its first stage.
@@ -134,6 +144,7 @@ class PipelineStepRunner:
         last_stage: Communicator | None = None,
         stage_copies: int = 1,
         rows_multiple: int = 1,
+        nonfinite: NonFiniteCheck | None = None,
     ) -> None:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.program, self.num_micro_batch = program, num_micro_batch
@@ -178,6 +189,10 @@ class PipelineStepRunner:
         self._grad_norm: torch.Tensor | None = None
         #: The step's loss all-reduce over the replica, once started, and the tensor it fills.
         self._loss_sum: tuple[Work, torch.Tensor] | None = None
+        #: Decides with every rank whether each step's update is applied (None: the loss scaler alone decides).
+        self.nonfinite = nonfinite
+        #: This rank's micro-batch losses of the step (the last stage's; None elsewhere), for ``nonfinite``.
+        self._own_losses: torch.Tensor | None = None
 
     @property
     def grad_norm(self) -> float | None:
@@ -213,6 +228,8 @@ class PipelineStepRunner:
         if self.optimizer is None:
             raise EplError("Engine.step needs an optimizer: pass optimizer=... to epl.parallelize().")
         pieces = self._micro_batches(inputs, targets)
+        for channels in self.channels.values():
+            channels.begin(training=True)  # a batch of another size than the last step's is described again
         self.optimizer.zero_grad(set_to_none=True)
         if self.gradient_reducer is not None:
             self.gradient_reducer.start()
@@ -243,7 +260,15 @@ class PipelineStepRunner:
             clip()
         if self.loss_scaler is not None:
             self.loss_scaler.unscale(self._params)
-        step_or_skip(self.optimizer, self.loss_scaler, self._params)
+        own_losses, self._own_losses = self._own_losses, None
+        step_or_skip(
+            self.optimizer,
+            self.loss_scaler,
+            self._params,
+            check=self.nonfinite,
+            loss=own_losses,
+            grad_norm=self._grad_norm,
+        )
         assert self._loss_sum is not None, "the last stage starts the loss all-reduce after its last loss"
         (work, loss), self._loss_sum = self._loss_sum, None
         work.wait()
@@ -251,9 +276,19 @@ class PipelineStepRunner:
 
     @torch.no_grad()
     def evaluate(self, inputs: Any, targets: Any = None) -> torch.Tensor:
-        """The replica's mean loss of one replica batch by a forward-only pass (no gradient, no update)."""
-        work, loss = self._replica_loss(self._forward_only(inputs, targets, with_loss=True))
-        work.wait()
+        """The replica's mean loss of one replica batch of any size by a forward-only pass (no gradient, no update).
+
+        Each micro-batch's loss counts by its rows that are not padding (a batch that does not divide into the
+        micro-batches has its last one padded): the mean over the batch's rows, as one process computes it.
+        """
+        results, pieces = self._forward_only(inputs, targets, call="engine.evaluate")
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)  # every member's on the replica's device
+        if self.last and self.loss_share and results:
+            _, parts = self.shares[self.stages[-1]]
+            rows = torch.tensor([real for _, real in results], dtype=torch.float64, device=self.device)
+            losses = torch.stack([value for value, _ in results]).to(torch.float64)
+            loss = (losses * rows).sum() * (parts / pieces.total) * self.loss_share
+        self.replica.all_reduce(loss).wait()
         return loss
 
     def _replica_loss(self, losses: list[torch.Tensor]) -> tuple[Work, torch.Tensor]:
@@ -272,17 +307,24 @@ class PipelineStepRunner:
         collectives keep one order on every stage: this one comes before the clipping's, on each of them).
         """
         self._loss_sum = self._replica_loss(losses)
+        self._own_losses = torch.stack(losses) if losses else None
         self._losses.clear()
 
     def _micro_batches(self, inputs: Any, targets: Any) -> list[tuple[Any, Any]]:
         """``inputs`` and ``targets`` on this device, cut into micro-batches whose rows share out over every stage."""
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         size, multiple = batch_size(inputs), self.num_micro_batch * self.rows_multiple
-        if self.rows_multiple > 1 and size is not None and size % multiple:
+        if size is not None and size % multiple:
+            shared = (
+                f" that each share out over the pipeline's replicate stages ({self.rows_multiple} equal parts)"
+                if self.rows_multiple > 1
+                else ""
+            )
             raise BatchError(
-                f"A replica batch of {size} samples cannot be cut into {self.num_micro_batch} micro-batches that "
-                f"each share out over the pipeline's replicate stages ({self.rows_multiple} equal parts). Use a "
-                f"batch size that is a multiple of {multiple}."
+                f"engine.step got a batch of {size} rows, which does not divide into pipeline.num_micro_batch="
+                f"{self.num_micro_batch} micro-batches of equal size{shared}. Train on batch sizes that are multiples "
+                f"of {multiple} (they may change from step to step); a DataLoader's last batch of an epoch is smaller "
+                "unless drop_last=True. engine.evaluate and engine.predict take batches of any size."
             )
         return micro_batches(inputs, targets, self.num_micro_batch)
 
@@ -295,11 +337,15 @@ class PipelineStepRunner:
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
-        """The model's outputs for a replica batch on the last stage's ranks (micro-batches joined), None elsewhere."""
-        results = self._forward_only(inputs, None, with_loss=False)
+        """The model's outputs for a replica batch of any size on the last stage's ranks (micro-batches joined,
+        padding rows left out), None elsewhere."""
+        results, pieces = self._forward_only(inputs, None, call="engine.predict")
         if not self.last:
             return None
-        results = [self._whole_micro_batch(result) for result in results]
+        results = [
+            first_rows(self._whole_micro_batch(result), pieces.rows, real)[0]
+            for result, real in zip(results, pieces.real, strict=True)
+        ]
         if len(results) == 1:
             return results[0]
         return pytree.tree_map(
@@ -323,11 +369,19 @@ class PipelineStepRunner:
             whole.append(leaf)
         return pytree.tree_unflatten(whole, structure)
 
-    def _forward_only(self, inputs: Any, targets: Any, *, with_loss: bool) -> list[Any]:
-        """Each micro-batch through this rank's stages in order: received, run, sent on (the last stage: output or
-        loss). Every rank goes through (micro-batch, stage) in the same order, so none waits on a later one."""
+    def _forward_only(self, inputs: Any, targets: Any, *, call: str) -> tuple[list[Any], Cut]:
+        """Each micro-batch through this rank's stages in order: received, run, sent on. The last stage gives each
+        micro-batch's output (``engine.predict``), or its loss and this device's rows of it that are not padding
+        (``engine.evaluate``; a part of padding only gives none). Every rank goes through (micro-batch, stage) in
+        the same order, so none waits on a later one. Also returns how the batch was cut."""
+        with_loss = call == "engine.evaluate"
+        inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
+        own_loss = with_loss and self.loss_fn is None and targets is None
+        pieces = cut(inputs, targets, self.num_micro_batch, self.rows_multiple, call=call, own_loss=own_loss)
+        for channels in self.channels.values():
+            channels.begin(training=False)  # a batch of another size than the last call's is described again
         results = []
-        for micro_inputs, micro_targets in self._micro_batches(inputs, targets):
+        for (micro_inputs, micro_targets), real in zip(pieces.pieces, pieces.real, strict=True):
             for stage in self.stages:
                 channels = self.channels[stage]
                 received = channels.eval_inbound.receive()[0] if channels.eval_inbound is not None else None
@@ -337,12 +391,39 @@ class PipelineStepRunner:
                 if channels.eval_outbound is not None:
                     channels.eval_outbound.send(result, rows=batch_size(own_inputs))
                 elif with_loss:
-                    results.append(self._loss(result, self._own_part(stage, micro_targets)).detach())
+                    rows, own_real = self._rows_on(stage, pieces.rows, real)
+                    if own_real:
+                        own_targets = self._own_part(stage, micro_targets)
+                        loss = self._loss_of_rows(result, own_targets, rows, own_real, pieces)
+                        results.append((loss.detach(), own_real))
                 else:
                     results.append(result)
         for channels in self.channels.values():
             channels.flush_eval()
-        return results
+        return results, pieces
+
+    def _rows_on(self, stage: int, rows: int, real: int) -> tuple[int, int]:
+        """This device's rows of a micro-batch of ``rows`` on ``stage``, and how many of them are not padding (the
+        micro-batch's first ``real`` rows are the batch's)."""
+        index, count = self.shares[stage]
+        own = rows // count
+        return own, min(max(real - index * own, 0), own)
+
+    def _loss_of_rows(self, output: Any, targets: Any, rows: int, real: int, pieces: Cut) -> torch.Tensor:
+        """The loss of the first ``real`` of the micro-batch's ``rows`` (the others are padding): with ``loss_fn``,
+        of the outputs and targets cut to them; the model's own loss ignores them by their labels (-100)."""
+        if real < rows and self.loss_fn is not None:
+            output, found = first_rows(output, rows, real)
+            targets = first_rows(targets, rows, real)[0]
+            if not found:
+                raise BatchError(
+                    f"engine.evaluate got a batch of {pieces.total} rows, which does not divide into "
+                    f"pipeline.num_micro_batch={self.num_micro_batch} micro-batches, so its last micro-batch is "
+                    f"padded; the model's output ({type(output).__name__}) holds no tensor with a row per sample, so "
+                    "EPL cannot leave the padding rows out before loss_fn. Pass a batch size that is a multiple of "
+                    f"{self.num_micro_batch * self.rows_multiple}."
+                )
+        return self._loss(output, targets)
 
     def _loss(self, output: Any, targets: Any) -> torch.Tensor:
         """The last stage's scalar loss of one micro-batch (inside the forward contexts)."""

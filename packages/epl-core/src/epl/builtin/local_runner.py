@@ -13,6 +13,7 @@ from epl.errors import EplError
 from epl.plugins.context import GradientReducer, LossFn, LossScaler, ParallelContext
 from epl.runtime.batch import call_model, micro_batches, to_device
 from epl.runtime.loss import compute_loss
+from epl.runtime.nonfinite import NonFiniteCheck
 from epl.sharding.norms import clip_grad_norm
 
 ForwardContext = Callable[[], contextlib.AbstractContextManager[Any]]
@@ -39,16 +40,34 @@ def _entered(forward_contexts: Sequence[ForwardContext]) -> Iterator[None]:
 
 
 def step_or_skip(
-    optimizer: torch.optim.Optimizer, loss_scaler: LossScaler | None, params: Iterable[nn.Parameter]
-) -> None:
-    """The optimizer step, unless the loss scaler finds a non-finite gradient on some rank (then drop them).
+    optimizer: torch.optim.Optimizer,
+    loss_scaler: LossScaler | None,
+    params: Iterable[nn.Parameter],
+    *,
+    check: NonFiniteCheck | None = None,
+    loss: torch.Tensor | None = None,
+    grad_norm: torch.Tensor | None = None,
+) -> bool:
+    """The optimizer step, unless some rank's loss or gradients are not finite (then drop them); True: applied.
 
-    The scaler's decision is a collective of every rank of the job, so all of them skip together.
+    With ``check`` (the runners': :class:`~epl.runtime.nonfinite.NonFiniteCheck`) every rank of the job agrees
+    from this rank's ``loss`` (None where it has none), the norm clipping computed (``grad_norm``; None: not
+    clipped) and the loss scaler's check of the gradients; without, the loss scaler alone decides (no scaler:
+    applied). Either way a collective of every rank of the job, so all of them skip together. A skipped step
+    leaves the weights and the optimizer's state as they were.
     """
-    if loss_scaler is None or loss_scaler.update(params):
-        optimizer.step()
+    params = list(params)
+    if check is not None:
+        applied = check.decide(params, loss=loss, grad_norm=grad_norm, loss_scaler=loss_scaler).applied
     else:
-        optimizer.zero_grad(set_to_none=True)
+        applied = loss_scaler is None or loss_scaler.update(params)
+    if applied:
+        optimizer.step()
+        return True
+    optimizer.zero_grad(set_to_none=True)
+    for param in params:  # also those the optimizer does not hold: nothing of this step reaches the next one
+        param.grad = None
+    return False
 
 
 class LocalStepRunner:
@@ -60,8 +79,9 @@ class LocalStepRunner:
     The forward and the loss run inside ``forward_contexts`` (AMP's autocast), the
     backward outside them. With a loss scaler (AMP), each loss is scaled before its
     backward, the gradients are unscaled once, before clipping (which the reducer may
-    call before or after its reduction) or else after the reduction, and the update is
-    skipped (gradients dropped) when the scaler finds a non-finite gradient on any rank.
+    call before or after its reduction) or else after the reduction. The update is
+    skipped (gradients dropped) on every rank when any rank's loss or gradients are not
+    finite (``nonfinite``, :mod:`epl.runtime.nonfinite`; the loss scaler's check folded in).
 
     Each micro-batch's loss is divided by the number of micro-batches before its
     backward, so the accumulated gradients are those of the mean loss over the
@@ -80,6 +100,7 @@ class LocalStepRunner:
         max_grad_norm: float | None = None,
         loss_scaler: LossScaler | None = None,
         forward_contexts: Sequence[ForwardContext] = (),
+        nonfinite: NonFiniteCheck | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -90,6 +111,8 @@ class LocalStepRunner:
         self.max_grad_norm = max_grad_norm
         self.loss_scaler = loss_scaler
         self.forward_contexts = list(forward_contexts)
+        #: Decides with every rank whether each step's update is applied (None: the loss scaler alone decides).
+        self.nonfinite = nonfinite
         self._grad_norm: torch.Tensor | None = None
 
     @property
@@ -111,6 +134,7 @@ class LocalStepRunner:
             max_grad_norm=context.config["optimizer.max_grad_norm"],
             loss_scaler=context.loss_scaler,
             forward_contexts=context.forward_contexts,
+            nonfinite=NonFiniteCheck.from_context(context),
         )
 
     def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
@@ -129,7 +153,7 @@ class LocalStepRunner:
             loss = self.loss(inputs, targets)
             self.backward(loss)
             self.finish_gradients()
-            self.update()
+            self.update(loss.detach())
             return loss.detach()
         losses = []
         for micro_inputs, micro_targets in micro_batches(inputs, targets, parts):
@@ -137,17 +161,26 @@ class LocalStepRunner:
             self.backward(loss / parts)
             losses.append(loss.detach())
         self.finish_gradients()
-        self.update()
-        return torch.stack(losses).mean()
+        mean = torch.stack(losses).mean()
+        self.update(mean)
+        return mean
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (multiplied by the loss scale under AMP)."""
         (loss if self.loss_scaler is None else self.loss_scaler.scale_loss(loss)).backward()
 
-    def update(self) -> None:
-        """The optimizer step, unless the loss scaler finds a non-finite gradient on some rank (then: none)."""
+    def update(self, loss: torch.Tensor | None = None) -> bool:
+        """The optimizer step, unless some rank's loss (``loss``: this rank's) or gradients are not finite (then
+        none, on every rank); True: applied."""
         assert self.optimizer is not None
-        step_or_skip(self.optimizer, self.loss_scaler, self.model.parameters())
+        return step_or_skip(
+            self.optimizer,
+            self.loss_scaler,
+            self.model.parameters(),
+            check=self.nonfinite,
+            loss=loss,
+            grad_norm=self._grad_norm,
+        )
 
     def finish_gradients(self) -> None:
         """Reduce gradients over parameter copies (if any), clip them (if configured) and unscale them (AMP)."""

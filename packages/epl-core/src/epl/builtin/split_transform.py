@@ -30,6 +30,7 @@ from epl.sharding.parameters import is_sharded, shard_spec
 from epl.sharding.random import RegionRandom
 from epl.sharding.rules import fallback_rule, keep_whole, registered_class, rule_for, shard_linear_like
 from epl.sharding.subclass import calls_super_forward, overrides_forward, with_own_forward
+from epl.sharding.vocabulary import ModelVocabulary
 
 _log = logging.getLogger(__name__)
 
@@ -75,10 +76,13 @@ class DecideSplitLayout:
     phase = TransformPhase.DECIDE_LAYOUT
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
-        """Store the layout in ``context.state(SplitLayoutState)``; return ``model`` as it is."""
+        """Store the layout in ``context.state(SplitLayoutState)`` and the vocabulary the batch's ids must lie in
+        in ``context.state(ModelVocabulary)``; return ``model`` as it is."""
         if not context.plan.local:
             _check_supported(context)
             context.state(SplitLayoutState).layout = _decide_layout(model, context)
+            split = {id(t) for tg in context.taskgraphs if tg.strategy.kind == "split" for t in tg.tensors}
+            context.state(ModelVocabulary).read(model, split)
         return model
 
 

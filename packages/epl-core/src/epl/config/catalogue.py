@@ -64,6 +64,24 @@ CORE_KEYS: tuple[ConfigKey, ...] = (
         "then the norm before clipping. inf computes the norm without clipping (for logging). With data "
         "parallelism each replica clips before the reduction unless communication.clip_after_allreduce.",
     ),
+    ConfigKey(
+        name="optimizer.raise_after_skips",
+        types=(int, type(None)),
+        default=20,
+        minimum=1,
+        doc="A step whose loss or gradients are NaN or Inf on any rank is skipped on every rank (no update, no LR "
+        "scheduler step; engine.skipped_steps counts them, AMP's overflows included). After this many skipped "
+        "steps in a row, engine.step raises an EplError naming the step and the ranks where they began (None: "
+        "never raise).",
+    ),
+    ConfigKey(
+        name="optimizer.check_finite_gradients",
+        types=(bool,),
+        default=True,
+        doc="Read every gradient for NaN or Inf before the update where nothing else does (without AMP, whose loss "
+        "scaler checks them, and without optimizer.max_grad_norm, whose norm is checked): one pass over each "
+        "rank's gradients. False: check only the losses there (docs/reliability.md gives the cost).",
+    ),
     # 6.7 Cluster
     ConfigKey(
         name="cluster.device_place_prefer_intra_node",
@@ -108,9 +126,10 @@ CORE_KEYS: tuple[ConfigKey, ...] = (
         types=(bool,),
         default=True,
         doc="Check that the ranks of one replica (split, pipeline stages), which must all pass the replica's "
-        "batch to engine.step, were given the same one (a fingerprint all-gathered over the replica, read before "
-        "the update): a difference, such as a sampler keyed by the global rank, is an error naming the ranks. "
-        "Each of the first 10 steps is checked, then every io.check_batches_every-th.",
+        "batch to engine.step, were given the same one (a fingerprint all-gathered over the replica, compared "
+        "before the forward): a difference, such as a sampler keyed by the global rank or batches of different "
+        "sizes, is an error naming the ranks (and their sizes). Each of the first 10 steps is checked, then every "
+        "io.check_batches_every-th.",
     ),
     ConfigKey(
         name="io.check_batches_every",

@@ -5,11 +5,12 @@ share, since they all receive the same replica batch.
 
 - :func:`shard`: a list of files (by the manual's ``io.*`` keys) or a map-style dataset;
 - :class:`ReplicaSampler` and :func:`data_loader`: the PyTorch way, a sampler that shuffles
-  each epoch (``set_epoch``) and a ``DataLoader`` built on it;
+  each epoch (``set_epoch``) and a :class:`ReplicaLoader` (a ``DataLoader``) built on it. Checkpoints
+  record where they stand, and ``engine.load`` resumes them on any number of replicas;
 - :func:`data_position`: where the samplers are in the data, which the step check compares.
 """
 
 from epl.io.files import shard, share_indices
-from epl.io.sampler import ReplicaSampler, data_loader, data_position
+from epl.io.sampler import ReplicaLoader, ReplicaSampler, data_loader, data_position
 
-__all__ = ["ReplicaSampler", "data_loader", "data_position", "shard", "share_indices"]
+__all__ = ["ReplicaLoader", "ReplicaSampler", "data_loader", "data_position", "shard", "share_indices"]

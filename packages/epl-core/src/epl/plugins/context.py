@@ -231,6 +231,11 @@ class LossScaler(Protocol):
     that comes first; a second call in the same step does nothing), then :meth:`update`,
     and applies the optimizer only when ``update`` returns True. ``update`` may be a
     collective: every rank of the job calls it once per step.
+
+    A scaler may instead offer ``found_nonfinite(params) -> Tensor`` (this rank's finding, above 0 when a
+    gradient was not finite; no collective) and ``record(finite: bool) -> bool`` (adjust the scale by every
+    rank's verdict): EPL's runners then call those in place of ``update``, and the agreement rides the one
+    all-gather of their check of non-finite steps (:class:`~epl.runtime.nonfinite.NonFiniteCheck`).
     """
 
     @property

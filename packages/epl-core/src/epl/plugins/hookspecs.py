@@ -144,8 +144,9 @@ def epl_make_loss_scaler(context: ParallelContext) -> LossScaler | None:
     Called once per ``epl.parallelize``, after the optimizer wrappers and the gradient
     reducer, before the step runner; the result is stored on ``context.loss_scaler`` and
     the runner uses it every step (scale each loss, unscale the gradients once they are
-    reduced and before clipping, skip the update when ``update`` says so). *firstresult*.
-    Return None for no loss scaling (the core has no implementation).
+    reduced and before clipping, skip the update when ``update`` says so, or, with
+    ``found_nonfinite`` and ``record``, when the runner's check of non-finite steps says so).
+    *firstresult*. Return None for no loss scaling (the core has no implementation).
     """
 
 
@@ -157,7 +158,8 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
     (``context.gradient_reducer``) and loss scaler (``context.loss_scaler``). *firstresult*.
     Return None when the plan is not yours (e.g. a pipeline plugin returns None for a
     one-stage plan). The core answers last with the local runner (micro-batches as
-    gradient accumulation) for one-stage plans.
+    gradient accumulation) for one-stage plans. A runner that skips non-finite steps as the
+    core's do holds a ``NonFiniteCheck`` as ``nonfinite`` (``Engine.step`` reads its outcome).
     """
 
 

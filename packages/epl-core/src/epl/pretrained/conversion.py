@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from epl.errors import EplError
 from epl.pretrained.pieces import Piece
 
 
@@ -60,15 +61,23 @@ class Converted:
 
     def _run(self, target: str, collected: dict[str, list[torch.Tensor]]) -> torch.Tensor:
         converter = self.converter
-        with torch.no_grad():
-            for operation in converter.operations:
-                collected = operation.convert(
-                    collected,
-                    source_patterns=converter.source_patterns,
-                    target_patterns=converter.target_patterns,
-                    full_layer_name=target,
-                )
-        (value,) = collected.values()
+        try:
+            with torch.no_grad():
+                for operation in converter.operations:
+                    collected = operation.convert(
+                        collected,
+                        source_patterns=converter.source_patterns,
+                        target_patterns=converter.target_patterns,
+                        full_layer_name=target,
+                    )
+            (value,) = collected.values()
+        except Exception as error:  # noqa: BLE001 - transformers' operations do not say which tensors
+            names = self.names()
+            raise EplError(
+                f"Cannot build {target!r} from the checkpoint's {names[:3]}{' ...' if len(names) > 3 else ''} with "
+                f"transformers' conversion ({type(error).__name__}: {error}): the checkpoint's tensors do not fit "
+                "the model's config. Load the checkpoint of this model's class and config."
+            ) from None
         return value
 
 

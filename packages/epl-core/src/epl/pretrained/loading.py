@@ -13,23 +13,27 @@ from epl.errors import EplError
 from epl.pretrained.conversion import conversions
 from epl.pretrained.pieces import _ITEMSIZE, INDEX, SINGLE, Piece, local_tensors
 from epl.runtime.checkpoint import _agree, _alone
+from epl.runtime.checkpoint_files import unreadable_file_error
 
 if TYPE_CHECKING:
     from epl.runtime.checkpoint import CheckpointedEngine
 
 
 def checkpoint_files(folder: Path) -> dict[str, Path]:
-    """Each tensor name of the transformers checkpoint ``folder`` -> the safetensors file holding it."""
+    """Each tensor name of the transformers checkpoint ``folder`` -> the safetensors file holding it (every file
+    the index names is there). A file that cannot be read is an :class:`EplError` naming it."""
     if not folder.is_dir():
         raise EplError(f"{folder} is not a folder; load_pretrained takes a transformers checkpoint folder.")
     if (folder / INDEX).exists():
-        index = json.loads((folder / INDEX).read_text())
-        return {name: folder / file for name, file in index["weight_map"].items()}
+        return _indexed(folder)
     if (folder / SINGLE).exists():
         from safetensors import safe_open
 
-        with safe_open(str(folder / SINGLE), framework="pt") as handle:
-            return dict.fromkeys(handle.keys(), folder / SINGLE)
+        try:
+            with safe_open(str(folder / SINGLE), framework="pt") as handle:
+                return dict.fromkeys(handle.keys(), folder / SINGLE)
+        except Exception as error:  # noqa: BLE001 - safetensors' errors do not name the file
+            raise unreadable_file_error(folder / SINGLE, error) from None
     pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
     if pickled:
         raise EplError(
@@ -38,6 +42,36 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
             "Model.from_pretrained(folder).save_pretrained(out) writes safetensors (model.safetensors)."
         )
     raise EplError(f"{folder} holds neither {SINGLE} nor {INDEX}; is it a transformers checkpoint folder?")
+
+
+def _indexed(folder: Path) -> dict[str, Path]:
+    """The weight map of ``folder``'s index (transformers' ``model.safetensors.index.json``), checked: JSON, a map of
+    names to file names, and every file it names there."""
+    index_path = folder / INDEX
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError) as error:  # ValueError: JSON's errors, and text that is not UTF-8
+        raise EplError(
+            f"Cannot read the index {index_path} ({type(error).__name__}: {error}): it is damaged or not "
+            "transformers' index. Copy the checkpoint folder again, or write it again with save_pretrained."
+        ) from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(name, str) and isinstance(file, str) for name, file in weight_map.items()
+    ):
+        raise EplError(
+            f"The index {index_path} has no weight_map of tensor names to file names, as transformers writes it: "
+            "copy the checkpoint folder again, or write it again with save_pretrained."
+        )
+    files = {name: folder / file for name, file in weight_map.items()}
+    absent = sorted({path.name for path in files.values() if not path.is_file()})
+    if absent:
+        more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
+        raise EplError(
+            f"The index {index_path} names {folder / absent[0]}{more}, which is not there: the folder is incomplete "
+            "(an interrupted download or copy?). Copy the missing files into it. Nothing was loaded."
+        )
+    return files
 
 
 def name_map(model_names: list[str], saved: set[str]) -> dict[str, str]:
@@ -58,13 +92,19 @@ def name_map(model_names: list[str], saved: set[str]) -> dict[str, str]:
 
 def load_pretrained(engine: CheckpointedEngine, path: str | os.PathLike[str], *, strict: bool = True) -> int:
     """Read this rank's part of the transformers checkpoint folder ``path`` into ``engine``'s model (a collective:
-    every rank calls it). Returns the bytes of the slices this rank read."""
+    every rank calls it). Returns the bytes of the slices this rank read.
+
+    A file that cannot be read (a damaged index, a truncated or corrupt safetensors file, a shard the index names
+    and the folder lacks) is one :class:`EplError` on every rank, naming the file: the ranks agree on the outcome
+    of what each read alone (:func:`epl.runtime.checkpoint._agree`) before anything is applied, so after the error
+    every rank holds the weights it had, and can load another folder.
+    """
     folder = Path(path)
     problem: str | None = None
     try:
         files = checkpoint_files(folder)
-    except EplError as error:
-        files, problem = {}, str(error)
+    except Exception as error:  # noqa: BLE001 - every rank's outcome is agreed: an error on every rank
+        files, problem = {}, _problem(folder, error)
     _agree(engine, problem)
     local = list(local_tensors(engine))
     tied = _tied_names(engine)
@@ -109,19 +149,27 @@ def load_pretrained(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
                 problem = f"{source!r} has shape {list(whole)} in {where}, the model's is {list(expected)}."
                 break
             values[name] = reader.read(source, piece).to(tensor.dtype)
-    except EplError as error:
-        problem = str(error)
+    except Exception as error:  # noqa: BLE001 - what a rank reads alone fails on every rank (agreed), named
+        problem = _problem(folder, error)
     finally:
         reader.close()
-    _agree(engine, problem)
+    _agree(engine, problem)  # only now is anything applied: after a refusal no rank holds half a load
     current = engine.state_dict()["model"]
     current.update(values)
     engine.load_state_dict({"version": 1, "model": current, "optimizer": None, "global_step": engine.global_step})
     return reader.bytes_read
 
 
+def _problem(folder: Path, error: Exception) -> str:
+    """``error`` of loading ``folder`` as one rank's refusal: EPL's own as it is, another named."""
+    if isinstance(error, EplError):
+        return str(error)
+    return f"Cannot load {folder}: {type(error).__name__}: {error}"
+
+
 class _Reader:
-    """Slices of the checkpoint's tensors, each file opened once, counting the bytes read."""
+    """Slices of the checkpoint's tensors, each file opened once, counting the bytes read; a file that cannot be read
+    is an :class:`EplError` naming it."""
 
     def __init__(self, files: dict[str, Path]) -> None:
         self.files = files
@@ -132,9 +180,12 @@ class _Reader:
         from safetensors import safe_open
 
         file = self.files[name]
-        if file not in self.handles:
-            self.handles[file] = safe_open(str(file), framework="pt")
-        return self.handles[file].get_slice(name)
+        try:
+            if file not in self.handles:
+                self.handles[file] = safe_open(str(file), framework="pt")
+            return self.handles[file].get_slice(name)
+        except Exception as error:  # noqa: BLE001 - safetensors' errors do not name the file
+            raise unreadable_file_error(file, error) from None
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The whole shape of the checkpoint's tensor ``name``."""
@@ -143,7 +194,10 @@ class _Reader:
     def read(self, name: str, piece: Piece) -> torch.Tensor:
         """The ``piece`` of the checkpoint's tensor ``name``, in its stored dtype."""
         view = self._view(name)
-        value = piece.read(view)
+        try:
+            value = piece.read(view)
+        except Exception as error:  # noqa: BLE001 - named, as above
+            raise unreadable_file_error(self.files[name], error) from None
         self.bytes_read += value.numel() * _ITEMSIZE[view.get_dtype()]
         return value
 

@@ -1,4 +1,28 @@
-"""Writing an engine's model as a transformers checkpoint folder, each rank its own pieces, nothing gathered."""
+"""Writing an engine's model as a transformers checkpoint folder, each rank its own pieces, nothing gathered.
+
+**Beside what is there**, as transformers' ``save_pretrained`` writes: the folder may hold a tokenizer, a README,
+subfolders, anything; ``save_pretrained`` replaces only the files it writes and deletes only weight files of an
+earlier export that this one does not rewrite. The files it owns:
+
+- the weights: ``model.safetensors``, ``model-<k>-of-<n>.safetensors`` (5 digits each) and
+  ``model.safetensors.index.json``. Those of an earlier export that this one does not write are deleted (an old
+  single file beside new shards, shards of another count, an old index beside a single file), so no loader reads a
+  stale one (transformers deletes old shards of its own name pattern; it leaves an old ``model.safetensors``, which
+  loaders prefer to the new shards' index);
+- ``config.json`` when the model has a ``config``, and ``generation_config.json`` when it can generate (as
+  transformers writes them): replaced when written, never deleted.
+
+Everything else is kept. A path that is a file, one of those names held by a folder, or a ``<path>.partial`` holding
+anything else is refused on every rank before anything is written (``<path>.partial`` is EPL's scratch folder).
+
+**Safely**: every file is written into ``<path>.partial`` first. When every rank has written its pieces, rank 0
+moves them into ``path`` (a rename of the folder when ``path`` does not exist). Over an earlier export the renames
+go one file at a time, in an order that never lets an index refer to a mix of old and new shards: the old index
+first, the new weight files, the stale weight files deleted, then the new index and the configs. A crash during
+these renames (milliseconds) leaves a folder that loaders refuse (no index, or missing shards), never a silent mix;
+a crash while writing (the long part) leaves the earlier export as it was. A failure on any rank (a full disk) is
+raised on every rank, naming the rank and the file, and the partial files are deleted.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +30,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,50 +38,193 @@ import torch
 
 from epl.errors import EplError
 from epl.pretrained.pieces import _ITEMSIZE, DTYPES, INDEX, SINGLE, Piece, local_tensors
-from epl.runtime.checkpoint import _alone, _everyone, _remove, _replace
+from epl.runtime import agreement
+from epl.runtime.checkpoint import _alone, _meet
+from epl.runtime.checkpoint_folders import foreign_entries, remove_own
 
 if TYPE_CHECKING:
     from epl.runtime.checkpoint import CheckpointedEngine
 
 _PIECES = ".epl-pieces-{rank}.json"
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_SCRATCH = re.compile(r"\.epl-pieces-\d+\.json")
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+
+
+def is_weights_file(name: str) -> bool:
+    """Whether ``name`` is a weight file (or the index) ``save_pretrained`` writes, and so replaces or deletes."""
+    return name in (SINGLE, INDEX) or _SHARD.fullmatch(name) is not None
+
+
+def _is_output(name: str) -> bool:
+    return is_weights_file(name) or name in (CONFIG, GENERATION_CONFIG)
+
+
+def _is_scratch(name: str) -> bool:
+    return _is_output(name) or _SCRATCH.fullmatch(name) is not None
 
 
 def save_pretrained(
     engine: CheckpointedEngine, path: str | os.PathLike[str], *, max_shard_size: int | str = "5GB"
 ) -> None:
     """Write ``engine``'s model as a transformers checkpoint folder at ``path`` (a collective: every rank calls
-    it); see the module's documentation."""
+    it), beside the files already there; see the module's documentation."""
     target = Path(path)
     partial = target.with_name(target.name + ".partial")
-    rank = engine.context.cluster.rank
-    _everyone(engine, lambda: (_remove(partial), partial.mkdir(parents=True)))
+    limit = _bytes(max_shard_size)
+    _meet(engine, "engine.save_pretrained", lambda: _target_problem(target, partial))
+    try:
+        _write(engine, target, partial, limit)
+    except EplError:
+        if _alone(engine) or engine.context.cluster.rank == 0:  # every rank has stopped writing (agreed)
+            remove_own(partial, _is_scratch)
+        raise
+
+
+def _write(engine: CheckpointedEngine, target: Path, partial: Path, limit: int) -> None:
+    """The phases of a save, each agreed by every rank before the next (a failure is raised on every rank)."""
+    alone = _alone(engine)
+    rank = 0 if alone else engine.context.cluster.rank
+    world = 1 if alone else engine.context.cluster.world_size
     local = list(local_tensors(engine))
-    values = engine.state_dict()["model"]  # plain values (a technique that frees parameters hands copies)
-    mine = [
-        {"name": name, "dtype": DTYPES[t.dtype], "shape": list(piece.whole_shape(tuple(t.shape))),
-         "dim": piece.dim, "ranges": [list(r) for r in piece.ranges]}
-        for name, t, piece in local
-    ]  # fmt: skip
-    (partial / _PIECES.format(rank=rank)).write_text(json.dumps(mine))
-    _everyone(engine, lambda: None)
-    world = 1 if _alone(engine) else engine.context.cluster.world_size
-    layout = _Layout([json.loads((partial / _PIECES.format(rank=r)).read_text()) for r in range(world)])
-    layout.assign_files(_bytes(max_shard_size))
-    _everyone(engine, lambda: layout.write_headers(partial))
-    for name, _, piece in local:
-        if layout.writer[(name, piece.dim, tuple(piece.ranges))] == rank:
-            layout.write_piece(partial, name, piece, values[name])
-    config = getattr(engine.model, "config", None)
+    laid: list[_Layout] = []
+
+    def describe_pieces() -> None:
+        mine = [
+            {"name": name, "dtype": DTYPES[t.dtype], "shape": list(piece.whole_shape(tuple(t.shape))),
+             "dim": piece.dim, "ranges": [list(r) for r in piece.ranges]}
+            for name, t, piece in local
+        ]  # fmt: skip
+        (partial / _PIECES.format(rank=rank)).write_text(json.dumps(mine))
+
+    def lay_out() -> None:
+        layout = _Layout([json.loads((partial / _PIECES.format(rank=r)).read_text()) for r in range(world)])
+        layout.assign_files(limit)
+        laid.append(layout)
+        if rank == 0:
+            layout.write_headers(partial)
+
+    def write_pieces() -> None:
+        values = engine.state_dict()["model"]  # plain values (a technique that frees parameters hands copies)
+        layout = laid[0]
+        for name, _, piece in local:
+            if layout.writer[(name, piece.dim, tuple(piece.ranges))] == rank:
+                layout.write_piece(partial, name, piece, values[name])
 
     def finish() -> None:
         for r in range(world):
             (partial / _PIECES.format(rank=r)).unlink()
-        layout.write_index(partial)
-        if config is not None and hasattr(config, "to_json_file"):
-            config.to_json_file(str(partial / "config.json"))
+        laid[0].write_index(partial)
+        _write_configs(engine.model, partial)
 
-    _everyone(engine, finish)
-    _everyone(engine, lambda: _replace(partial, target))
+    _phase(engine, target, lambda: _scratch_folder(partial), only_rank_0=True)
+    _phase(engine, target, describe_pieces)
+    _phase(engine, target, lay_out)
+    _phase(engine, target, write_pieces)
+    _phase(engine, target, finish, only_rank_0=True)
+    _phase(engine, target, lambda: _commit(partial, target), only_rank_0=True)
+
+
+def _phase(engine: CheckpointedEngine, target: Path, action: Callable[[], None], *, only_rank_0: bool = False) -> None:
+    """Run ``action`` (on rank 0 only, or on every rank), then agree with every rank: an error on any rank is
+    raised on every rank, naming it (:func:`epl.runtime.agreement.agree`, one all-reduce when none failed)."""
+    alone, rank = _alone(engine), engine.context.cluster.rank
+    problem = None
+    if not only_rank_0 or rank == 0 or alone:
+        try:
+            action()
+        except Exception as error:  # noqa: BLE001 - every rank raises it, named (a rank alone would hang the rest)
+            problem = _failure(target, rank, error)
+    communicator = None if alone else engine.context.communicator
+    agreement.agree(communicator, problem, refused=f"could not write its part of {target}")
+
+
+def _failure(target: Path, rank: int, error: Exception) -> str:
+    if isinstance(error, EplError):
+        return str(error)
+    text = str(error).strip().splitlines()
+    first = text[0] if text else type(error).__name__
+    hint = ""
+    if isinstance(error, OSError) and "No space left on device" in first:
+        hint = (
+            f" Nothing was changed at {target} and the partial files were deleted: free space, or save to another "
+            "file system."
+        )
+    return f"engine.save_pretrained could not write {target} on rank {rank}: {first}.{hint}"
+
+
+def _target_problem(target: Path, partial: Path) -> str | None:
+    """Why ``save_pretrained`` must not write at ``target`` (None: it may), found before anything is written."""
+    call = f"engine.save_pretrained({str(target)!r})"
+    if target.exists() and not target.is_dir():
+        return f"{call}: {target} exists and is not a folder; nothing was changed. Choose another path."
+    if target.is_dir():
+        blocking = sorted(
+            entry.name
+            for entry in target.iterdir()
+            if _is_output(entry.name) and (entry.is_dir() or not entry.exists())
+        )
+        if blocking:
+            return (
+                f"{call}: {target} holds {blocking}, which are not files, where it writes files of those names; "
+                "nothing was changed. Move them out, or choose another path."
+            )
+    if partial.is_symlink() or (partial.exists() and not partial.is_dir()):
+        return f"{call} writes into {partial} first, which exists and is not a folder; nothing was changed. Move it."
+    if partial.is_dir():
+        foreign = foreign_entries(partial, _is_scratch)
+        if foreign:
+            return (
+                f"{call} writes into {partial} first (and deletes it), which holds {foreign[:5]}: files "
+                "save_pretrained did not write. Nothing was changed. Move or rename that folder."
+            )
+    return None
+
+
+def _scratch_folder(partial: Path) -> None:
+    """An empty ``<path>.partial`` (what a cut-off save left there is deleted: only its own files)."""
+    left = remove_own(partial, _is_scratch)
+    if left:
+        raise EplError(f"{partial} holds {left}, which save_pretrained did not write; move them out and save again.")
+    partial.mkdir(parents=True)
+
+
+def _write_configs(model: Any, folder: Path) -> None:
+    """``config.json`` when the model has a config, ``generation_config.json`` when it can generate (transformers')."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_json_file"):
+        config.to_json_file(str(folder / CONFIG))
+    generation = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if generation is not None and hasattr(generation, "to_json_file") and callable(can_generate) and can_generate():
+        generation.to_json_file(str(folder / GENERATION_CONFIG))
+
+
+def _commit(partial: Path, target: Path) -> None:
+    """Move the files of ``partial`` into ``target`` (see the module's documentation for the order) and delete the
+    weight files of an earlier export that this one did not write."""
+    if not target.exists():
+        os.replace(partial, target)
+        return
+    written = sorted(entry.name for entry in partial.iterdir())
+    earlier = sorted(
+        entry.name
+        for entry in target.iterdir()
+        if is_weights_file(entry.name) and entry.is_file() and entry.name != INDEX
+    )
+    if (target / INDEX).is_file():  # first: from here on no index refers to a mix of old and new shards
+        (target / INDEX).unlink()
+    for name in written:
+        if is_weights_file(name) and name != INDEX:
+            os.replace(partial / name, target / name)
+    for name in earlier:
+        if name not in written:
+            (target / name).unlink()
+    for name in (INDEX, CONFIG, GENERATION_CONFIG):
+        if name in written:
+            os.replace(partial / name, target / name)
+    partial.rmdir()
 
 
 class _Layout:
@@ -140,10 +308,11 @@ class _Layout:
         raw = value.detach().to("cpu").contiguous()
         item = raw.element_size()
         data = raw.view(torch.uint8) if raw.dim() else raw.reshape(1).view(torch.uint8)
-        fd = os.open(folder / self.file_name(index), os.O_WRONLY)
+        path = folder / self.file_name(index)
+        fd = os.open(path, os.O_WRONLY)
         try:
             if piece.dim < 0:
-                os.pwrite(fd, data.numpy().tobytes(), base)
+                _pwrite_all(fd, data.numpy().tobytes(), base)
                 return
             outer = math.prod(shape[: piece.dim])
             inner = math.prod(shape[piece.dim + 1 :])
@@ -154,7 +323,9 @@ class _Layout:
                 rows = part.view(torch.uint8) if part.numel() else part
                 for o in range(outer):
                     offset = base + ((o * shape[piece.dim]) + a) * inner * item
-                    os.pwrite(fd, rows[o].numpy().tobytes(), offset)
+                    _pwrite_all(fd, rows[o].numpy().tobytes(), offset)
+        except OSError as error:  # name the file (a full disk)
+            raise OSError(error.errno, error.strerror, str(path)) from None
         finally:
             os.close(fd)
 
@@ -165,6 +336,16 @@ class _Layout:
         total = sum(self.sizes.values())
         weight_map = {name: self.file_name(self.offsets[name][0]) for name in self.tensors}
         (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``pwrite`` may write part of it on a full disk, and raises on the rest)."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written == 0:
+            raise OSError(28, os.strerror(28))
+        view, offset = view[written:], offset + written
 
 
 def _bytes(size: int | str) -> int:

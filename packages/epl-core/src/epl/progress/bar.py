@@ -40,7 +40,8 @@ class Progress:
     Call :meth:`update` after each ``engine.step`` with the loss it returned; :meth:`log` adds
     metrics of the current step (a validation loss); :meth:`close` ends the bar (or use ``with``).
     Shown per update: the loss, the learning rate (:attr:`Engine.lr`), the gradient norm
-    (:attr:`Engine.grad_norm`, with ``optimizer.max_grad_norm``), samples/s and tokens/s over
+    (:attr:`Engine.grad_norm`, with ``optimizer.max_grad_norm``), the steps skipped for a NaN or Inf
+    loss or gradient once there are any (:attr:`Engine.skipped_steps`), samples/s and tokens/s over
     every replica (:attr:`Engine.last_step_samples`, :attr:`Engine.last_step_tokens`) and the ETA
     when ``total`` is known.
 
@@ -163,6 +164,9 @@ class Progress:
             values["lr"] = self.engine.lr
         if self.engine.grad_norm is not None:
             values["grad_norm"] = self.engine.grad_norm
+        skipped = getattr(self.engine, "skipped_steps", 0)
+        if skipped:
+            values["skipped"] = skipped
         seconds = max(now - self._window_started, 1e-9)
         samples, tokens = self._window.samples or None, self._window.tokens or None
         (self._rest if self._first.parts else self._first).add(seconds, samples, tokens)
@@ -225,11 +229,14 @@ def on_terminal(stream: IO[str]) -> bool:
 
 
 def format_metrics(values: Mapping[str, float]) -> str:
-    """``loss 2.3141  lr 3.00e-04  samples/s 812.4``: 4 decimals for losses, 3 significant digits for rates."""
+    """``loss 2.3141  lr 3.00e-04  skipped 1  samples/s 812.4``: 4 decimals for losses, 3 significant digits for
+    rates, counts whole."""
     parts = []
     for name, value in values.items():
         if name == "lr":
             text = f"{value:.2e}"
+        elif name == "skipped":
+            text = f"{int(value)}"
         elif name.endswith("/s"):
             text = f"{value:.1f}" if value < 1e4 else f"{value / 1e3:.1f}k"
         else:

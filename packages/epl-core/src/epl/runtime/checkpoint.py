@@ -11,13 +11,17 @@ every rank writes its own file at the same time, and a tensor several ranks hold
   whichever device keeps it (under ZeRO, the owner);
 - ``engine/meta``: the step counter, the optimizer's hyperparameters, the loss scaler (JSON
   text in a uint8 tensor: nothing in a checkpoint is pickled by EPL);
-- ``rng/<rank>/<generator>``: every rank's random number generator states.
+- ``rng/<rank>/<generator>``: every rank's random number generator states;
+- ``data/<rank>``: where each rank's ``epl.io`` loaders stand (JSON, :mod:`epl.io.positions`).
 
 ``Engine.load(path)`` reads what this rank's layout needs, whatever layout saved it: a
 pipeline stage reads its stage's names, a split device slices the whole tensors, a
 ZeRO owner reads the states it owns. Writing goes to ``<path>.partial`` and is renamed
 to ``<path>`` once every rank has finished (in DCP's ``finish`` step on the coordinator, which
-every rank waits for), so a crash while saving leaves the previous checkpoint intact.
+every rank waits for), so a crash while saving leaves the previous checkpoint intact. Only a checkpoint of EPL's
+own is replaced, and only EPL's files are deleted: a folder holding anything else is refused on every rank before
+anything is moved (:mod:`epl.runtime.checkpoint_folders`). ``save`` and ``load`` first meet every rank through the
+job's store, so a rank that does not call them is named (:mod:`epl.runtime.collective_calls`).
 
 ``Engine.save(path, asynchronous=True)`` copies the state into CPU buffers (kept between saves,
 as torchtitan's async checkpoint keeps pinned ones), returns a :class:`CheckpointSave`, and writes
@@ -40,7 +44,6 @@ import datetime
 import itertools
 import os
 import random
-import shutil
 import sys
 import threading
 import time
@@ -55,7 +58,10 @@ from torch import nn
 
 from epl.errors import EplError
 from epl.interfaces.optimizer_groups import group_options
+from epl.runtime import agreement
 from epl.runtime import checkpoint_files as files
+from epl.runtime import checkpoint_folders as folders
+from epl.runtime.collective_calls import agree_to_call
 
 if TYPE_CHECKING:
     from epl.placement.plan import Plan
@@ -122,6 +128,8 @@ def save_checkpoint(
     _require_default_group(engine)
     wait_for_background_save()
     target = Path(path)
+    # Refused on every rank before anything is moved or deleted: a folder holding what engine.save did not write.
+    _meet(engine, "engine.save", lambda: folders.save_problem(target))
     items = _logical_items(engine)
     cluster, alone = engine.context.cluster, _alone(engine)
     job = _SaveJob(target, cluster.rank, cluster.world_size, alone, f"epl/checkpoint/{next(_calls)}", _timeout(engine))
@@ -174,8 +182,8 @@ class _SaveJob:
         from torch.distributed.checkpoint.api import CheckpointException
 
         partial = self.target.with_name(self.target.name + ".partial")
-        if self.rank == 0:  # a cut-off save's folder; no rank writes before DCP's first collective (the plan)
-            _remove(partial)
+        if self.rank == 0:  # a cut-off save's files; no rank writes before DCP's first collective (the plan)
+            folders.remove_own(partial, folders.is_checkpoint_file)
         writer = files.checksumming_writer(partial, commit=lambda: _replace(partial, self.target, keep_old=True))
 
         def save() -> Any:
@@ -185,7 +193,10 @@ class _SaveJob:
             with _quiet_when_alone(self.alone):
                 _named_when_late(self.key, self.rank, self.world_size, self.alone, "engine.save", save)
         except CheckpointException as error:
-            raise _checkpoint_error(f"engine.save could not write {self.target}", error) from None
+            # Every rank has stopped writing (DCP raises on all of them at once, after its last collective).
+            if self.rank == 0:
+                folders.remove_own(partial, folders.is_checkpoint_file)
+            raise _save_error(self.target, error) from None
         # Each rank deletes its own files of the previous checkpoint, in parallel (as DCP by hand truncates its
         # own files when it overwrites them); rank 0 then removes the rest.
         _discard(self.target.with_name(self.target.name + ".old"), self.rank)
@@ -394,6 +405,7 @@ def _logical_items(engine: CheckpointedEngine) -> dict[str, Any]:
     }
     items["engine/meta"] = files.encode_json(meta)
     items.update({f"rng/{engine.context.cluster.rank}/{k}": v for k, v in _rng_state().items()})
+    items.update(_data_items(engine.context.cluster.rank))
     return items
 
 
@@ -408,8 +420,8 @@ def load_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
     """
     _require_default_group(engine)
     wait_for_background_save()
-    folder = _readable(Path(path))
-    read = _read(engine, folder, strict)  # checked and agreed by every rank: nothing was applied before
+    _meet(engine, "engine.load")
+    read = _read(engine, Path(path), strict)  # checked and agreed by every rank: nothing was applied before
     current = engine.state_dict(full=True)["model"] if not strict else {}  # what missing tensors keep
     whole = {key: read.tensors[item] for key, item in read.model_keys.items()}
     whole.update({key: value for key, value in current.items() if key not in whole})
@@ -428,6 +440,7 @@ def load_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
     rank_rng = {key[len(rng_prefix) :]: value for key, value in read.tensors.items() if key.startswith(rng_prefix)}
     if rank_rng:
         _set_rng_state(rank_rng)
+    _restore_data_positions(read.tensors, strict)
 
 
 @dataclass
@@ -446,60 +459,92 @@ class _Read:
     optimizer_problem: str | None
 
 
-def _read(engine: CheckpointedEngine, folder: Path, strict: bool) -> _Read:
-    """Read what this rank needs into tensors of its own while its share of the files is verified, check it
-    against ``engine``, and agree with every rank (one all-reduce) before returning: a damaged file, or a
-    problem any rank found, is an error on every rank."""
+def _read(engine: CheckpointedEngine, path: Path, strict: bool) -> _Read:
+    """Read what this rank needs from the checkpoint at ``path`` into tensors of its own while its share of the files
+    is verified, check it against ``engine``, and agree with every rank before returning: a damaged, missing or
+    unreadable file, or a problem any rank found, is an error on every rank, naming the file (and, on the other
+    ranks, the rank that found it), and nothing was applied on any rank (:func:`_agree`: one all-reduce when every
+    rank succeeded)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     cluster, several = engine.context.cluster, not _alone(engine)
-    verification = _Verification(folder, cluster.rank, cluster.world_size) if several else _Verification(folder)
-    with verification.blaming_damage():
-        reader = files.safe_reader(folder)  # reads .metadata once, for these checks and for DCP's load
-        saved = reader.read_metadata().state_dict_metadata
-        meta_entry = saved.get("engine/meta")
-        if meta_entry is None:
-            raise EplError(f"{folder} is not an EPL checkpoint (no engine/meta); write one with engine.save(path).")
-        if not hasattr(meta_entry, "size"):
-            raise EplError(
-                f"{folder} was written by an older EPL, which pickled its metadata; this version never unpickles a "
-                "checkpoint. Load it with that version and save it again with this one."
-            )
-        local = engine.model.state_dict(keep_vars=True)
-        problem, keys = _model_problems(saved, local, strict)
-        # The checkpoint's model tensors no rank holds (each rank may hold only its stage): agreed below.
-        names = sorted(key[len("model/") :] for key in saved if key.startswith("model/")) if strict else []
-        held = [name in local for name in names]
-        states = _wanted_states(engine, saved)
-        wanted = [*keys.values(), "engine/meta", *(key for _, ks in states for key in ks)]
-        wanted += [key for key in saved if key.startswith(f"rng/{cluster.rank}/")]
-        tensors: dict[str, torch.Tensor] = {}
-        meta: dict[str, Any] = {}
-        optimizer_problem = None
-        if problem is None:
-            tensors, problem = _load(reader, {key: _placeholder(saved[key]) for key in wanted}, folder)
-        if problem is None:
-            meta, problem = _decoded_meta(tensors["engine/meta"], folder)
-        if problem is None:
-            optimizer_problem = _optimizer_problem(engine, meta)
-            if strict:
-                problem = optimizer_problem or _scheduler_problem(engine, meta)
-    damaged, unchecked = verification.result()
-    flags = torch.tensor([cluster.rank + 1 if (unchecked or problem) else 0, damaged, *held], dtype=torch.int64)
-    if several:
+    verification: _Verification | None = None
+    found: _Read | None = None
+    names: list[str] = []
+    held: list[bool] = []
+    problem: str | None = None
+    try:
+        folder = _readable(path)
+        verification = _Verification(folder, cluster.rank, cluster.world_size) if several else _Verification(folder)
+        found, names, held, problem = _read_here(engine, folder, strict)
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - any failure to read is agreed by every rank
+        cause = _cause(error)
+        named = isinstance(cause, EplError)
+        problem = str(cause) if named else f"Cannot load the checkpoint {path}: {type(cause).__name__}: {cause}"
+    damaged, unchecked = verification.result() if verification is not None else (0, None)
+    if damaged and verification is not None:  # a damaged file explains whatever reading it raised, on any rank
+        problem, weight = str(verification.error(damaged)), _DAMAGED
+    else:
+        problem, weight = unchecked or problem, agreement.REFUSED
+    _agree(engine, problem, weight)
+    assert found is not None
+    if several and names:
+        flags = torch.tensor(held, dtype=torch.int64)
         engine.context.communicator.all_reduce(flags, _max()).wait()
-    refusing, damaged = int(flags[0]), int(flags[1])
-    if damaged:
-        raise verification.error(damaged)
-    if unchecked or problem:
-        raise EplError(unchecked or problem)
-    if refusing:
-        raise EplError(f"Rank {refusing - 1} refused the checkpoint (its error says why); nothing was loaded.")
-    extra = [name for name, here in zip(names, flags[2:].tolist(), strict=True) if not here]
+        held = [bool(flag) for flag in flags.tolist()]
+    extra = [name for name, here in zip(names, held, strict=True) if not here]
     if extra:
         raise EplError(
             f"The checkpoint has tensors the model does not: {_few(extra)}. Load it into the model it was saved "
             "from, or pass strict=False to load what matches."
         )
-    return _Read(tensors, keys, [] if optimizer_problem is not None else states, meta, optimizer_problem)
+    return found
+
+
+#: The weight (:func:`epl.runtime.agreement.agree`) of a damaged file: it explains the errors of reading it.
+_DAMAGED = 2
+
+
+def _read_here(
+    engine: CheckpointedEngine, folder: Path, strict: bool
+) -> tuple[_Read, list[str], list[bool], str | None]:
+    """This rank's part of :func:`_read`, before the agreement: what it read, the checkpoint's model names (strict
+    only) and whether this rank holds each, and why the checkpoint cannot load here (None: it can)."""
+    rank = engine.context.cluster.rank
+    reader = files.safe_reader(folder)  # reads .metadata once, for these checks and for DCP's load
+    saved = reader.read_metadata().state_dict_metadata
+    meta_entry = saved.get("engine/meta")
+    if meta_entry is None:
+        raise EplError(f"{folder} is not an EPL checkpoint (no engine/meta); write one with engine.save(path).")
+    if not hasattr(meta_entry, "size"):
+        raise EplError(
+            f"{folder} was written by an older EPL, which pickled its metadata; this version never unpickles a "
+            "checkpoint. Load it with that version and save it again with this one."
+        )
+    local = engine.model.state_dict(keep_vars=True)
+    problem, keys = _model_problems(saved, local, strict)
+    # The checkpoint's model tensors no rank holds (each rank may hold only its stage): agreed by _read.
+    names = sorted(key[len("model/") :] for key in saved if key.startswith("model/")) if strict else []
+    held = [name in local for name in names]
+    states = _wanted_states(engine, saved)
+    wanted = [*keys.values(), "engine/meta", *(key for _, ks in states for key in ks)]
+    wanted += [key for key in saved if key.startswith(f"rng/{rank}/")]
+    wanted += [key for key in saved if key.startswith("data/")]  # every saving rank's loader positions
+    tensors: dict[str, torch.Tensor] = {}
+    meta: dict[str, Any] = {}
+    optimizer_problem = None
+    if problem is None:
+        tensors, problem = _load(reader, {key: _placeholder(saved[key]) for key in wanted}, folder)
+    if problem is None:
+        meta, problem = _decoded_meta(tensors["engine/meta"], folder)
+    if problem is None:
+        optimizer_problem = _optimizer_problem(engine, meta)
+        if strict:
+            problem = optimizer_problem or _scheduler_problem(engine, meta)
+    if problem is None:
+        problem = _data_problem(tensors, strict)
+    read = _Read(tensors, keys, [] if optimizer_problem is not None else states, meta, optimizer_problem)
+    return read, names, held, problem
 
 
 class _Verification:
@@ -614,15 +659,11 @@ def _optimizer_problem(engine: CheckpointedEngine, meta: dict[str, Any]) -> str 
     return None
 
 
-def _agree(engine: CheckpointedEngine, problem: str | None) -> None:
-    """Raise ``problem`` on this rank and an error naming the refusing rank on every other (a collective)."""
-    flag = torch.tensor([engine.context.cluster.rank + 1 if problem else 0], dtype=torch.int64)
-    if not _alone(engine):
-        engine.context.communicator.all_reduce(flag, _max()).wait()
-    if problem:
-        raise EplError(problem)
-    if int(flag):
-        raise EplError(f"Rank {int(flag) - 1} refused the checkpoint (its error says why); nothing was loaded.")
+def _agree(engine: CheckpointedEngine, problem: str | None, weight: int = agreement.REFUSED) -> None:
+    """Raise ``problem`` on this rank and, on every other, an error naming the refusing rank and its reason (a
+    collective: :func:`epl.runtime.agreement.agree`)."""
+    communicator = None if _alone(engine) else engine.context.communicator
+    agreement.agree(communicator, problem, refused="refused the checkpoint", weight=weight)
 
 
 def _load(reader: Any, wanted: dict[str, torch.Tensor], folder: Path) -> tuple[dict[str, torch.Tensor], str | None]:
@@ -634,13 +675,21 @@ def _load(reader: Any, wanted: dict[str, torch.Tensor], folder: Path) -> tuple[d
     :func:`_read`'s one all-reduce says as well.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         with _quiet_when_alone(True):
             dcp.load(wanted, storage_reader=reader, no_dist=True)
-    except Exception as error:  # noqa: BLE001 - any failure to read is a refusal, agreed with every rank
-        return {}, f"Cannot load the checkpoint {folder}: {_first_line(error)}"
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - any failure to read is a refusal, agreed
+        return {}, f"Cannot load the checkpoint {folder}: {_first_line(_cause(error))}"
     return reader.loaded, None
+
+
+def _cause(error: BaseException) -> BaseException:
+    """The error behind DCP's CheckpointException (a BaseException holding each failing rank's; without
+    torch.distributed, this process's alone), else ``error``."""
+    failures = getattr(error, "failures", None) or {}
+    return min(failures.items())[1][0] if failures else error
 
 
 def _decoded_meta(data: torch.Tensor, folder: Path) -> tuple[dict[str, Any], str | None]:
@@ -696,6 +745,33 @@ def _named_when_late(key: str, rank: int, world_size: int, alone: bool, what: st
         ) from None
     store.set(f"{key}/done/{rank}", "1")
     return result
+
+
+def _meet(engine: CheckpointedEngine, what: str, problem: Callable[[], str | None] | None = None) -> None:
+    """Meet every rank at the collective call ``what`` before any of them acts, or raise on every rank: a rank that
+    does not call it is named (:mod:`epl.runtime.collective_calls`), and so is rank 0's ``problem()`` (checked on
+    rank 0; on every process when each runs alone)."""
+    alone = _alone(engine)
+    first = alone or engine.context.cluster.rank == 0
+    agree_to_call(
+        what,
+        rank=0 if alone else engine.context.cluster.rank,
+        world_size=1 if alone else engine.context.cluster.world_size,
+        timeout=_timeout(engine),
+        problem=problem() if problem is not None and first else None,
+    )
+
+
+def _save_error(target: Path, error: BaseException) -> EplError:
+    """DCP's CheckpointException of a save as one EplError naming the first failing rank; a full disk says so and
+    what is left (the previous checkpoint, untouched)."""
+    failure = _checkpoint_error(f"engine.save could not write {target}", error)
+    if "No space left on device" in str(failure):
+        return EplError(
+            f"{failure}. Nothing was committed: the previous checkpoint at {target}, if any, is intact and the "
+            "partial files were deleted. Free space, or save to another file system."
+        )
+    return failure
 
 
 def _checkpoint_error(what: str, error: BaseException) -> EplError:
@@ -803,6 +879,38 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state_all(list(state["cuda"]))
 
 
+def _data_items(rank: int) -> dict[str, torch.Tensor]:
+    """Where this rank's ``epl.io`` loaders stand, as the entry ``data/<rank>`` (none without loaders)."""
+    from epl.io import positions
+
+    states = positions.saved()
+    return {f"data/{rank}": files.encode_json(states)} if states else {}
+
+
+def _data_states(tensors: dict[str, torch.Tensor]) -> dict[int, list[dict[str, Any]]]:
+    """The ``data/<rank>`` entries read: each saving rank's loader states."""
+    entries = {key: value for key, value in tensors.items() if key.startswith("data/")}
+    return {int(key.split("/")[1]): files.decode_json(value) for key, value in entries.items()}
+
+
+def _data_problem(tensors: dict[str, torch.Tensor], strict: bool) -> str | None:
+    """Why the checkpoint's loader positions cannot be resumed here (None: they can, or there are none)."""
+    from epl.io import positions
+
+    try:
+        return positions.restore_problem(_data_states(tensors), strict)
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as error:
+        return f"The checkpoint has an unreadable data/ entry (where its loaders stood): {error!r}."
+
+
+def _restore_data_positions(tensors: dict[str, torch.Tensor], strict: bool) -> None:
+    """Resume the ``epl.io`` loaders built so far where the checkpoint's stood; keep the others' positions for
+    when they are built."""
+    from epl.io import positions
+
+    positions.restore(_data_states(tensors), strict)
+
+
 def _alone(engine: CheckpointedEngine) -> bool:
     """Whether this job is one process (DCP then runs without torch.distributed)."""
     return engine.plan.local or engine.context.cluster.world_size == 1
@@ -832,53 +940,37 @@ def _require_default_group(engine: CheckpointedEngine) -> None:
         )
 
 
-def _everyone(engine: CheckpointedEngine, action: Callable[[], None]) -> None:
-    """Run ``action`` on rank 0 between two barriers of the whole job."""
-    several = not _alone(engine)
-    if several:
-        engine.context.communicator.barrier().wait()
-    if engine.context.cluster.rank == 0:
-        action()
-    if several:
-        engine.context.communicator.barrier().wait()
-
-
-def _remove(folder: Path) -> None:
-    if folder.exists():
-        shutil.rmtree(folder)
-
-
 def _replace(partial: Path, target: Path, *, keep_old: bool = False) -> None:
     """Put ``partial`` in ``target``'s place; the old checkpoint is removed only once the new one is there (or
-    left at ``<target>.old`` with ``keep_old``, for :func:`_discard`)."""
+    left at ``<target>.old`` with ``keep_old``, for :func:`_discard`). Only EPL's own files are ever deleted
+    (:mod:`epl.runtime.checkpoint_folders`, which checked the folders before the save began)."""
     old = target.with_name(target.name + ".old")
-    _remove(old)
     if target.exists():
         if not target.is_dir():
             raise EplError(f"{target} exists and is not a checkpoint directory; choose another path.")
+        left = folders.remove_own(old, folders.is_checkpoint_file)
+        if left:
+            raise EplError(f"{old} holds {left}, which engine.save did not write; move them out and save again.")
         os.replace(target, old)
+    # else: a save cut off between its two renames left the previous checkpoint at <target>.old: kept until now
     os.replace(partial, target)
     if not keep_old:
-        _remove(old)
+        folders.remove_own(old, folders.is_checkpoint_file)
 
 
 def _discard(old: Path, rank: int) -> None:
-    """Delete ``rank``'s data files of the previous checkpoint ``old``; rank 0 then deletes the rest. Ranks delete
-    at the same time: a file another rank removed first is skipped."""
+    """Delete ``rank``'s data files of the previous checkpoint ``old``; rank 0 then deletes EPL's other files and the
+    folder. Ranks delete at the same time: a file another rank removed first is skipped. Whatever engine.save did
+    not write is left where it is."""
     if not old.is_dir():
         return
-    mine = list(old.glob(f"__{rank}_*.distcp"))
-    rest = [path for path in old.iterdir() if path not in mine] if rank == 0 else []
-    for path in mine + rest:
+    for path in old.glob(f"__{rank}_*.distcp"):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
     if rank == 0:
-        try:
-            old.rmdir()
-        except FileNotFoundError:
-            pass
-        except OSError:  # something else was put there meanwhile
-            shutil.rmtree(old, ignore_errors=True)
+        left = folders.remove_own(old, folders.is_checkpoint_file)
+        if left:
+            warnings.warn(f"{old} kept: it holds {left}, which engine.save did not write.", stacklevel=2)
 
 
 def _readable(target: Path) -> Path:

@@ -121,7 +121,9 @@ def read_metadata(path: Path) -> Any:
     try:
         with path.open("rb") as file:
             return _MetadataUnpickler(file).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as error:
+    except OSError as error:
+        raise unreadable_file_error(path, error) from None
+    except Exception as error:  # noqa: BLE001 - a damaged pickle fails in many ways (EOFError, KeyError...)
         raise EplError(
             f"The checkpoint metadata {path} is not what torch.distributed.checkpoint writes ({error}); it was "
             "refused without running anything from it. Load only checkpoints written by engine.save."
@@ -173,9 +175,15 @@ def safe_reader(folder: Path) -> Any:
             for item in plan.items:
                 by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
             for relative_path, items in by_file.items():
-                with (folder / relative_path).open("rb") as stream:
-                    for item in sorted(items, key=lambda item: self.storage_data[item.storage_index].offset):
-                        self.loaded[item.dest_index.fqn] = self._read_tensor(stream, item, planner)
+                path = folder / relative_path
+                try:
+                    with path.open("rb") as stream:
+                        for item in sorted(items, key=lambda item: self.storage_data[item.storage_index].offset):
+                            self.loaded[item.dest_index.fqn] = self._read_tensor(stream, item, planner)
+                except EplError:
+                    raise
+                except Exception as error:  # noqa: BLE001 - named: torch.load's errors do not say which file
+                    raise unreadable_file_error(path, error) from error
             done: Future[None] = Future()
             done.set_result(None)
             return done
@@ -204,10 +212,14 @@ def _digest(hasher: Any, size: int) -> str:
 
 class _ChecksummingStream(io.IOBase):
     """A file opened for writing that keeps the checksum and size of what is written through it (DCP and
-    ``torch.save`` write sequentially; a seek marks the running checksum unusable)."""
+    ``torch.save`` write sequentially; a seek marks the running checksum unusable), and the first error of writing
+    it (``torch.save`` loses it: a full disk reached it as "unexpected pos 704 vs 598")."""
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, path: str | os.PathLike[str] = "") -> None:
         self.raw, self.hasher, self.size, self.sequential = raw, xxhash.xxh3_64(), 0, True
+        self.path = str(path)
+        #: The first OSError of a write, with the file's path (None: none).
+        self.error: OSError | None = None
 
     def writable(self) -> bool:
         return True
@@ -216,7 +228,12 @@ class _ChecksummingStream(io.IOBase):
         view = memoryview(data).cast("B")
         self.hasher.update(view)
         self.size += view.nbytes
-        return self.raw.write(view)
+        try:
+            return self.raw.write(view)
+        except OSError as error:
+            if self.error is None:
+                self.error = OSError(error.errno, error.strerror or str(error), self.path)
+            raise
 
     def tell(self) -> int:
         return self.raw.tell()
@@ -264,9 +281,19 @@ def checksumming_writer(folder: Path, commit: Callable[[], None] | None = None) 
                 with super().create_stream(path, mode) as stream:
                     yield stream
                 return
-            with super().create_stream(path, mode) as raw:
-                stream = _ChecksummingStream(raw)
-                yield stream
+            try:
+                with super().create_stream(path, mode) as raw:
+                    stream = _ChecksummingStream(raw, path)
+                    try:
+                        yield stream
+                    except Exception:
+                        if stream.error is not None:  # what torch.save reported instead (a full disk, a failed disk)
+                            raise stream.error from None
+                        raise
+            except OSError as error:  # closing flushes the rest: name the file there too
+                if error.filename is None and error.errno is not None:
+                    raise OSError(error.errno, error.strerror, str(path)) from None
+                raise
             with lock:
                 sums[Path(path).name] = stream.checksum()
 
@@ -366,8 +393,22 @@ def first_damaged(folder: Path, names: Iterable[str], sums: dict[str, str]) -> s
 def damaged_file_error(folder: Path, name: str, sums: dict[str, str]) -> EplError:
     """The error for a file of ``folder`` that is not the file written."""
     path = folder / name
-    found = checksum(path) if path.is_file() else "no such file"
+    try:
+        found = checksum(path) if path.is_file() else "no such file"
+    except OSError as error:
+        found = f"an unreadable file ({error})"
     return EplError(
         f"The checkpoint file {path} is damaged: recorded {sums[name]}, found {found} (a truncated copy, a flipped "
         "bit or another file). Nothing was loaded; load an intact copy of the checkpoint."
+    )
+
+
+def unreadable_file_error(path: Path, error: BaseException) -> EplError:
+    """The error for the checkpoint file ``path`` that reading raised ``error`` on (named: the readers' errors do
+    not say which file)."""
+    lines = str(error).strip().splitlines()
+    reason = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return EplError(
+        f"Cannot read the checkpoint file {path} ({reason}): it is missing, truncated or not the file written. "
+        "Nothing was loaded; load an intact copy of the checkpoint."
     )

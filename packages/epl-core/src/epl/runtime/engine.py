@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,7 @@ from epl.placement.plan import Plan
 from epl.plugins.context import LossScaler, ParallelContext, StepRunner
 from epl.runtime.batch import call_model, samples_and_tokens, tensors_in, to_device
 from epl.runtime.memory import MemoryReport
+from epl.runtime.nonfinite import NonFiniteCheck, StepOutcome
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -20,6 +22,9 @@ if TYPE_CHECKING:
     from epl.compiling import CompileReport
     from epl.runtime.batch_check import BatchCheck
     from epl.runtime.checkpoint import CheckpointSave
+    from epl.runtime.vocabulary_check import VocabularyCheck
+
+_log = logging.getLogger(__name__)
 
 #: Version of the layout of ``Engine.state_dict``.
 STATE_VERSION = 1
@@ -35,50 +40,112 @@ class Engine:
 
     def __init__(self, context: ParallelContext, runner: StepRunner) -> None:
         self.context = context
+        """Everything ``epl.parallelize`` built for this rank (:class:`epl.plugin_api.ParallelContext`): the config,
+        the plan, the split TaskGraphs' groups (``context.shard_groups``) and the plugins' state
+        (``context.state(...)``)."""
         self.runner = runner
         self.global_step = 0
+        """Steps trained so far: one per :meth:`step` that returned. :meth:`save` records it and :meth:`load`
+        restores it, so a resumed script finds its place from it (``epoch = engine.global_step // len(loader)``)."""
         self._lr_scheduler: LRScheduler | None = None
         #: Samples and tokens of the last step's replica batch (see :attr:`last_step_samples`).
         self._last_batch: tuple[int | None, int | None] = (None, None)
         #: Compares each step's batch over the ranks of this replica (``io.check_batches``; None: not checked).
         self.batch_check: BatchCheck | None = None
+        #: Checks the batch's token ids and labels on every pipeline stage (split stages; None: the split modules do).
+        self.vocabulary_check: VocabularyCheck | None = None
         #: The checkpoint ``save(asynchronous=True)`` is writing (None once seen done by a step).
         self._pending_save: CheckpointSave | None = None
+        self._skipped = 0  # see skipped_steps
+        #: The skipped steps in a row up to the last step (0: its update was applied), and where that run began.
+        self._skips_in_a_row = 0
+        self._first_skip: tuple[int, StepOutcome | None] | None = None
 
     # -- training --------------------------------------------------------------------
     def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """Run forward, backward and the optimizer on one replica batch; return its mean loss.
 
-        The LR scheduler (if any) steps after every update the optimizer made: not after one that AMP's
-        loss scaler skipped for a non-finite gradient. ``ReduceLROnPlateau`` needs a metric: step it
-        yourself (``engine.lr_scheduler.step(validation_loss)``).
+        When any rank's loss or gradients are NaN or Inf (AMP's overflows included), every rank skips the update:
+        the weights and the optimizer's state stay as they were, the gradients are dropped, and
+        :attr:`skipped_steps` counts it. :attr:`global_step` counts every call, skipped or not (it numbers the
+        batches, as torchtitan's and DeepSpeed's step counters do). After ``optimizer.raise_after_skips`` skipped
+        steps in a row, ``step`` raises an :class:`~epl.errors.EplError` naming where they began.
+
+        The LR scheduler (if any) steps after every update the optimizer made, not after a skipped one.
+        ``ReduceLROnPlateau`` needs a metric: step it yourself (``engine.lr_scheduler.step(validation_loss)``).
         """
         if self._pending_save is not None and self._pending_save.done():
             pending, self._pending_save = self._pending_save, None
             pending.surface()  # the error of a checkpoint written in the background, if nobody saw it yet
         skipped_before = self._skipped_updates()
+        nonfinite = getattr(self.runner, "nonfinite", None)
+        if isinstance(nonfinite, NonFiniteCheck):
+            nonfinite.last = None
         check = (
             self.batch_check if self.batch_check is not None and self.batch_check.due(self.global_step + 1) else None
         )
-        if check is not None:
-            check.start(inputs, targets, self.global_step + 1)  # read before the update: an optimizer pre-hook
-        try:
-            loss = self.runner.step(inputs, targets)
-        except Exception:
-            if check is not None:
-                _explain_with(check)
-            raise
-        if check is not None:
-            check.finish()
+        if check is not None:  # before the forward: its collectives crash on batches of different sizes
+            check.start(inputs, targets, self.global_step + 1)
+        if self.vocabulary_check is not None:
+            self.vocabulary_check(inputs, targets)
+        loss = self.runner.step(inputs, targets)
         self.global_step += 1
         self._last_batch = samples_and_tokens(inputs)
+        outcome = nonfinite.last if isinstance(nonfinite, NonFiniteCheck) else None
+        applied = outcome.applied if outcome is not None else self._skipped_updates() == skipped_before
         scheduler = self._lr_scheduler
-        if scheduler is not None and self._skipped_updates() == skipped_before and not _needs_metric(scheduler):
+        if scheduler is not None and applied and not _needs_metric(scheduler):
             scheduler.step()
+        if applied:
+            self._skips_in_a_row, self._first_skip = 0, None
+        else:
+            self._count_skip(outcome)
         return loss
 
     def _skipped_updates(self) -> int:
+        """The loss scaler's count of skipped updates: how a runner without a ``NonFiniteCheck`` tells of a skip."""
         return int(getattr(self.loss_scaler, "skipped_steps", 0) or 0)
+
+    def _count_skip(self, outcome: StepOutcome | None) -> None:
+        """Count the step just skipped; warn on rank 0; raise after ``optimizer.raise_after_skips`` in a row."""
+        from epl.errors import EplError
+
+        self._skipped += 1
+        self._skips_in_a_row += 1
+        if self._first_skip is None:
+            self._first_skip = (self.global_step, outcome)
+        what = "a gradient (found by the loss scaler)" if outcome is None else outcome.describe()
+        if self.context.cluster.rank == 0 and (outcome is None or outcome.loss_ranks or self.loss_scaler is None):
+            _log.warning(
+                "Step %d skipped on every rank: NaN or Inf in %s (%d skipped so far).",
+                self.global_step,
+                what,
+                self._skipped,
+            )
+        limit = self.context.config["optimizer.raise_after_skips"]
+        if limit is None or self._skips_in_a_row < limit:
+            return
+        assert self._first_skip is not None
+        first, first_outcome = self._first_skip
+        began = "a gradient (found by the loss scaler)" if first_outcome is None else first_outcome.describe()
+        raise EplError(
+            f"{self._skips_in_a_row} steps in a row were skipped because a loss or gradient was NaN or Inf "
+            f"(steps {first} to {self.global_step}; {self._skipped} skipped in all). It began at step {first} "
+            f"with NaN or Inf in {began}. Look at the batches of those steps on those ranks, and at what makes them "
+            "overflow (learning rate, loss, initialisation; under AMP float16, try bfloat16); "
+            "optimizer.raise_after_skips sets how many skipped steps in a row are tolerated (None: never raise)."
+        )
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update every rank skipped because a loss or gradient was NaN or Inf on some rank (AMP's
+        overflows included), since this engine was built. :attr:`global_step` counts them too."""
+        return self._skipped
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step's update was skipped (a loss or gradient was not finite on some rank)."""
+        return self._skips_in_a_row > 0
 
     @property
     def lr_scheduler(self) -> LRScheduler | None:
@@ -136,9 +203,14 @@ class Engine:
         """The model's outputs for ``inputs``, without gradients (the model's mode is unchanged).
 
         On a pipeline every rank takes part (a forward-only pass over the stages, by
-        micro-batches); the ranks of the last stage return the outputs, the others None.
+        micro-batches); the ranks of the last stage return the outputs, the others None. Any
+        batch size goes, from call to call: one that does not divide into
+        ``pipeline.num_micro_batch`` micro-batches has its last one padded, and the padding
+        rows are left out of the outputs.
         """
         if self.plan.num_stages > 1:
+            if self.vocabulary_check is not None:
+                self.vocabulary_check(inputs)
             return self._runner_method("predict")(inputs)
         return call_model(self.model, to_device(inputs, self.context.cluster.device))
 
@@ -146,9 +218,15 @@ class Engine:
         """The loss of one replica batch without training on it: no gradients, no optimizer state touched.
 
         As ``step`` returns it (the replica's mean, the same on every rank of the replica);
-        on a pipeline, a forward-only pass over the stages. The model's mode is unchanged:
-        call ``engine.eval()`` first for dropout off, ``engine.train()`` after.
+        on a pipeline, a forward-only pass over the stages, for a batch of any size: one that
+        does not divide into ``pipeline.num_micro_batch`` micro-batches has its last one padded,
+        and the padding rows count in no loss (cut from the outputs and targets before
+        ``loss_fn``; the model's own loss ignores them by their ``labels``, padded with -100).
+        The model's mode is unchanged: call ``engine.eval()`` first for dropout off,
+        ``engine.train()`` after.
         """
+        if self.vocabulary_check is not None:
+            self.vocabulary_check(inputs, targets)
         return self._runner_method("evaluate")(inputs, targets)
 
     def _runner_method(self, name: str) -> Any:
@@ -306,9 +384,11 @@ class Engine:
 
         Built on ``torch.distributed.checkpoint``: every rank writes its part in parallel;
         tensors are whole and named as in the model the user wrote; optimizer states,
-        the loss scaler, the step counter and every rank's RNG states are included. A
-        crash while saving leaves the previous checkpoint at ``path`` intact. See
-        :mod:`epl.runtime.checkpoint`.
+        the loss scaler, the step counter, every rank's RNG states and where each ``epl.io`` loader
+        stands in its data (:mod:`epl.io.positions`) are included. A
+        crash while saving leaves the previous checkpoint at ``path`` intact. Only a previous
+        checkpoint of its own is replaced: a folder holding anything else is refused on every
+        rank, with nothing moved or deleted. See :mod:`epl.runtime.checkpoint`.
 
         ``asynchronous=True`` copies the state to CPU memory and returns while the files are written in the
         background (the steps that follow change nothing in the checkpoint); the returned
@@ -328,6 +408,8 @@ class Engine:
         Nothing in the checkpoint is run; its files are checked against their checksums first. ``strict``
         (default): the checkpoint must hold exactly the model's tensors, shapes and dtypes, and an optimizer of
         the same kind; ``strict=False`` loads what matches (see :func:`epl.runtime.checkpoint.load_checkpoint`).
+        Each ``epl.io`` loader resumes where it stood, on any number of replicas, built before or after the load
+        (docs/checkpoints.md, "Resuming data").
         """
         from epl.runtime.checkpoint import load_checkpoint
 
@@ -351,7 +433,8 @@ class Engine:
         """Write the model as a transformers checkpoint folder at ``path`` (every rank calls it): safetensors
         under the original names, several files with ``model.safetensors.index.json`` past ``max_shard_size``,
         and ``config.json`` when the model has a ``config``; ``AutoModel...from_pretrained(path)`` reads it.
-        Each rank writes its own pieces into the files; nothing is gathered. See :mod:`epl.pretrained`.
+        Each rank writes its own pieces into the files; nothing is gathered. Written beside the files already
+        in the folder (a tokenizer, a README: kept), replacing only its own. See :mod:`epl.pretrained.saving`.
         """
         from epl.pretrained import save_pretrained
 
@@ -397,16 +480,3 @@ def _to_shards(
 def _needs_metric(scheduler: Any) -> bool:
     """Whether ``scheduler`` steps on a metric the script gives it (``ReduceLROnPlateau``)."""
     return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-
-
-def _explain_with(check: BatchCheck) -> None:
-    """After a failed step: raise the batch check's error when the ranks were given different batches (which
-    explains the failure better than what it led to); anything else the check meets stays unsaid."""
-    from epl.errors import BatchMismatchError
-
-    try:
-        check.finish()
-    except BatchMismatchError:
-        raise
-    except Exception:  # noqa: BLE001, S110 - the step's own error is the one to report
-        pass

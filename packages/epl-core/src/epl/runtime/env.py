@@ -106,9 +106,10 @@ def init(config: Config | Mapping[str, Any] | None = None) -> Env:
 
             end_job_on_uncaught_exception(cluster.rank)
         if os.environ.get("EPL_LAUNCHER_PID", "").isdigit():  # started by epl launch: end with it
-            from epl.runtime.failure import end_with_launcher
+            from epl.runtime.failure import end_with_launcher, plain_tracebacks
 
             end_with_launcher(int(os.environ["EPL_LAUNCHER_PID"]), cluster.rank)
+            plain_tracebacks()  # the launcher labels the lines and shows the error once
         communicator = plugins.make_communicator(cluster, config)
     # epl plan never gives a parameter memory: plan-only runs build the model on meta.
     annotations = AnnotationRecorder(meta_parameters=request is not None or bool(config["model.meta_init"]))

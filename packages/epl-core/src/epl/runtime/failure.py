@@ -11,7 +11,9 @@ and so ends the job the same way.
 
 Workers started by ``epl launch`` end when the launcher does, even one killed with SIGKILL
 (which cannot pass the signal on): a thread watches the launcher's process and ends the worker
-within a second of it going away.
+within a second of it going away. Their uncaught errors print as Python prints them, without
+the ``[rankN]:`` torch.distributed puts before every line: the launcher labels each line with
+the rank already, keeps the traceback in the rank's log and shows the error once.
 """
 
 from __future__ import annotations
@@ -90,3 +92,23 @@ def end_with_launcher(launcher_pid: int, rank: int) -> None:
 
     threading.Thread(target=watch, name="epl-launcher-watch", daemon=True).start()
     _watching.add(launcher_pid)
+
+
+_plain = False
+
+
+def plain_tracebacks() -> None:
+    """From now on, an exception nothing catches prints its traceback as Python does, to the real stderr, past the
+    hook torch.distributed installs (which prefixes every line with ``[rankN]:``). For ``epl launch``'s workers;
+    a hook the script set itself is kept."""
+    global _plain
+    if _plain or sys.excepthook is not sys.__excepthook__:
+        return
+
+    def hook(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
+        stream = sys.__stderr__ or sys.stderr
+        traceback.print_exception(kind, error, trace, file=stream)
+        stream.flush()
+
+    sys.excepthook = hook
+    _plain = True

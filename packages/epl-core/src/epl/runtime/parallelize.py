@@ -24,6 +24,7 @@ from epl.runtime.batch import to_device
 from epl.runtime.batch_check import batch_check
 from epl.runtime.engine import Engine
 from epl.runtime.env import Env
+from epl.runtime.vocabulary_check import vocabulary_check
 
 OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], None]
 
@@ -113,8 +114,7 @@ def parallelize(
         config["io.check_batches_every"],
         presliced=bool(config["context.presliced"]),
     )
-    if engine.batch_check is not None and context.optimizer is not None:
-        context.optimizer.register_step_pre_hook(engine.batch_check.hook)
+    engine.vocabulary_check = vocabulary_check(context)
     if lr_scheduler is not None:
         if context.optimizer is None:
             raise EplError("epl.parallelize got lr_scheduler=... but no optimizer=... for it to schedule.")

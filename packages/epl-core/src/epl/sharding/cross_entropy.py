@@ -17,6 +17,7 @@ from epl.errors import EplError
 from epl.interfaces.communicator import ReduceOp
 from epl.interfaces.shard_group import ShardGroup
 from epl.sharding import collectives as C
+from epl.sharding.vocabulary import LABELS_FIX, check_in_vocabulary
 
 
 class _ShardedCrossEntropy(torch.autograd.Function):
@@ -69,7 +70,9 @@ def sharded_cross_entropy(
     """``F.cross_entropy`` of class-sharded ``logits`` [N, this device's classes] and ``targets`` [N].
 
     With the batch split over the devices (``group.batch_split``), ``logits`` hold every
-    device's rows and ``targets`` only this device's; the result is this device's loss.
+    device's rows and ``targets`` only this device's; the result is this device's loss. A target outside
+    ``0 .. num_classes - 1`` (other than ``ignore_index``) is a :class:`~epl.errors.VocabularyError` on every
+    device, as ``F.cross_entropy``'s ``IndexError`` in one process.
     """
     if logits.dim() != 2 or targets.dim() != 1:
         raise EplError(
@@ -80,6 +83,14 @@ def sharded_cross_entropy(
         raise EplError("The parallel cross-entropy takes class indices as targets, not probabilities.")
     if group.batch_split:
         targets = C.gather_rows(targets, group)
+    check_in_vocabulary(
+        targets,
+        num_classes,
+        "The targets (labels) of the parallel cross-entropy",
+        ignore_index=ignore_index,
+        fix=LABELS_FIX,
+        bound="the {size} classes of the split output layer",
+    )
     start = group.slice(num_classes).start
     per_row = _ShardedCrossEntropy.apply(logits, targets, group, start, ignore_index)
     kept = targets != ignore_index

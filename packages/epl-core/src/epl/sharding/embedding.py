@@ -10,6 +10,7 @@ from epl.errors import AnnotationError
 from epl.interfaces.split_rule import ShardContext
 from epl.sharding import collectives as C
 from epl.sharding.parameters import sharded_parameter
+from epl.sharding.vocabulary import IDS_FIX, check_in_vocabulary
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -17,7 +18,9 @@ class VocabParallelEmbedding(nn.Module):
 
     Each device looks up the ids in its range and writes zeros for the others; the
     devices' results are summed (one all-reduce, or a reduce-scatter that leaves
-    each device its own rows when the batch is split over the devices).
+    each device its own rows when the batch is split over the devices). An id outside
+    ``0 .. num_embeddings - 1`` is a :class:`~epl.errors.VocabularyError` on every device
+    (:mod:`epl.sharding.vocabulary`), as ``nn.Embedding``'s ``IndexError`` in one process.
     """
 
     def __init__(self, embedding: nn.Embedding, shard: ShardContext) -> None:
@@ -36,6 +39,7 @@ class VocabParallelEmbedding(nn.Module):
                 f"{shard.name}: nn.Embedding with {', '.join(unsupported)} cannot be split over devices yet. "
                 "Create it without those options, or outside the epl.split scope."
             )
+        self.name = shard.name
         self.group = shard.group
         self.group.require(embedding.num_embeddings, f"{shard.name}: the rows of nn.Embedding")
         self.num_embeddings = embedding.num_embeddings
@@ -50,6 +54,8 @@ class VocabParallelEmbedding(nn.Module):
         group = self.group
         if group.batch_split:
             ids = C.gather_rows(ids, group)
+        what = f"The token ids given to the embedding {self.name!r}"
+        check_in_vocabulary(ids, self.num_embeddings, what, fix=IDS_FIX)
         outside = (ids < self.start) | (ids >= self.stop)
         local = (ids - self.start).masked_fill(outside, 0)
         padding = None
