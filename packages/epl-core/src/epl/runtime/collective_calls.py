@@ -11,7 +11,7 @@ rank has, compares the calls, and publishes one verdict that every rank raises o
 - every rank made the same call (and rank 0 found no ``problem``): go on;
 - the ranks made different calls at the same point: every rank raises, naming who called what;
 - a rank did not call it within ``communication.timeout``, or ended its script instead: it is named as late
-  ("engine.save is a collective call: every rank must call it; rank(s) [1] did not call it within 600 s").
+  ("engine.save is a collective call: every rank must call it; rank 1 did not call it within 600 s").
 
 The bound is ``communication.timeout`` (the limit of every other collective of EPL): a rank may legitimately reach
 a save later than the others (rank 0 evaluating before it), and a shorter bound would refuse such a job. A rank that
@@ -145,9 +145,14 @@ def _late(what: str, missing: list[int], store: Any, waited: float) -> str:
     else:
         why = f"did not call it within {waited:.0f} s (communication.timeout)"
     return (
-        f"{what} is a collective call: every rank must call it; rank(s) {missing} {why}. Call {what} on every rank "
+        f"{what} is a collective call: every rank must call it; {_ranks(missing)} {why}. Call {what} on every rank "
         "(not under `if rank == 0`); raise communication.timeout if a rank is only slow to get there."
     )
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 1`` or ``ranks 1, 3``."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(rank) for rank in ranks)
 
 
 def _leaving(store: Any) -> int:
