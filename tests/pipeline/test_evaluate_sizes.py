@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from tests.helpers.distributed import run_ranks
+from tests.models.test_transformers_pipeline import llama as transformers_llama
+from tests.pipeline.test_pipeline import build
 
 for _name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
     os.environ.setdefault(_name, "1")  # nothing downloaded: tiny configs, random weights
@@ -41,17 +43,6 @@ VOCABULARY, SEQUENCE = 64, 8
 TOLERANCE = 1e-12
 #: transformers computes its own loss in float32 (``logits.float()``), even for a float64 model.
 OWN_LOSS_TOLERANCE = 1e-6
-
-
-def build() -> nn.Module:
-    import epl
-
-    torch.manual_seed(0)
-    with epl.replicate(device_count=1, name="stage_0"):
-        stage0 = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU())
-    with epl.replicate(device_count=1, name="stage_1"):
-        stage1 = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 12))
-    return nn.Sequential(stage0, stage1).double()
 
 
 def data(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,21 +82,9 @@ class Scale(nn.Module):
 
 
 def llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    """The 4-layer Llama of the transformers pipeline tests, seeded, in float64."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCABULARY,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQUENCE,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-    return LlamaForCausalLM(config).double()
+    return transformers_llama().double()
 
 
 def tokens(rows: int, length: int) -> torch.Tensor:
