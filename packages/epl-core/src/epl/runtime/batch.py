@@ -50,15 +50,23 @@ def samples_and_tokens(batch: Any) -> tuple[int | None, int | None]:
     if isinstance(batch, torch.Tensor):  # the same answer as below, without walking a structure
         if batch.dim() == 0:
             return None, None
-        token_ids = batch.dim() >= 2 and not batch.is_floating_point() and not batch.is_complex()
-        return batch.shape[0], batch.numel() if token_ids and batch.dtype != torch.bool else None
+        is_ids = batch.dim() >= 2 and not batch.is_floating_point() and not batch.is_complex()
+        return batch.shape[0], batch.numel() if is_ids and batch.dtype != torch.bool else None
     tensors = [t for t in tensors_in(batch) if t.dim() > 0]
     if not tensors:
         return None, None
+    ids = token_ids(batch, tensors)
+    return tensors[0].shape[0], None if ids is None else ids.numel()
+
+
+def token_ids(batch: Any, tensors: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+    """The token ids of ``batch``: a dict's ``input_ids``, else its first integer tensor of two or more dimensions
+    (batch x sequence); None when it has none (or they are booleans). ``tensors``: ``tensors_in(batch)``, if known."""
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
     if not isinstance(ids, torch.Tensor):
-        ids = next((t for t in tensors if t.dim() >= 2 and not t.is_floating_point() and not t.is_complex()), None)
-    return tensors[0].shape[0], None if ids is None or ids.dtype == torch.bool else ids.numel()
+        candidates = tensors_in(batch) if tensors is None else tensors
+        ids = next((t for t in candidates if t.dim() >= 2 and not t.is_floating_point() and not t.is_complex()), None)
+    return None if ids is None or ids.dtype == torch.bool else ids
 
 
 def split_batch(batch: Any, parts: int, *, what: str) -> list[Any]:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from epl.plugins.context import ParallelContext
-from epl.runtime.batch import tensors_in
+from epl.runtime.batch import token_ids
 from epl.sharding.vocabulary import IDS_FIX, LABELS_FIX, ModelVocabulary, check_in_vocabulary
 
 #: The ``ignore_index`` of ``F.cross_entropy`` and transformers' losses: labels of positions without a loss.
@@ -67,15 +67,12 @@ def _integer(value: Any) -> bool:
 
 
 def _token_ids(inputs: Any) -> tuple[torch.Tensor | None, str]:
-    """The batch's token ids and how the error names them."""
-    if isinstance(inputs, Mapping):
-        ids = inputs.get("input_ids")
-        if _integer(ids):
-            return ids, "its 'input_ids'"
-    for tensor in tensors_in(inputs):
-        if _integer(tensor) and tensor.dim() >= 2 and tensor.dtype != torch.bool:
-            return tensor, "its first integer tensor"
-    return None, ""
+    """The batch's token ids (:func:`epl.runtime.batch.token_ids`, integers only) and how the error names them."""
+    ids = token_ids(inputs)
+    if not _integer(ids):
+        return None, ""
+    named = isinstance(inputs, Mapping) and inputs.get("input_ids") is ids
+    return ids, "its 'input_ids'" if named else "its first integer tensor"
 
 
 def _labels(inputs: Any, targets: Any) -> list[tuple[torch.Tensor, str]]:
