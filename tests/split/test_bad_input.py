@@ -105,6 +105,13 @@ def split_cases() -> dict[str, Any]:
     rows = BATCH + 2 * dist.get_rank()
     ids = torch.randint(0, VOCABULARY, (rows, SEQUENCE), generator=torch.Generator().manual_seed(2))
     result["sizes"] = errors_of(engine, {"sizes": (ids, ids)})["sizes"]
+    # whole embeddings: data parallelism, and a 2-stage pipeline (the second stage never sees the ids)
+    for layout, config in (("data parallel", {}), ("pipeline", {"pipeline.num_stages": 2, "auto.auto_parallel": True,
+                           "pipeline.num_micro_batch": 2, "communication.timeout": 60})):  # fmt: skip
+        epl.init(epl.Config(config))
+        engine = epl.parallelize(llama(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=next_token_loss)
+        result[layout] = errors_of(engine, bad_batches())
+        result[layout + ": after"] = float(engine.step(tokens(), tokens()))
     return result
 
 
@@ -144,6 +151,8 @@ def assert_named(errors: dict[str, tuple[str, str]]) -> None:
 @pytest.mark.timeout(300)
 def test_ids_and_labels_outside_the_vocabulary_and_batches_of_different_sizes_fail_on_every_rank() -> None:
     local = {tied: locally(tied) for tied in (False, True)}
+    with torch.no_grad():
+        first = float(next_token_loss(llama()(tokens()), tokens()))
     results = run_ranks(split_cases, 2, timeout=280)
     for rank, result in enumerate(results):
         for layout in ("untied", "tied", "sequence parallel"):
@@ -152,6 +161,9 @@ def test_ids_and_labels_outside_the_vocabulary_and_batches_of_different_sizes_fa
             assert "'model.embed_tokens'" in result[layout]["input id vocab"][1]
             assert result[layout + ": ignored labels"] == pytest.approx(ignored, rel=1e-9), (rank, layout)
             assert result[layout + ": after"] == pytest.approx(after, rel=1e-9), (rank, layout)
+        for layout in ("data parallel", "pipeline"):  # every rank names the id, as under split; nothing trained
+            assert_named(result[layout])
+            assert result[layout + ": after"] == pytest.approx(first, rel=1e-9), (rank, layout)
         kind, message = result["sizes"]
         assert kind == "BatchMismatchError", message
         assert "were given batches of different sizes at step 1" in message, message

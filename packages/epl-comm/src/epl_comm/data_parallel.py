@@ -12,6 +12,15 @@ steps the gradients cost their size once, not twice.
 Under ZeRO v1/v2 (``ParallelContext.gradient_owners``) a bucket holds parameters of one
 owner and is reduced to that owner only; the other copies drop their gradients as soon
 as the bucket is on its way, and no bucket buffer outlives its step.
+
+A reducer that averages every trainable parameter over every rank of the job (plain data
+parallelism) also carries the job's verdict on non-finite steps (``carries_verdict``,
+:class:`epl.plugin_api.NonFiniteVerdict`) without a collective or a buffer of its own. A rank
+whose loss was not finite writes a NaN into the first element of its last bucket, and the mean's
+division checks the averaged gradients as it goes (one fused kernel where dividing by the
+number of copies is exact, a power of two; else the division and one sum). A NaN or Inf in any
+rank's gradient or loss is then in the average, which every rank holds the same, so every rank
+reaches the same verdict.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from epl.plugin_api import Communicator, CompletedWork, ReduceOp, Work
+from epl.plugin_api import Communicator, CompletedWork, NonFiniteVerdict, ReduceOp, Work
 from epl_comm.buckets import plan_buckets
 from epl_comm.step_check import StepCheck
 
@@ -62,6 +71,9 @@ class DataParallelReducer:
 
     ``owners`` (parameter id -> member) names the one copy that keeps a parameter's reduced
     gradient; the other copies end the step with ``grad`` None for it (ZeRO v1/v2).
+    ``carries_verdict``: ``params`` are every trainable parameter of the job's model and the
+    communicators every rank of the job, so the reduction also decides whether the step's loss
+    and gradients were finite everywhere (:meth:`observe_loss`, :meth:`nonfinite_verdict`).
     """
 
     def __init__(
@@ -74,6 +86,7 @@ class DataParallelReducer:
         defer_until_finish: bool = False,
         owners: Mapping[int, int] | None = None,
         step_check: StepCheck | None = None,
+        carries_verdict: bool = False,
     ) -> None:
         self.policy = policy
         #: Checks every step that the copies' ranks are at the same step (None: no check).
@@ -88,6 +101,11 @@ class DataParallelReducer:
             for i, (group, owner) in enumerate(_by_owner(plan_buckets(dense, policy.max_splits), self.owners))
         ]
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
+        self.carries_verdict = carries_verdict and bool(self.buckets) and not self.sparse and not self.owners
+        device = dense[0].device if dense else torch.device("cpu")
+        self._loss_bad = torch.zeros((), dtype=torch.bool, device=device)
+        self._found = torch.zeros(1, dtype=torch.float32, device=device)
+        self._verdict: NonFiniteVerdict | None = None
         self._arrivals: dict[int, int] = {}
         self._next = 0
         self._defer = defer_until_finish
@@ -110,8 +128,21 @@ class DataParallelReducer:
                 bucket.work.wait()
         self._reset()
         self._armed = True
+        self._loss_bad = torch.zeros_like(self._loss_bad)
+        self._found.zero_()
+        self._verdict = None
         if self.step_check is not None:
             self.step_check.start()
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """A micro-batch's loss, before its backward: a NaN or Inf poisons the last bucket (no host sync)."""
+        if self.carries_verdict:
+            self._loss_bad = self._loss_bad | ~torch.isfinite(loss.detach()).all().to(self._loss_bad.device)
+
+    def nonfinite_verdict(self) -> NonFiniteVerdict | None:
+        """After :meth:`finish`: whether some rank's loss or the averaged gradients were not finite, the same on
+        every rank of the job (None: this reducer does not carry the verdict)."""
+        return self._verdict
 
     def finish(self, clip: Callable[[], None] | None) -> None:
         """Finish this step's reduction; clip before it (per replica) or after it, as configured."""
@@ -173,6 +204,8 @@ class DataParallelReducer:
                 else:
                     grad = param.grad.to_dense() if param.grad.is_sparse else param.grad
                     piece.copy_(grad.reshape(-1))
+            if self.carries_verdict and bucket is self.buckets[-1]:  # a loss that is not finite: NaN in the sum
+                buffer.narrow(0, 0, 1).masked_fill_(self._loss_bad, float("nan"))
             wire = buffer
             if self.policy.fp16:
                 assert bucket.wire is not None
@@ -203,10 +236,28 @@ class DataParallelReducer:
             if self.policy.fp16:
                 assert wire is not None
                 buffer.copy_(wire).div_(self.policy.fp16_scale)
-            if self.policy.mean:
+            if self.carries_verdict:
+                self._average_and_check(buffer)
+            elif self.policy.mean:
                 buffer.div_(self.policy.copies)
             for param, piece in zip(bucket.params, buffer.split(bucket.sizes), strict=True):
                 param.grad = piece.view_as(param)  # a view: the bucket's memory is the gradients' memory
+            if self.carries_verdict and bucket is self.buckets[-1]:
+                self._verdict = NonFiniteVerdict(found=self._found)
+
+    def _average_and_check(self, buffer: torch.Tensor) -> None:
+        """The mean's division of a reduced bucket, noting in ``_found`` whether it holds a NaN or Inf.
+
+        One fused pass (AMP's unscale kernel) where multiplying by 1/copies equals dividing by copies (a power of
+        two); otherwise the division as before and one sum (a NaN or Inf anywhere makes it non-finite).
+        """
+        copies = self.policy.copies if self.policy.mean else 1
+        if copies & (copies - 1) == 0:
+            scale = torch.full((1,), 1.0 / copies, dtype=torch.float32, device=buffer.device)
+            torch._amp_foreach_non_finite_check_and_unscale_([buffer], self._found, scale)
+            return
+        buffer.div_(copies)
+        self._found += (~torch.isfinite(buffer.sum())).to(self._found.dtype)
 
     def _reduce_sparse(self, param: nn.Parameter) -> torch.Tensor | None:
         """Gather every copy's sparse gradient as indices and values; sum (or mean) them."""

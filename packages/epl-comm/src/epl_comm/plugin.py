@@ -94,6 +94,7 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
     }
     clip_first = config["optimizer.max_grad_norm"] is not None and not config["communication.clip_after_allreduce"]
     reducers = []
+    trainable = [p for p in context.model.parameters() if p.requires_grad]
     for copies, params in context.copies_of_tensors(list(context.model.parameters())).items():
         if copies.divisor == 1 and len(copies.devices) == 1:
             continue
@@ -116,6 +117,9 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
                 defer_until_finish=clip_first,
                 owners=context.gradient_owners,
                 step_check=StepCheck(groups.communicators(copies)[0]) if config["communication.check_steps"] else None,
+                # every rank, every trainable parameter: the reduction can decide non-finite steps for the job
+                carries_verdict=len(copies.devices) == context.cluster.world_size
+                and len([p for p in params if p.requires_grad]) == len(trainable),
             )
         )
     if not reducers:

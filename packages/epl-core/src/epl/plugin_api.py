@@ -64,6 +64,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.interfaces.collectives import broadcast_tensors, communicators_for
     from epl.interfaces.communicator import Communicator, CompletedWork, ReduceOp, Work
     from epl.interfaces.config_key import ConfigKey
+    from epl.interfaces.nonfinite_verdict import NonFiniteVerdict
     from epl.interfaces.optimizer_groups import group_options
     from epl.interfaces.phases import TransformPhase, WrapperPhase
     from epl.interfaces.schedule import Action, ActionKind, Schedule, ScheduleGenerator
@@ -117,6 +118,7 @@ _EXPORTS: dict[str, str] = {
     "inside": "epl.builtin.local_runner",
     "step_or_skip": "epl.builtin.local_runner",
     "NonFiniteCheck": "epl.runtime.nonfinite",
+    "NonFiniteVerdict": "epl.interfaces.nonfinite_verdict",
     "micro_batches": "epl.runtime.batch",
     "clip_grad_norm": "epl.sharding.norms",
     "split_batch": "epl.runtime.batch",

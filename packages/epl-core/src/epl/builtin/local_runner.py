@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from epl.errors import EplError
-from epl.plugins.context import GradientReducer, LossFn, LossScaler, ParallelContext
+from epl.plugins.context import CarriesNonFiniteVerdict, GradientReducer, LossFn, LossScaler, ParallelContext
 from epl.runtime.batch import call_model, micro_batches, to_device
 from epl.runtime.loss import compute_loss
-from epl.runtime.nonfinite import NonFiniteCheck
+from epl.runtime.nonfinite import NonFiniteCheck, NonFiniteVerdict
 from epl.sharding.norms import clip_grad_norm
 
 ForwardContext = Callable[[], contextlib.AbstractContextManager[Any]]
@@ -47,18 +47,20 @@ def step_or_skip(
     check: NonFiniteCheck | None = None,
     loss: torch.Tensor | None = None,
     grad_norm: torch.Tensor | None = None,
+    verdict: NonFiniteVerdict | None = None,
 ) -> bool:
     """The optimizer step, unless some rank's loss or gradients are not finite (then drop them); True: applied.
 
     With ``check`` (the runners': :class:`~epl.runtime.nonfinite.NonFiniteCheck`) every rank of the job agrees
     from this rank's ``loss`` (None where it has none), the norm clipping computed (``grad_norm``; None: not
-    clipped) and the loss scaler's check of the gradients; without, the loss scaler alone decides (no scaler:
-    applied). Either way a collective of every rank of the job, so all of them skip together. A skipped step
+    clipped) and the loss scaler's check of the gradients, or from the gradient reduction's ``verdict`` when it
+    carries one; without, the loss scaler alone decides (no scaler: applied). Every rank of the job reaches the
+    same verdict (by a collective, or from the reduction's numbers), so all of them skip together. A skipped step
     leaves the weights and the optimizer's state as they were.
     """
     params = list(params)
     if check is not None:
-        applied = check.decide(params, loss=loss, grad_norm=grad_norm, loss_scaler=loss_scaler).applied
+        applied = check.decide(params, loss=loss, grad_norm=grad_norm, loss_scaler=loss_scaler, verdict=verdict).applied
     else:
         applied = loss_scaler is None or loss_scaler.update(params)
     if applied:
@@ -113,6 +115,8 @@ class LocalStepRunner:
         self.forward_contexts = list(forward_contexts)
         #: Decides with every rank whether each step's update is applied (None: the loss scaler alone decides).
         self.nonfinite = nonfinite
+        #: The reducer, when it can carry the non-finite verdict (plain data parallelism; see its docs).
+        self._verdicts = gradient_reducer if isinstance(gradient_reducer, CarriesNonFiniteVerdict) else None
         self._grad_norm: torch.Tensor | None = None
 
     @property
@@ -167,6 +171,8 @@ class LocalStepRunner:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (multiplied by the loss scale under AMP)."""
+        if self._verdicts is not None and self.nonfinite is not None:
+            self._verdicts.observe_loss(loss)
         (loss if self.loss_scaler is None else self.loss_scaler.scale_loss(loss)).backward()
 
     def update(self, loss: torch.Tensor | None = None) -> bool:
@@ -180,6 +186,7 @@ class LocalStepRunner:
             check=self.nonfinite,
             loss=loss,
             grad_norm=self._grad_norm,
+            verdict=self._verdicts.nonfinite_verdict() if self._verdicts is not None else None,
         )
 
     def finish_gradients(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from epl.config import Config
     from epl.interfaces.cluster import Cluster
     from epl.interfaces.communicator import Communicator
+    from epl.interfaces.nonfinite_verdict import NonFiniteVerdict
     from epl.interfaces.phases import TransformPhase, WrapperPhase
     from epl.interfaces.schedule import ScheduleGenerator
     from epl.interfaces.shard_group import ShardGroup
@@ -219,6 +220,21 @@ class GradientReducer(Protocol):
 
     def finish(self, clip: Callable[[], None] | None) -> None:
         """Complete this step's reduction; call ``clip`` (local clipping) before or after it, as configured."""
+        ...
+
+
+@runtime_checkable
+class CarriesNonFiniteVerdict(Protocol):
+    """A :class:`GradientReducer` that may also decide, for every rank of the job, whether a step's loss and
+    gradients were finite (:class:`~epl.runtime.nonfinite.NonFiniteVerdict`): the runner hands it each micro-batch's
+    loss before its backward, and reads the verdict after ``finish`` (None: it does not carry one this job)."""
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """A micro-batch's loss, before its backward."""
+        ...
+
+    def nonfinite_verdict(self) -> NonFiniteVerdict | None:
+        """The verdict of the step just finished, or None."""
         ...
 
 

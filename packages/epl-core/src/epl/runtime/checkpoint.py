@@ -75,6 +75,11 @@ class CheckpointedEngine(Protocol):
     context: ParallelContext
 
     @property
+    def skipped_steps(self) -> int:
+        """Steps whose update was skipped (non-finite), kept across a save and load."""
+        ...
+
+    @property
     def model(self) -> nn.Module:
         """This rank's model."""
         ...
@@ -399,6 +404,7 @@ def _logical_items(engine: CheckpointedEngine) -> dict[str, Any]:
     meta = {
         "format": FORMAT,
         "global_step": engine.global_step,
+        "skipped_steps": engine.skipped_steps,
         "param_groups": [group_options(group) for group in optimizer.param_groups] if optimizer is not None else None,
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
@@ -427,7 +433,14 @@ def load_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
     whole.update({key: value for key, value in current.items() if key not in whole})
     meta = read.meta
     engine.load_state_dict(
-        {"version": 1, "model": whole, "optimizer": None, "global_step": meta["global_step"], "shards": {}}
+        {
+            "version": 1,
+            "model": whole,
+            "optimizer": None,
+            "global_step": meta["global_step"],
+            "skipped_steps": meta.get("skipped_steps", 0),  # absent from checkpoints before issue 40
+            "shards": {},
+        }
     )
     if engine.optimizer is not None and read.optimizer_problem is None:
         device = engine.context.cluster.device

@@ -139,7 +139,8 @@ class Engine:
     @property
     def skipped_steps(self) -> int:
         """Steps whose update every rank skipped because a loss or gradient was NaN or Inf on some rank (AMP's
-        overflows included), since this engine was built. :attr:`global_step` counts them too."""
+        overflows included), over the whole run: a checkpoint keeps the count. :attr:`global_step` counts them
+        too."""
         return self._skipped
 
     @property
@@ -360,6 +361,7 @@ class Engine:
             "model": model,
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None and not full else None,
             "global_step": self.global_step,
+            "skipped_steps": self._skipped,
             #: The loss scaler's state (optional: absent or None without AMP).
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
             #: Which shard of each split tensor ``model`` holds (absent for whole tensors).
@@ -376,6 +378,8 @@ class Engine:
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         self.global_step = int(state["global_step"])
+        self._skipped = int(state.get("skipped_steps", 0))
+        self._skips_in_a_row, self._first_skip = 0, None
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
 

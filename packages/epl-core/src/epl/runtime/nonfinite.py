@@ -7,6 +7,12 @@ the norm ``optimizer.max_grad_norm`` computes, or else one pass over this rank's
 (``optimizer.check_finite_gradients``). One all-gather of those two numbers over every rank of the job (the world
 communicator: every replica, stage and shard) decides for all of them: every rank applies the update, or every
 rank skips it, its gradients dropped, its weights and optimizer state untouched, and the LR scheduler not stepped.
+
+Where the gradient reduction already reaches every rank with every trainable parameter (plain data parallelism),
+it carries the verdict instead (:class:`NonFiniteVerdict`): a rank whose loss was not finite puts a NaN into its
+last bucket, and the averaged gradients, the same on every rank, are checked by the mean's division. No collective
+is added then (but on a skipped step, to name the ranks whose loss was not finite), and no extra pass over the
+gradients.
 With epl-memory's loss scaler the same all-gather replaces the scaler's own all-reduce, and the scaler then adjusts
 its scale by what the ranks found. The gathered flags say which ranks saw what, so an error can name them.
 """
@@ -21,6 +27,9 @@ import torch
 from torch import nn
 
 from epl.interfaces.communicator import Communicator
+from epl.interfaces.nonfinite_verdict import NonFiniteVerdict
+
+__all__ = ["NonFiniteCheck", "NonFiniteVerdict", "StepOutcome", "nonfinite_gradients"]
 
 if TYPE_CHECKING:
     from epl.plugins.context import LossScaler, ParallelContext
@@ -37,6 +46,8 @@ class StepOutcome:
     gradient_ranks: tuple[int, ...] = ()
     #: A loss scaler that decides alone (a plugin's, without ``found_nonfinite``) found a non-finite gradient.
     scaler_skipped: bool = False
+    #: The gradients averaged over every rank held a NaN or Inf (found by the reduction: which rank's is unknown).
+    averaged_gradients: bool = False
 
     def describe(self) -> str:
         """What was not finite, where: ``"the loss on rank 1; the gradients on ranks 0, 1"``."""
@@ -45,6 +56,8 @@ class StepOutcome:
             parts.append(f"the loss on {_ranks(self.loss_ranks)}")
         if self.gradient_ranks:
             parts.append(f"the gradients on {_ranks(self.gradient_ranks)}")
+        if self.averaged_gradients:
+            parts.append("the gradients averaged over every rank")
         if self.scaler_skipped:
             parts.append("a gradient (found by the loss scaler)")
         return "; ".join(parts) or "nothing"
@@ -85,15 +98,19 @@ class NonFiniteCheck:
         loss: torch.Tensor | None = None,
         grad_norm: torch.Tensor | None = None,
         loss_scaler: LossScaler | None = None,
+        verdict: NonFiniteVerdict | None = None,
     ) -> StepOutcome:
         """Agree with every rank whether this step's update is applied; a collective of every rank of the job.
 
         ``loss``: this rank's loss of the step (None where it has none: a pipeline stage before the last);
         ``grad_norm``: the norm clipping computed this step (None: not clipped); ``loss_scaler``: AMP's, whose
         check of the gradients is folded into this one when it has ``found_nonfinite`` and ``record`` (epl-memory's),
-        and which otherwise decides alone (its ``update``) before this check.
+        and which otherwise decides alone (its ``update``) before this check; ``verdict``: the gradient reduction's,
+        which covers every rank (then no collective here unless the step is skipped, and ``grad_norm`` is not read).
         """
         params = list(params)
+        if verdict is not None:
+            return self._adopt(verdict, params, loss, loss_scaler)
         scaler_skipped = False
         gradients: list[torch.Tensor] = []
         folded = loss_scaler if _folds(loss_scaler) else None
@@ -119,6 +136,39 @@ class NonFiniteCheck:
         )
         if folded is not None:
             folded.record(not outcome.gradient_ranks)  # type: ignore[attr-defined]
+        self.last = outcome
+        return outcome
+
+    def _adopt(
+        self,
+        verdict: NonFiniteVerdict,
+        params: list[nn.Parameter],
+        loss: torch.Tensor | None,
+        loss_scaler: LossScaler | None,
+    ) -> StepOutcome:
+        """The outcome the gradient reduction's ``verdict`` gives: every rank reads the same number, so no
+        collective, except on a skip, where every rank gathers whose loss was not finite so the warning names them."""
+        scaler_skipped = False
+        if _folds(loss_scaler):
+            loss_scaler.found_nonfinite(params)  # type: ignore[union-attr]  # unscales; the verdict covers its find
+        elif loss_scaler is not None:
+            scaler_skipped = not loss_scaler.update(params)
+        found = bool(verdict.found.item() > 0)
+        loss_ranks: tuple[int, ...] = ()
+        if found:
+            flags = torch.zeros(2, dtype=torch.float32, device=self.device)
+            if loss is not None:
+                flags[0] = (~torch.isfinite(loss.detach())).any().to(self.device)
+            rows, ranks = self._gather(flags)
+            loss_ranks = tuple(rank for rank, row in zip(ranks, rows, strict=True) if row[0])
+        outcome = StepOutcome(
+            applied=not (scaler_skipped or found),
+            loss_ranks=loss_ranks,
+            scaler_skipped=scaler_skipped,
+            averaged_gradients=found and not loss_ranks,
+        )
+        if _folds(loss_scaler):
+            loss_scaler.record(not found)  # type: ignore[union-attr]
         self.last = outcome
         return outcome
 

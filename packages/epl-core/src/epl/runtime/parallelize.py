@@ -25,6 +25,7 @@ from epl.runtime.batch_check import batch_check
 from epl.runtime.engine import Engine
 from epl.runtime.env import Env
 from epl.runtime.vocabulary_check import vocabulary_check
+from epl.sharding.vocabulary import ModelVocabulary
 
 OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], None]
 
@@ -93,6 +94,7 @@ def parallelize(
         example_inputs=to_device(example_inputs, env.cluster.device),
         lazy_init=lazy,
     )
+    vocabulary = ModelVocabulary.of(context.model)  # before a pipeline cuts the model into stages
     with streamed(lazy):
         for transform in env.plugins.model_transforms(context):
             context.model = transform(context.model, context)
@@ -114,7 +116,7 @@ def parallelize(
         config["io.check_batches_every"],
         presliced=bool(config["context.presliced"]),
     )
-    engine.vocabulary_check = vocabulary_check(context)
+    engine.vocabulary_check = vocabulary_check(context, vocabulary)
     if lr_scheduler is not None:
         if context.optimizer is None:
             raise EplError("epl.parallelize got lr_scheduler=... but no optimizer=... for it to schedule.")

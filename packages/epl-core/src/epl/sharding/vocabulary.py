@@ -59,14 +59,22 @@ class ModelVocabulary:
     token_ids: int | None = None
     labels: int | None = None
 
-    def read(self, model: nn.Module, split_tensors: Collection[int]) -> None:
-        """Fill this in from ``model`` (whole), whose split TaskGraphs hold the tensors of ids ``split_tensors``."""
+    def read(self, model: nn.Module, split_tensors: Collection[int] | None = None) -> None:
+        """Fill this in from ``model`` (whole), whose split TaskGraphs hold the tensors of ids ``split_tensors``
+        (None: read both wherever they are)."""
         embedding = _call(model, "get_input_embeddings")
-        if isinstance(embedding, nn.Embedding) and id(embedding.weight) in split_tensors:
+        if isinstance(embedding, nn.Embedding) and (split_tensors is None or id(embedding.weight) in split_tensors):
             self.token_ids = embedding.num_embeddings
         head = _call(model, "get_output_embeddings")
-        if isinstance(head, nn.Linear) and id(head.weight) in split_tensors:
+        if isinstance(head, nn.Linear) and (split_tensors is None or id(head.weight) in split_tensors):
             self.labels = head.out_features
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelVocabulary:
+        """The input embedding's rows and the output layer's classes of ``model`` (whole), wherever they are."""
+        vocabulary = cls()
+        vocabulary.read(model)
+        return vocabulary
 
 
 def _call(model: nn.Module, name: str) -> nn.Module | None:
@@ -87,10 +95,12 @@ def check_in_vocabulary(
     ignore_index: int | None = None,
     fix: str = "",
     bound: str = "the vocabulary of {size}",
+    why: str = "In one process PyTorch raises IndexError for them; split over devices they would train silently on "
+    "zeros.",
 ) -> None:
     """Raise :class:`~epl.errors.VocabularyError` unless every element of ``ids`` is in ``0 .. size - 1``
     (or equals ``ignore_index``). ``what`` names the ids and their reader in the message, ``bound`` what ``size``
-    counts; ``fix`` adds advice."""
+    counts; ``why`` says why EPL checks; ``fix`` adds advice."""
     if ids.numel() == 0 or ids.device.type == "meta" or ids.is_floating_point() or ids.dtype == torch.bool:
         return  # nothing to index with, or an error of its own in the lookup
     checked = ids if ignore_index is None or 0 <= ignore_index < size else ids.masked_fill(ids == ignore_index, 0)
@@ -105,6 +115,5 @@ def check_in_vocabulary(
     raise VocabularyError(
         f"{what} hold {worst}, outside {bound.format(size=size)} ({allowed}): {count} of {ids.numel()} elements are "
         f"outside, the first at index {where} of a tensor of shape {list(ids.shape)}; the smallest is {low}, the "
-        f"largest {high}. In one process PyTorch raises IndexError for them; split over devices they would train "
-        f"silently on zeros. {fix}".rstrip()
+        f"largest {high}. {why} {fix}".rstrip()
     )
