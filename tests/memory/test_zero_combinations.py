@@ -1,4 +1,5 @@
-"""ZeRO v1/v2 with the rest of EPL: pipelines, gradient checkpointing, accumulation, checkpoints; and its errors."""
+"""ZeRO v1/v2 (on FSDP2) with the rest of EPL: pipelines, gradient checkpointing, accumulation, AMP, tied and
+sparse parameters, the communication keys, checkpoints; and its errors."""
 
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def train(config: dict[str, Any], build: Any = tower) -> dict[str, Any]:
     scaler = engine.loss_scaler
     return {
         "losses": losses,
-        "state": engine.model.state_dict(),
+        "state": engine.state_dict(full=True)["model"],
         "prediction": prediction,
         "scale": None if scaler is None else (scaler.scale, scaler.skipped_steps),
     }
@@ -122,32 +123,48 @@ def plain_and_zero(config: dict[str, Any], build: Any) -> dict[str, Any]:
     return {level: train({**config, "zero.level": level}, build) for level in ("", "v1", "v2")}
 
 
-def assert_zero_equals_plain(results: list[dict[str, Any]]) -> None:
-    """Two copies of each parameter: every sum is of two numbers, so ZeRO is bit for bit plain DP."""
+def assert_zero_equals_plain(results: list[dict[str, Any]], tolerance: float = 0.0) -> None:
+    """Two copies of each parameter: every sum is of two numbers, so ZeRO is bit for bit plain DP (``tolerance``:
+    relative, where the two reduce in another precision)."""
     for result in results:
         for level in ("v1", "v2"):
-            assert repr(result[level]["losses"]) == repr(result[""]["losses"]), level  # nan (a skipped step) too
+            if tolerance:
+                assert result[level]["losses"] == pytest.approx(result[""]["losses"], rel=tolerance), level
+            else:
+                assert repr(result[level]["losses"]) == repr(result[""]["losses"]), level  # nan (a skipped step) too
             for key, value in result[""]["state"].items():
-                assert torch.equal(result[level]["state"][key], value), (level, key)
+                torch.testing.assert_close(result[level]["state"][key], value, rtol=tolerance, atol=tolerance)
             if result[""]["prediction"] is not None:
-                assert torch.equal(result[level]["prediction"], result[""]["prediction"])
+                torch.testing.assert_close(result[level]["prediction"], result[""]["prediction"], rtol=tolerance,
+                                           atol=tolerance)  # fmt: skip
             assert result[level]["scale"] == result[""]["scale"]
+
+
+#: ZeRO reduce-scatters each micro-batch's gradient and sums the chunks (as FSDP2 and torchtitan do), where plain
+#: data parallelism sums the micro-batches first and reduces once: the same sums in another order.
+ACCUMULATED = 1e-12
 
 
 def test_with_gradient_checkpointing_and_accumulation() -> None:
     config = {"gradient_checkpoint.type": "auto", "pipeline.num_micro_batch": 2}
-    assert_zero_equals_plain(run_ranks(plain_and_zero, 2, config, tower, timeout=180))
+    assert_zero_equals_plain(run_ranks(plain_and_zero, 2, config, tower, timeout=180), tolerance=ACCUMULATED)
 
 
-def test_with_the_communication_keys() -> None:
-    """fp16 on the wire, two communicators, more buckets, the sum instead of the mean."""
-    config = {
-        "communication.fp16": True,
+def communication_keys() -> list[dict[str, Any]]:
+    exact = {
         "communication.num_communicators": 2,
         "communication.max_splits": 3,
         "communication.gradients_reduce_method": "sum",
     }
-    assert_zero_equals_plain(run_ranks(plain_and_zero, 2, config, tower, timeout=180))
+    return [plain_and_zero(exact, tower), plain_and_zero({"communication.fp16": True}, tower)]
+
+
+def test_with_the_communication_keys() -> None:
+    """Two communicators, more buckets and the sum instead of the mean change nothing; fp16 on the wire reduces
+    ZeRO's chunks in float16 (FSDP2's reduce_dtype, without EPL's fixed pre-scaling): equal to float16's precision."""
+    exact, fp16 = zip(*run_ranks(communication_keys, 2, timeout=180), strict=True)
+    assert_zero_equals_plain(list(exact))
+    assert_zero_equals_plain(list(fp16), tolerance=2e-3)
 
 
 def float32_tower() -> nn.Module:
@@ -182,7 +199,7 @@ def tied_lookup() -> nn.Module:
 
 
 def test_with_tied_weights() -> None:
-    """v2 keeps a parameter two blocks use on every copy; its owner's update is broadcast after the step."""
+    """A parameter two blocks use belongs to the block above both (here the model): whole for the whole step."""
     assert_zero_equals_plain(run_ranks(plain_and_zero, 2, {}, tied_lookup, timeout=180))
 
 
@@ -198,7 +215,7 @@ def test_with_a_pipeline_of_two_stages_and_two_replicas() -> None:
     """Stage roots as items of the root, and below a module the runner never calls."""
     config = {"pipeline.num_micro_batch": 2, "gradient_checkpoint.type": "auto"}
     for results in zip(*run_ranks(pipelines, 4, config, timeout=300), strict=True):
-        assert_zero_equals_plain(list(results))
+        assert_zero_equals_plain(list(results), tolerance=ACCUMULATED)
 
 
 def save_and_resume(directory: str) -> dict[str, Any]:
@@ -211,12 +228,9 @@ def save_and_resume(directory: str) -> dict[str, Any]:
         engine.step(x, y)
     path = Path(directory) / "checkpoint"
     engine.save(path)
-    whole = {key: value.clone() for key, value in engine.model.state_dict().items()}
-    full = engine.state_dict(full=True)["model"]
+    whole = engine.state_dict(full=True)["model"]
     engine.step(*data[2])
-    # what the step released on this device was handed out as copies: still whole and readable
-    assert all(value.untyped_storage().nbytes() == value.numel() * 8 for value in full.values())
-    straight = engine.model.state_dict()
+    straight = engine.state_dict(full=True)["model"]
     epl.init(config)
     resumed = epl.parallelize(tower(), optimizer=lambda p: torch.optim.Adam(p, lr=0.01), loss_fn=nn.MSELoss())
     resumed.load(path)
@@ -225,10 +239,12 @@ def save_and_resume(directory: str) -> dict[str, Any]:
     keys = reader.read_metadata().state_dict_metadata
     saved = {key: torch.empty(keys[f"model/{key}"].size, dtype=torch.float64) for key in whole}
     dcp.load({f"model/{key}": value for key, value in saved.items()}, storage_reader=reader, no_dist=True)
-    return {"straight": straight, "resumed": resumed.model.state_dict(), "saved": saved, "whole": whole}
+    return {"straight": straight, "resumed": resumed.state_dict(full=True)["model"], "saved": saved, "whole": whole}
 
 
-def test_v2_checkpoints_hold_whole_parameters_and_resume(tmp_path: Path) -> None:
+def test_v2_checkpoints_hold_whole_tensors_and_resume(tmp_path: Path) -> None:
+    """Each rank writes its chunks of the whole tensors (read back whole by one process), and a resumed engine
+    steps as if it had never stopped."""
     for result in run_ranks(save_and_resume, 2, str(tmp_path), timeout=120):
         for key, value in result["whole"].items():
             assert torch.equal(result["saved"][key], value), key
@@ -259,18 +275,14 @@ def read_another_blocks_weight() -> str:
 
 def test_v2_explains_a_forward_that_reads_another_blocks_parameter() -> None:
     messages = run_ranks(read_another_blocks_weight, 2, timeout=120)
-    # the partition gives first.weight to one device: that device runs on, the other explains
-    assert any("reads another block's parameter directly" in m for m in messages), messages
+    assert all("reads another block's parameter directly" in m for m in messages), messages
 
 
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        (
-            {"zero.level": "v1", "optimizer.max_grad_norm": 1.0, "communication.clip_after_allreduce": True},
-            "cannot be clipped after the all-reduce",
-        ),
-        ({"zero.level": "v2", "offload.level": "v0"}, "both decide where parameters live"),
+        ({"zero.level": "v2", "offload.level": "v0"}, "does not move its chunks to the host yet"),
+        ({"zero.param_dtype": "bfloat16"}, "only applies to ZeRO"),
     ],
 )
 def test_combinations_that_cannot_work_are_named(config: dict[str, Any], match: str) -> None:

@@ -92,10 +92,13 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
         for module in context.model.modules()
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
     }
-    clip_first = config["optimizer.max_grad_norm"] is not None and not config["communication.clip_after_allreduce"]
+    # Under ZeRO some gradients are reduced inside the backward: clipping can only follow every reduction.
+    clip_after = config["communication.clip_after_allreduce"] or bool(context.reduced_in_backward)
+    clip_first = config["optimizer.max_grad_norm"] is not None and not clip_after
     reducers = []
     trainable = [p for p in context.model.parameters() if p.requires_grad]
-    for copies, params in context.copies_of_tensors(list(context.model.parameters())).items():
+    mine = [p for p in context.model.parameters() if id(p) not in context.reduced_in_backward]
+    for copies, params in context.copies_of_tensors(mine).items():
         if copies.divisor == 1 and len(copies.devices) == 1:
             continue
         policy = ReducePolicy(
@@ -105,7 +108,7 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
             mean=config["communication.gradients_reduce_method"] == "mean",
             fp16=config["communication.fp16"],
             fp16_scale=float(config["communication.fp16_scale"]),
-            clip_after_allreduce=config["communication.clip_after_allreduce"],
+            clip_after_allreduce=clip_after,
             sparse_as_dense=config["communication.sparse_as_dense"],
         )
         reducers.append(
@@ -124,7 +127,7 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
         )
     if not reducers:
         return None
-    return reducers[0] if len(reducers) == 1 else ReducerSet(reducers, config["communication.clip_after_allreduce"])
+    return reducers[0] if len(reducers) == 1 else ReducerSet(reducers, clip_after)
 
 
 @hookimpl

@@ -78,6 +78,10 @@ class TorchCommunicator(Communicator):
         self._split_off: list[TorchCommunicator] = []
         self._closed = False
 
+    def process_group(self) -> dist.ProcessGroup:
+        """This communicator's torch process group (the default group for the world)."""
+        return self.group if self.group is not None else dist.group.WORLD
+
     @classmethod
     def join(cls, cluster: Cluster, *, timeout: float) -> TorchCommunicator:
         """Join the processes of ``cluster`` (NCCL and gloo on CUDA, gloo on CPU) and return the world communicator."""

@@ -92,9 +92,12 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.runtime.batch import as_arguments, batch_size, call_model, micro_batches, split_batch, to_device
     from epl.runtime.loss import compute_loss
     from epl.runtime.nonfinite import NonFiniteCheck
+    from epl.sharding.collectives import gradient_summed_over_shards
+    from epl.sharding.data_shards import data_shards, local_tensor, mark_data_sharded
     from epl.sharding.dataflow import example_input, forked_rng, tensors_in
     from epl.sharding.meta import meta_copy
     from epl.sharding.norms import clip_grad_norm
+    from epl.sharding.parameters import copy_shard_spec
 
 #: Public name -> the module of epl-core it lives in.
 _EXPORTS: dict[str, str] = {
@@ -121,6 +124,11 @@ _EXPORTS: dict[str, str] = {
     "NonFiniteVerdict": "epl.interfaces.nonfinite_verdict",
     "micro_batches": "epl.runtime.batch",
     "clip_grad_norm": "epl.sharding.norms",
+    "local_tensor": "epl.sharding.data_shards",
+    "copy_shard_spec": "epl.sharding.parameters",
+    "gradient_summed_over_shards": "epl.sharding.collectives",
+    "mark_data_sharded": "epl.sharding.data_shards",
+    "data_shards": "epl.sharding.data_shards",
     "split_batch": "epl.runtime.batch",
     "batch_size": "epl.runtime.batch",
     "to_device": "epl.runtime.batch",

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from epl.plugin_api import Communicator, ReduceOp, TransformPhase
+from epl.plugin_api import Communicator, ReduceOp, TransformPhase, local_tensor
 
 if TYPE_CHECKING:
     from epl.plugin_api import Config, ParallelContext
@@ -152,8 +152,9 @@ class AmpLossScaler:
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         for param in params:
             grad = param.grad
-            if grad is None:  # e.g. a ZeRO partition's gradient reduced only to its owner
+            if grad is None:
                 continue
+            grad = local_tensor(grad)  # ZeRO's chunk; the other chunks are their ranks'
             if grad.is_sparse:
                 if grad.dtype == torch.float16:
                     param.grad = grad = grad.coalesce()  # duplicate indices summed, as they will be applied

@@ -9,16 +9,31 @@ its own, and each group's ``step`` touches only the group's parameters.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from epl.plugin_api import ConfigError
-from epl_memory.zero import balanced_partition
 
 #: Optimizers whose update couples parameters (a step over a group differs from the whole step).
 COUPLED = (torch.optim.LBFGS,)
+
+
+def balanced_partition(params: Sequence[nn.Parameter], parts: int) -> list[list[nn.Parameter]]:
+    """``params`` in ``parts`` lists of about equal element counts (largest first, to the lightest list).
+
+    Deterministic: every device computes the same partition from the same parameter order.
+    """
+    order = sorted(range(len(params)), key=lambda i: (-params[i].numel(), i))
+    loads = [0] * parts
+    owners: list[list[int]] = [[] for _ in range(parts)]
+    for index in order:
+        lightest = min(range(parts), key=lambda part: (loads[part], part))
+        owners[lightest].append(index)
+        loads[lightest] += params[index].numel()
+    return [[params[i] for i in sorted(indices)] for indices in owners]
 
 
 def apply_in_groups(optimizer: torch.optim.Optimizer, groups: int) -> torch.optim.Optimizer:

@@ -35,8 +35,27 @@ KEYS: tuple[ConfigKey, ...] = (
         types=(str,),
         default="",
         choices=("", "v0", "v1", "v2"),
-        doc="ZeRO level: 'v0' partitions optimizer states, 'v1' also gradients, "
-        "'v2' also parameters; '' disables ZeRO.",
+        doc="ZeRO level, on torch's FSDP2: every tensor with copies is chunked evenly over them, with its gradient "
+        "and optimizer state; 'v0' and 'v1' keep each block's weights whole from its forward through its backward "
+        "(FSDP2 reshard_after_forward=False), 'v2' gathers them just before each use and drops them after "
+        "(reshard_after_forward=True); '' disables ZeRO.",
+    ),
+    ConfigKey(
+        name="zero.param_dtype",
+        types=(str,),
+        default="",
+        choices=("", "bfloat16", "float16", "float32"),
+        doc="Under zero.level: the dtype the gathered weights are cast to for the forward and backward, the chunks "
+        "(master weights) and the optimizer staying in the model's dtype (FSDP2's MixedPrecisionPolicy "
+        "param_dtype); '': the model's dtype.",
+    ),
+    ConfigKey(
+        name="zero.reduce_dtype",
+        types=(str,),
+        default="",
+        choices=("", "bfloat16", "float16", "float32"),
+        doc="Under zero.level: the dtype gradients are reduce-scattered in (FSDP2's reduce_dtype); '': the dtype "
+        "of zero.param_dtype, or float16 with communication.fp16, else the model's.",
     ),
     # 6.4 Offload
     ConfigKey(

@@ -1,85 +1,65 @@
-"""ZeRO's part of ``epl plan``'s memory estimate: each rank keeps its partition of what ``zero.level`` splits.
+"""ZeRO's part of ``epl plan``'s memory estimate: each copy keeps an even chunk of every tensor with copies.
 
-The core estimates plain bytes per rank (every copy holds its parameters, gradients
-and optimizer states whole). With ``zero.level``, the copies of every group of
-tensors (the devices that hold the same tensors, :mod:`epl.placement.copies`) split
-them into the balanced partition a run makes (:func:`epl_memory.zero.balanced_partition`
-over the rank's parameters in model order, whole parameters to each owner), and a rank
-keeps of each tensor with several copies only what it owns:
-
-* ``v0``: optimizer states;
-* ``v1``: optimizer states and gradients;
-* ``v2``: optimizer states, gradients and parameters.
-
-Tensors with one copy stay whole. For fp32 Adam over Ψ elements with N copies that is
-4Ψ + 4Ψ + 8Ψ/N (v0), 4Ψ + 12Ψ/N (v1), 16Ψ/N (v2) bytes, up to the partition's imbalance,
-which the estimate reproduces exactly rather than dividing by N.
+The core estimates plain bytes per rank (every copy holds its parameters, gradients and optimizer states whole).
+With ``zero.level`` on several processes, each tensor with N copies (the devices that hold the same tensor,
+:mod:`epl.placement.copies`) is chunked over them as FSDP2 chunks its rows (:mod:`epl_memory.zero`): the member at
+position i of N holds rows ``[i * c, (i + 1) * c)`` of it, ``c = ceil(rows / N)`` (torch.chunk's rule; the last
+positions hold fewer rows, or none). FSDP2 pads every position's parameter chunk, and the gradient chunk it
+reduce-scatters into, to ``c`` rows; the optimizer's state is shaped like the chunk itself. Between steps every
+level holds only these (v0 and v1 gather a block's weights for the step and drop them after its backward); for
+fp32 Adam over Ψ elements that is about 16Ψ/N bytes. Tensors with one copy stay whole, and so do
+those ZeRO keeps whole for a reason of its own (see :mod:`epl_memory.zero`), which the estimate does not model.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from epl.plugin_api import EstimatedTensor, MemoryEstimate, MemoryEstimateContext
+    from epl.plugin_api import MemoryEstimate, MemoryEstimateContext
 
-#: What each level partitions over the copies.
-PARTITIONED = {
-    "v0": ("optimizer states",),
-    "v1": ("optimizer states", "gradients"),
-    "v2": ("optimizer states", "gradients", "parameters"),
-}
+#: The levels ZeRO implements (all chunk parameters, gradients and optimizer states between steps).
+LEVELS = ("v0", "v1", "v2")
 
 
 def adjust_for_zero(estimate: MemoryEstimate, context: MemoryEstimateContext) -> MemoryEstimate | None:
-    """``estimate`` with only the rank's partition of what ``zero.level`` splits; None without ZeRO."""
+    """``estimate`` with this rank's chunk of each tensor with several copies; None without ZeRO."""
     level = context.config["zero.level"]
-    if level not in PARTITIONED or context.plan.local:  # one process: ZeRO does not apply
+    if level not in LEVELS or context.plan.local:  # one process: ZeRO does not apply
         return None
-    owned = owned_tensors(context)
-    split = PARTITIONED[level]
-    states = [t.state_bytes for t in owned]
-    copies = sorted({len(context.copies(t).devices) for t in context.tensors})
+    parameters = gradients = states = 0
+    unknown = False
+    counts = set()
+    for tensor in context.tensors:
+        devices = context.copies(tensor).devices
+        counts.add(len(devices))
+        padded, held = chunk_rows(tensor.rows, len(devices), devices.index(context.rank))
+        rows = max(tensor.rows, 1)
+        parameters += tensor.bytes * padded // rows
+        gradients += tensor.gradient_bytes * padded // rows
+        if tensor.state_bytes is None:
+            unknown = True
+        else:
+            states += tensor.state_bytes * held // rows
     return replace(
         estimate,
-        parameter_bytes=sum(t.bytes for t in owned) if "parameters" in split else estimate.parameter_bytes,
-        gradient_bytes=sum(t.gradient_bytes for t in owned) if "gradients" in split else estimate.gradient_bytes,
-        optimizer_state_bytes=None if None in states else sum(s or 0 for s in states),
+        parameter_bytes=parameters,
+        gradient_bytes=gradients,
+        optimizer_state_bytes=None if unknown else states,
         notes=(
             *estimate.notes,
-            f"ZeRO {level}: {', '.join(split)} partitioned over the copies of each tensor "
-            f"({' or '.join(map(str, copies))} copies), whole tensors to each owner",
+            f"ZeRO {level}: parameters, gradients and optimizer states chunked evenly over the copies of each tensor "
+            f"({' or '.join(map(str, sorted(counts)))} copies) between steps"
+            + ("; in a step v2 gathers one block at a time, v0 and v1 every block" if level else ""),
         ),
     )
 
 
-def owned_tensors(context: MemoryEstimateContext) -> list[EstimatedTensor]:
-    """The rank's tensors that it owns: its part of each group of copies, and every tensor with one copy."""
-    groups: dict[tuple[int, ...], list[EstimatedTensor]] = {}
-    for tensor in context.tensors:
-        groups.setdefault(context.copies(tensor).devices, []).append(tensor)
-    owned: list[EstimatedTensor] = []
-    for devices, members in groups.items():
-        if len(devices) == 1:
-            owned += members
-            continue
-        parts = _partition(tuple(t.numel for t in members), len(devices))
-        owned += [members[i] for i in parts[devices.index(context.rank)]]
-    return owned
-
-
-@functools.lru_cache(maxsize=256)
-def _partition(numels: tuple[int, ...], parts: int) -> tuple[tuple[int, ...], ...]:
-    """Indices of ``numels`` per part, as :func:`epl_memory.zero.balanced_partition` splits such tensors.
-
-    Cached: every rank of a group of copies asks for the same partition.
-    """
-    import torch
-
-    from epl_memory.zero import balanced_partition
-
-    stand_ins = [torch.empty(n, device="meta") for n in numels]
-    index = {id(t): i for i, t in enumerate(stand_ins)}
-    return tuple(tuple(index[id(t)] for t in part) for part in balanced_partition(stand_ins, parts))
+def chunk_rows(rows: int, copies: int, position: int) -> tuple[int, int]:
+    """Rows of a tensor of ``rows`` rows that the member at ``position`` of ``copies`` keeps: its padded chunk's
+    (what FSDP2 allocates for the parameter and its gradient) and its own (the optimizer's state)."""
+    if copies < 2:
+        return rows, rows
+    chunk = -(-rows // copies)
+    return chunk, max(0, min(chunk, rows - position * chunk))

@@ -65,12 +65,10 @@ class ApplyGroups:
     phase = WrapperPhase.APPLY_GROUPS
 
     def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
-        """Make the optimizer (ZeRO's partition optimizer, if any) step in groups; return ``optimizer``."""
+        """Make the optimizer step in groups; return ``optimizer``."""
         from epl_memory.apply_groups import apply_in_groups
-        from epl_memory.zero import ZeroOptimizer
 
-        inner = optimizer.local if isinstance(optimizer, ZeroOptimizer) else optimizer
-        apply_in_groups(inner, context.config["optimizer.num_apply_group"])
+        apply_in_groups(optimizer, context.config["optimizer.num_apply_group"])
         return optimizer
 
 
@@ -84,16 +82,13 @@ def epl_config_keys() -> Sequence[ConfigKey]:
 
 @hookimpl
 def epl_optimizer_wrappers(context: ParallelContext) -> list[OptimizerWrapper] | None:
-    """ZeRO (on more than one process), apply groups and offload's step, as configured."""
+    """Apply groups and offload's step, as configured (ZeRO needs no wrapper: the optimizer steps its chunks)."""
     from epl_memory.offload import OffloadStep
-    from epl_memory.zero import ZeroStatePartition
 
     wrappers: list[OptimizerWrapper] = []
-    if context.config["zero.level"] and not context.plan.local:
-        wrappers.append(ZeroStatePartition())
     if context.config["optimizer.num_apply_group"] > 1:
         wrappers.append(ApplyGroups())
-    if context.config["offload.level"]:
+    if context.config["offload.level"] and not _zero(context):
         wrappers.append(OffloadStep())
     return wrappers or None
 
@@ -106,7 +101,7 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
     """
     from epl.plugin_api import ConfigError
     from epl_memory.offload import OffloadWeights
-    from epl_memory.zero import ZeroPartitioning
+    from epl_memory.zero import ZeroSharding
 
     config = context.config
     _check_combinations(context)
@@ -120,9 +115,9 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
     transforms: list[ModelTransform] = []
     if config["gradient_checkpoint.type"]:
         transforms.append(GradientCheckpointing())
-    if config["zero.level"] and not context.plan.local:
-        transforms.append(ZeroPartitioning())
-    if config["offload.level"]:
+    if _zero(context):
+        transforms.append(ZeroSharding())
+    elif config["offload.level"]:
         transforms.append(OffloadWeights())
     if config["amp.level"]:
         from epl_memory.amp import Autocast
@@ -131,26 +126,27 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
     return transforms or None
 
 
+def _zero(context: ParallelContext) -> bool:
+    """Whether ZeRO shards this job's tensors (``zero.level`` set, several processes)."""
+    return bool(context.config["zero.level"]) and not context.plan.local
+
+
 def _check_combinations(context: ParallelContext) -> None:
     """One clear error for a combination of memory keys that cannot work."""
     from epl.plugin_api import ConfigError
 
     config = context.config
-    level = config["zero.level"]
-    if (
-        level in ("v1", "v2")
-        and config["optimizer.max_grad_norm"] is not None
-        and config["communication.clip_after_allreduce"]
-    ):
+    if not config["zero.level"]:
+        for key in ("zero.param_dtype", "zero.reduce_dtype"):
+            if config[key]:
+                raise ConfigError(
+                    f"Config key {key!r} = {config[key]!r} only applies to ZeRO: set zero.level too, or leave {key} "
+                    "unset (amp.level 'O1' lowers the precision of the operations without ZeRO)."
+                )
+    if config["zero.level"] and config["offload.level"]:
         raise ConfigError(
-            f"zero.level {level!r} keeps each reduced gradient on one copy only, so gradients cannot be clipped "
-            "after the all-reduce (communication.clip_after_allreduce). Clip before it (set "
-            "communication.clip_after_allreduce to false), or use zero.level 'v0'."
-        )
-    if level == "v2" and config["offload.level"]:
-        raise ConfigError(
-            "zero.level 'v2' and offload.level both decide where parameters live between uses. "
-            "Use one of them (zero.level 'v1' combines with offload)."
+            f"zero.level {config['zero.level']!r} with offload.level: ZeRO on FSDP2 does not move its chunks to the "
+            "host yet. Use one of them."
         )
 
 

@@ -1,227 +1,314 @@
-"""ZeRO: the copies of a parameter group split its optimizer state (v0), gradients (v1) and parameters (v2).
+"""ZeRO on torch's FSDP2: every tensor with several copies is sharded evenly over them, block by block.
 
-Every parameter with several copies has one owner among them (a balanced partition
-of whole parameters). The owner alone keeps its optimizer state and applies the
-update (v0). From v1 on, gradients are reduced to the owner only and the other
-copies drop theirs; from v2 on, the other copies also drop the parameter's data
-between uses and receive it from the owner just in time (``epl_memory.residency``).
-For fp32 Adam with N copies, a device holds 4Ψ+4Ψ+8Ψ/N bytes (v0), 4Ψ+12Ψ/N (v1)
-or 16Ψ/N (v2) instead of 16Ψ (Ψ: parameters of the group), up to the partition's
-imbalance.
+Each block of the model (a transformer layer, the embeddings, the head: the units of
+:func:`epl_memory.residency.find_units`, pipeline stage roots included) is handed to ``fully_shard`` over the
+devices that hold copies of its tensors (one ``DeviceMesh`` per group of copies, from the communicator EPL
+already has for it). Each copy then keeps an even chunk of every tensor's rows (the last copies a shorter one,
+or none, when the rows do not divide), with that chunk's gradient and optimizer state:
+
+- ``v0`` and ``v1``: the weights are gathered whole when a block's forward begins and stay whole through its
+  backward (``reshard_after_forward=False``: ZeRO-2); each block's gradient is reduce-scattered as its backward
+  ends. FSDP2 has no mode that shards only the optimizer state, so v0 is v1: gradients are sharded too, the
+  same traffic as an all-reduce, and less memory than v0 promised.
+- ``v2``: the weights are gathered just before each block's forward and again before its backward, the next
+  block's gather posted while this one computes, and dropped after use (``reshard_after_forward=True``: ZeRO-3).
+
+The user's optimizer is built over the sharded parameters (DTensors), so each rank keeps the state of its chunks
+and steps them; no update is broadcast. The gradients are averaged over the copies by the divisor EPL's
+data parallelism uses. With ``N`` copies and AdamW in float32 a device holds about ``16Ψ/N`` bytes plus the
+whole weights of the blocks in use.
+
+A tensor is kept whole (and its gradient all-reduced by the data-parallel reducer, as without ZeRO) where a
+chunk cannot be proven right: a tensor held by one device, a tensor tied across pipeline stages, a tensor whose
+gradient split sums over its shard group in a hook (a per-head norm), a sparse embedding, and a tensor of a block
+whose other tensors have other copies (the block is sharded over the copies most of its elements have).
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+import functools
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from epl.plugin_api import Communicator, ConfigError, TransformPhase, WrapperPhase, broadcast_tensors, group_options
+from epl.plugin_api import ConfigError, EplError, TransformPhase, gradient_summed_over_shards, mark_data_sharded
 
 if TYPE_CHECKING:
-    from epl.plugin_api import ParallelContext
-    from epl_memory.residency import JustInTimeParameters
+    from epl.plugin_api import Communicator, ParallelContext
 
-
-def balanced_partition(params: Sequence[nn.Parameter], parts: int) -> list[list[nn.Parameter]]:
-    """``params`` in ``parts`` lists of about equal element counts (largest first, to the lightest list).
-
-    Deterministic: every device computes the same partition from the same parameter order.
-    """
-    order = sorted(range(len(params)), key=lambda i: (-params[i].numel(), i))
-    loads = [0] * parts
-    owners: list[list[int]] = [[] for _ in range(parts)]
-    for index in order:
-        lightest = min(range(parts), key=lambda part: (loads[part], part))
-        owners[lightest].append(index)
-        loads[lightest] += params[index].numel()
-    return [[params[i] for i in sorted(indices)] for indices in owners]
-
-
-@dataclass(frozen=True)
-class Partition:
-    """The copies of some parameters: who owns which, and the communicator over them."""
-
-    communicator: Communicator
-    #: For each member (communicator rank), the parameters whose optimizer state it keeps.
-    owners: list[list[nn.Parameter]]
-
-    @property
-    def mine(self) -> list[nn.Parameter]:
-        """The parameters this device owns."""
-        return self.owners[self.communicator.rank]
-
-    def owner_of(self) -> dict[int, int]:
-        """Parameter id -> the member that owns it."""
-        return {id(p): member for member, params in enumerate(self.owners) for p in params}
-
-
-def partitions_over(
-    communicators: Mapping[tuple[int, ...], Communicator], groups: Mapping[Any, Any]
-) -> list[Partition]:
-    """One balanced partition per group of copies with several devices.
-
-    ``groups`` maps each :class:`epl.placement.copies.Copies` to its tensors, as
-    :meth:`ParallelContext.copies_of_tensors` returns it.
-    """
-    return [
-        Partition(communicators[copies.devices], balanced_partition(members, len(copies.devices)))
-        for copies, members in groups.items()
-        if len(copies.devices) > 1
-    ]
-
-
-class OwnerShards:
-    """Residency of ZeRO v2: a parameter's data lives on its owner; the others receive it by broadcast."""
-
-    def __init__(self, partitions: Sequence[Partition]) -> None:
-        self._where = {
-            id(p): (part, member) for part in partitions for member, owned in enumerate(part.owners) for p in owned
-        }
-
-    def keeps(self, param: nn.Parameter) -> bool:
-        """Whether this device owns ``param`` (or nobody else holds a copy of it)."""
-        where = self._where.get(id(param))
-        return where is None or where[0].communicator.rank == where[1]
-
-    def fetch(self, params: Sequence[nn.Parameter]) -> None:
-        """Broadcast ``params`` from their owners, one flat broadcast per partition and owner."""
-        batches: dict[tuple[int, int], tuple[Partition, list[nn.Parameter]]] = {}
-        for param in params:
-            where = self._where.get(id(param))
-            if where is not None:
-                part, member = where
-                batches.setdefault((id(part), member), (part, []))[1].append(param)
-        for (_, member), (part, members) in batches.items():
-            broadcast_tensors([p.data for p in members], part.communicator, src=member)
-
-    def store(self, params: Sequence[nn.Parameter]) -> None:
-        """Nothing to do: the owner's data is the parameter's value."""
-
-
-class ZeroOptimizer(torch.optim.Optimizer):
-    """The user's optimizer, rebuilt over this device's partition; updated parameters are broadcast by their owner.
-
-    ``param_groups`` still lists every parameter (learning-rate schedulers change them
-    as usual); their hyperparameters are copied to the partition's optimizer before each step.
-    ``state_dict`` holds this device's partition.
-    """
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        partitions: Sequence[Partition],
-        *,
-        fetched_when_used: Collection[nn.Parameter] = (),
-    ) -> None:
-        super().__init__([dict(group) for group in optimizer.param_groups], optimizer.defaults)
-        self.partitions = list(partitions)
-        #: Parameters the other copies fetch from the owner when they use them (v2): not broadcast after a step.
-        #: Every other parameter's new value is (v0, v1, and v2's tied weights, which stay on every copy).
-        self._fetched_when_used = {id(p) for p in fetched_when_used}
-        shared = {id(p) for part in self.partitions for owners in part.owners for p in owners}
-        owned = {id(p) for part in self.partitions for p in part.mine}
-        self._local_groups: list[tuple[int, dict[str, Any]]] = []
-        for index, group in enumerate(self.param_groups):
-            params = [p for p in group["params"] if id(p) in owned or id(p) not in shared]
-            if params:
-                self._local_groups.append((index, {**group_options(group), "params": params}))
-        self._owned = owned | {id(p) for _, group in self._local_groups for p in group["params"]}
-        kind = type(optimizer)
-        accepted = inspect.signature(kind.__init__).parameters
-        defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
-        try:
-            self.local = kind([group for _, group in self._local_groups] or [{"params": []}], **defaults)
-        except Exception as exc:
-            raise ConfigError(
-                f"zero.level rebuilds the optimizer over each device's partition as "
-                f"{kind.__name__}(param_groups, **defaults), which failed: {exc}. "
-                "Use a torch.optim optimizer, or leave zero.level unset."
-            ) from exc
-        #: The state this device keeps: the partition optimizer's (checkpoints read and fill it).
-        self.state = self.local.state
-
-    def holds_state(self, param: nn.Parameter) -> bool:
-        """Whether this device keeps ``param``'s optimizer state (it owns it, or nobody shares it)."""
-        return id(param) in self._owned
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Apply the optimizer to this device's partition, then share every partition's new values."""
-        for (index, _), local in zip(self._local_groups, self.local.param_groups, strict=True):
-            local.update(group_options(self.param_groups[index]))
-        loss = self.local.step(closure) if self._local_groups else None
-        for part in self.partitions:
-            for owner, params in enumerate(part.owners):
-                kept = [p for p in params if id(p) not in self._fetched_when_used]
-                if kept:
-                    broadcast_tensors(kept, part.communicator, src=owner)
-        return loss
-
-    def state_dict(self) -> dict[str, Any]:
-        """This device's partition of the optimizer state."""
-        return self.local.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned on this device."""
-        self.local.load_state_dict(state_dict)
+_log = logging.getLogger(__name__)
+#: Numbers the meshes ZeRO makes in this process (see :func:`_mesh`).
+_MESHES = itertools.count()
 
 
 @dataclass
 class ZeroState:
-    """ZeRO's state in a ParallelContext: made by :class:`ZeroPartitioning`, read by :class:`ZeroStatePartition`."""
+    """ZeRO's state in a ParallelContext: the modules it sharded and the tensors it kept whole."""
 
-    #: The partition of the parameters over each group of copies.
-    partitions: list[Partition] | None = None
-    #: v2: the parameters fetched just in time.
-    residency: JustInTimeParameters | None = None
+    #: The modules handed to ``fully_shard``, outermost first.
+    sharded: list[nn.Module] = field(default_factory=list)
+    #: Names of the parameters kept whole, with the reason (for the log and the docs' tests).
+    whole: dict[str, str] = field(default_factory=dict)
 
 
-class ZeroPartitioning:
-    """Model transform (``zero.level``): choose each parameter's owner; from v1 on, route gradients to it.
+class ZeroSharding:
+    """Model transform (``zero.level`` v0/v1/v2 on several processes): shard each block over its copies (FSDP2)."""
 
-    At v2 the other copies also release the parameters' data until they are used.
-    It runs after every transform that replaces or moves parameters.
-    """
-
-    name = "zero_partitioning"
+    name = "zero_sharding"
     phase = TransformPhase.PARTITION_PARAMETERS
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
-        """Partition ``model``'s parameters over their copies; record it in ``context``; return ``model``."""
-        level = context.config["zero.level"]
-        partitions = partitions_over(context.copy_communicators(), context.copies_of_tensors(list(model.parameters())))
-        state = context.state(ZeroState)
-        state.partitions = partitions
-        if level in ("v1", "v2"):
-            for part in partitions:
-                context.gradient_owners.update(part.owner_of())
-        if level == "v2":
-            from epl_memory.residency import JustInTimeParameters, stage_entries
+        """Shard ``model``'s blocks in place; record what was sharded; return ``model``."""
+        from epl_memory.residency import find_units, stage_entries
 
-            moving = JustInTimeParameters(model, OwnerShards(partitions), stage_entries(model, context))
-            moving.release_all()
-            state.residency = moving
+        refuse_unsupported(context)
+        entries = stage_entries(model, context)
+        units = find_units(model, entries)
+        if entries:  # a pipeline's runner calls the stage roots, never the model itself
+            units = [unit for unit in units if unit is not model]
+        names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
+        params = list(model.parameters())
+        copies_of = {id(p): copies for copies, group in context.copies_of_tensors(params).items() for p in group}
+        whole = _kept_whole(model, params, copies_of, context)
+        owner = _innermost_unit(model, units)
+        by_unit: dict[int, list[nn.Parameter]] = {}
+        for param in params:
+            if id(param) not in whole and id(owner[id(param)]) in {id(unit) for unit in units}:
+                by_unit.setdefault(id(owner[id(param)]), []).append(param)
+            elif id(param) not in whole:
+                whole[id(param)] = "it is outside every block this rank runs"
+        chosen: dict[int, Any] = {}
+        for unit in units:
+            own = by_unit.get(id(unit), [])
+            if not own:
+                continue
+            sizes: dict[Any, int] = {}
+            for param in own:
+                sizes[copies_of[id(param)]] = sizes.get(copies_of[id(param)], 0) + param.numel()
+            copies = max(sizes, key=lambda each: sizes[each])
+            chosen[id(unit)] = copies
+            for param in own:
+                if copies_of[id(param)] != copies:
+                    whole[id(param)] = "its block's other tensors have other copies"
+        state = context.state(ZeroState)
+        state.whole = {names.get(key, "?"): why for key, why in whole.items()}
+        for name, why in state.whole.items():
+            _log.info("zero.level: %s stays whole on every copy: %s", name, why)
+        ignored = {p for p in params if id(p) in whole}
+        before = {
+            (id(module), name): param
+            for module in model.modules()
+            for name, param in module._parameters.items()
+            if param is not None
+        }
+        communicators = context.copy_communicators()
+        meshes: dict[Any, Any] = {}
+        reshard = context.config["zero.level"] == "v2"
+        precision = mixed_precision(context)
+        sum_mean = context.config["communication.gradients_reduce_method"] == "mean"
+        sharded: list[nn.Module] = []
+        for unit in reversed(units):  # innermost first, as fully_shard wants
+            copies = chosen.get(id(unit))
+            if copies is None:
+                continue
+            communicator = communicators[copies.devices]
+            if copies not in meshes:
+                meshes[copies] = _mesh(communicator, context.cluster.device)
+            _shard(unit, meshes[copies], reshard=reshard, ignored=ignored, precision=precision)
+            unit.set_gradient_divide_factor(float(copies.divisor) if sum_mean else 1.0)  # type: ignore[operator]
+            sharded.append(unit)
+        _follow_new_parameters(model, before, copies_of, communicators, context)
+        if reshard and context.cluster.device.type != "cpu":  # a CPU has no streams to overlap on
+            _prefetch(model, sharded)
+        for called in (*entries, model):
+            called.forward = _explain_chunked_reads(called.forward)
+        state.sharded = sharded[::-1]
         return model
 
 
-class ZeroStatePartition:
-    """Optimizer wrapper (``zero.level``): each copy keeps the optimizer state of the parameters it owns."""
+def refuse_unsupported(context: ParallelContext) -> None:
+    """One clear error for what ZeRO on FSDP2 cannot do (yet)."""
+    level = context.config["zero.level"]
+    if context.split_backward:
+        raise ConfigError(
+            f"zero.level {level!r} with a zero-bubble pipeline schedule (its backward is split into input and weight "
+            "gradients, which FSDP2's gradient reduction does not follow): use another pipeline.schedule (1F1B, "
+            "GPipe, interleaved), or leave zero.level unset."
+        )
+    if context.communicator.process_group() is None:
+        raise ConfigError(
+            f"zero.level {level!r} shards tensors with torch's FSDP2, which needs a torch.distributed process group; "
+            f"the communication backend {type(context.communicator).__name__} has none. Use the default torch "
+            "backend, or leave zero.level unset."
+        )
 
-    name = "zero_state_partition"
-    phase = WrapperPhase.PARTITION_OPTIMIZER
 
-    def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
-        """Rebuild ``optimizer`` over this device's partition (made by :class:`ZeroPartitioning`)."""
-        state = context.state(ZeroState)
-        assert state.partitions is not None, "ZeroPartitioning (a model transform) runs before the optimizer"
-        moving = state.residency
-        fetched = moving.params if moving is not None else ()
-        zero = ZeroOptimizer(optimizer, state.partitions, fetched_when_used=fetched)
-        if moving is not None:  # what a step fetched but no gradient released (frozen or unused parameters)
-            zero.register_step_post_hook(lambda *_: moving.release_all())
-        return zero
+def _kept_whole(
+    model: nn.Module, params: Sequence[nn.Parameter], copies_of: dict[int, Any], context: ParallelContext
+) -> dict[int, str]:
+    """Parameter id -> why ZeRO keeps it whole on every copy (see the module doc)."""
+    shared = context.plan.shared
+    holders = context.tensor_holders()
+    sparse = {
+        id(module.weight)
+        for module in model.modules()
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
+    }
+    whole: dict[int, str] = {}
+    for param in params:
+        key = id(param)
+        if len(copies_of[key].devices) < 2:
+            whole[key] = "no other device holds a copy of it"
+        elif tuple(sorted(holders.get(key, ()))) in shared:
+            whole[key] = "it is tied across pipeline stages"
+        elif gradient_summed_over_shards(param):
+            whole[key] = "split sums its gradient over the shards in a hook"
+        elif key in sparse:
+            whole[key] = "its gradient is sparse"
+    return whole
+
+
+def _innermost_unit(model: nn.Module, units: Sequence[nn.Module]) -> dict[int, nn.Module]:
+    """Parameter id -> the innermost of ``units`` holding it (the one whose ``fully_shard`` manages it); a parameter
+    several units hold goes to the innermost one above all of them, ``model`` for one above every unit."""
+    unit_ids = {id(unit) for unit in units}
+    owner: dict[int, nn.Module] = {}
+
+    def visit(module: nn.Module, current: nn.Module) -> None:
+        here = module if id(module) in unit_ids else current
+        for param in module.parameters(recurse=False):
+            owner.setdefault(id(param), here)
+            if owner[id(param)] is not here:  # held by two units: their common ancestor unit
+                owner[id(param)] = _common(model, owner[id(param)], here, unit_ids)
+        for child in module.children():
+            visit(child, here)
+
+    visit(model, model)
+    return owner
+
+
+def _common(model: nn.Module, first: nn.Module, second: nn.Module, unit_ids: set[int]) -> nn.Module:
+    """The innermost unit (or ``model``) above both ``first`` and ``second``."""
+    above: dict[int, list[nn.Module]] = {}
+
+    def paths(module: nn.Module, trail: list[nn.Module]) -> None:
+        trail = [*trail, module] if id(module) in unit_ids or module is model else trail
+        above.setdefault(id(module), trail)
+        for child in module.children():
+            paths(child, trail)
+
+    paths(model, [])
+    first_path, second_path = above[id(first)], above[id(second)]
+    common = model
+    for a, b in zip(first_path, second_path, strict=False):
+        if a is not b:
+            break
+        common = a
+    return common
+
+
+def _mesh(communicator: Communicator, device: torch.device) -> Any:
+    """A one-dimensional ``DeviceMesh`` over ``communicator``'s members, from its torch process group.
+
+    Named uniquely: DTensor caches how its operations shard by the meshes involved, and two meshes over the same
+    ranks with the same names compare equal, so a mesh of an earlier ``epl.init`` (whose groups are gone) would
+    come back from that cache.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(communicator.process_group(), device.type, mesh_dim_names=(f"copies{next(_MESHES)}",))
+
+
+def _shard(unit: nn.Module, mesh: Any, *, reshard: bool, ignored: set[nn.Parameter], precision: Any) -> None:
+    """``fully_shard`` one block (its tensors not yet managed by an inner block, but for ``ignored``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored, mp_policy=precision)
+
+
+#: The dtypes ``zero.param_dtype`` and ``zero.reduce_dtype`` name.
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def mixed_precision(context: ParallelContext) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` from ``zero.param_dtype`` and ``zero.reduce_dtype`` (and
+    ``communication.fp16``: gradients reduced in float16, as EPL's data parallelism sends them)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    config = context.config
+    param = DTYPES.get(config["zero.param_dtype"])
+    reduce = DTYPES.get(config["zero.reduce_dtype"])
+    if reduce is None and param is None and config["communication.fp16"]:
+        reduce = torch.float16
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+
+
+def _follow_new_parameters(
+    model: nn.Module,
+    before: dict[tuple[int, str], nn.Parameter],
+    copies_of: dict[int, Any],
+    communicators: dict[Any, Communicator],
+    context: ParallelContext,
+) -> None:
+    """``fully_shard`` replaced each sharded parameter by a new one (a DTensor): carry EPL's marks and bookkeeping
+    over to it, so that split's shard spec, the TaskGraphs' tensors and the copies they have find it, and the old
+    whole tensor is freed."""
+    from epl.plugin_api import copy_shard_spec
+
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            old = before.get((id(module), name))
+            if old is None or param is None or param is old:
+                continue
+            replaced[id(old)] = param
+            copy_shard_spec(old, param)
+            copies = copies_of[id(old)]
+            mark_data_sharded(param, communicators[copies.devices])
+            context.reduced_in_backward.add(id(param))
+    for taskgraph in context.taskgraphs:
+        taskgraph.tensors = [replaced.get(id(tensor), tensor) for tensor in taskgraph.tensors]
+    for table in (context.split_tensors, context.split_holders):
+        for key in [key for key in table if key in replaced]:
+            table[id(replaced[key])] = table.pop(key)  # type: ignore[index]
+
+
+def _explain_chunked_reads(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward``, with a clear error where it computes with another block's parameter (a chunk there)."""
+
+    @functools.wraps(forward)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(*args, **kwargs)
+        except RuntimeError as exc:
+            if "got mixed torch.Tensor and DTensor" not in str(exc):
+                raise
+            raise EplError(
+                "The model reads another block's parameter directly: under zero.level each block's parameters are "
+                "whole only while that block runs (between its uses each device holds a chunk of them), so a forward "
+                "that reads a parameter outside the block that holds it (module.weight used in another module's "
+                "forward) finds a chunk. Call the module that holds the parameter instead, or leave zero.level "
+                f"unset. (PyTorch said: {str(exc).splitlines()[0]})"
+            ) from exc
+
+    return checked
+
+
+def _prefetch(model: nn.Module, sharded: Sequence[nn.Module]) -> None:
+    """v2: each item of a list of blocks (transformer layers) posts the next item's gather in its forward and the
+    previous item's in its backward; FSDP2 orders the rest itself."""
+    from torch.distributed.fsdp import FSDPModule
+
+    ids = {id(block) for block in sharded}
+    for container in model.modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        blocks = [item for item in container if id(item) in ids and isinstance(item, FSDPModule)]
+        for current, following in zip(blocks, blocks[1:], strict=False):
+            current.set_modules_to_forward_prefetch([following])
+            following.set_modules_to_backward_prefetch([current])

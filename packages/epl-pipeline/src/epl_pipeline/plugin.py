@@ -191,7 +191,7 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
         stage_peers=lane_group,
         stage_copies=shapes[local[0]].width,
         counted_elsewhere=_counted_elsewhere(context, local),
-        clip_after_reduction=bool(plan.shared),
+        clip_after_reduction=bool(plan.shared) or bool(context.reduced_in_backward),  # ZeRO reduces in backward
         shares=shares,
         last_stage=last_stage,
         rows_multiple=math.lcm(*(shape.parts for shape in shapes)),
@@ -317,6 +317,8 @@ def _check_clipping(context: ParallelContext) -> None:
     config, plan = context.config, context.plan
     if config["optimizer.max_grad_norm"] is None or config["communication.clip_after_allreduce"]:
         return
+    if config.get("zero.level"):  # epl-memory's key (absent without it): ZeRO always clips the reduced gradient
+        return
     if plan.shared and plan.num_lanes > 1:
         raise ConfigError(
             "Tied weights cut across pipeline stages (each stage holds a copy) need clipping after the gradient "
@@ -325,12 +327,7 @@ def _check_clipping(context: ParallelContext) -> None:
         )
     sharing = [tg for tg in plan.taskgraphs if plan.batch_parts(tg.index) > 1]
     if sharing:
-        zero = config.get("zero.level")  # epl-memory's key: absent without it
-        fix = (
-            f"zero.level {zero!r} cannot clip after it: use zero.level 'v0' (or none), or make the stage replicate(1)"
-            if zero in ("v1", "v2")
-            else "Set communication.clip_after_allreduce=True, or make the stage replicate(1)"
-        )
+        fix = "Set communication.clip_after_allreduce=True, or make the stage replicate(1)"
         raise ConfigError(
             f"Pipeline stage {sharing[0].name!r} is {sharing[0].label}: it shares each micro-batch out over its "
             f"devices, so before the gradient all-reduce none of them holds the replica's gradient to clip. {fix} "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -119,6 +120,11 @@ class Communicator(ABC):
         makes new communicators (so calling it twice with one group gives two
         independent communicators over the same ranks). A member in no group is an error.
         """
+
+    def process_group(self) -> Any | None:
+        """The ``torch.distributed`` process group over the same members (what torch's own parallelism, such as
+        FSDP2's ``DeviceMesh.from_group``, takes), or None for a backend without one."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional: most communicators hold nothing to release
         """Release the communicator's resources. Further use is an error."""

@@ -338,6 +338,7 @@ class _Holdings:
             requires_grad=tensor.requires_grad,
             sharded=sharded,
             state_bytes=self.view.state_bytes(original, tensor),
+            rows=tensor.shape[0] if tensor.dim() else 1,
         )
 
     # -- split TaskGraphs ------------------------------------------------------------------

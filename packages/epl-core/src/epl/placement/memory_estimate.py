@@ -81,6 +81,8 @@ class EstimatedTensor:
     #: Bytes of the optimizer's state tensors shaped like it (Adam: exp_avg, exp_avg_sq), 0 when the
     #: optimizer does not hold it; None: unknown.
     state_bytes: int | None
+    #: Its length along dimension 0 (what ZeRO chunks; 1 for a scalar).
+    rows: int = 1
 
     @property
     def bytes(self) -> int:

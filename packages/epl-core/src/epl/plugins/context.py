@@ -109,6 +109,9 @@ class ParallelContext:
     #: (epl-memory's ZeRO v1/v2); gradient reducers leave the other copies' gradient at None. Empty: every
     #: copy keeps every reduced gradient (plain data parallelism).
     gradient_owners: dict[int, int] = field(default_factory=dict)
+    #: Parameters whose gradients a plugin reduces itself during the backward (epl-memory's ZeRO, on torch's FSDP2),
+    #: by id: gradient reducers leave them alone.
+    reduced_in_backward: set[int] = field(default_factory=set)
     _states: dict[type, Any] = field(default_factory=dict, repr=False)
     _copy_communicators: dict[Group, Communicator] | None = field(default=None, repr=False)
 

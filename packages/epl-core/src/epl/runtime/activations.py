@@ -32,7 +32,9 @@ class SavedActivations:
     def __init__(self, exclude: list[torch.Tensor]) -> None:
         """A meter that does not count the storages of ``exclude``."""
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        from epl.sharding.data_shards import local_tensor
+
+        self._exclude = {local_tensor(t).untyped_storage().data_ptr() for t in exclude}
         self._refs: dict[int, int] = {}
         self._lock = threading.RLock()  # finalizers may run on another thread (or inside a collection)
         self.live = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator
@@ -292,9 +293,31 @@ class Engine:
         """Which replica this rank belongs to (0 .. num_replicas - 1)."""
         return self.context.replica_index
 
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """The parameters (or shards) this rank holds."""
-        return self.model.parameters()
+    def parameters(self) -> Iterator[torch.Tensor]:
+        """The parameters (or shards) this rank holds, as tensors it can read alone.
+
+        A split tensor's shard is this rank's slice; under ``zero.level`` each tensor with copies is this rank's
+        chunk of its rows (a plain tensor viewing the chunk, possibly with no rows), never a collective. Their
+        gradients are on ``engine.model.parameters()``. :meth:`full_parameters` gathers the whole tensors.
+        """
+        from epl.sharding.data_shards import is_dtensor, local_tensor
+
+        return (local_tensor(p).detach() if is_dtensor(p) else p for p in self.model.parameters())
+
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Inside the ``with`` block, ``engine.model.parameters()`` hold the whole tensors ZeRO chunks (a collective:
+        every rank calls it).
+
+        Each block ZeRO shards gathers its parameters (one all-gather each), so the block costs, on every rank, the
+        memory of every such tensor whole (of this rank's stage, and of its split shard where split cut it), as
+        FSDP's ``summon_full_params`` does. Writes inside the block are lost when it ends. Without ZeRO it does
+        nothing: every rank already holds its tensors.
+        """
+        from epl.sharding.data_shards import gathered
+
+        with gathered(self.model):
+            yield
 
     def memory_report(self, inputs: Any = None, targets: Any = None) -> MemoryReport:
         """Bytes this rank holds: parameters, gradients and optimizer states, counted from its tensors.
@@ -348,11 +371,16 @@ class Engine:
         have the names and shapes of the unsplit model and a local run can load
         them; the optimizer's state is left out (``None``) in that case.
         """
+        from epl.sharding.data_shards import is_dtensor
         from epl.sharding.parameters import gather_whole, shard_spec
 
         tensors = self.model.state_dict(keep_vars=True)
         specs = {key: shard_spec(value) for key, value in tensors.items()}
-        gathered = {key: gather_whole(tensors[key]) for key, spec in specs.items() if spec and full}
+        gathered = {
+            key: gather_whole(value)  # one tensor at a time: split's shards, ZeRO's chunks
+            for key, value in tensors.items()
+            if full and (specs[key] is not None or is_dtensor(value))
+        }
         # Values from a plain state_dict: a technique that frees parameters between uses hands copies here.
         model = {**self.model.state_dict(), **gathered}
         shards = {key: [spec.group.index, spec.group.count] for key, spec in specs.items() if spec and not full}

@@ -57,8 +57,10 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     """
     if optimizer is None:
         return 0
+    from epl.sharding.data_shards import local_tensor
+
     return tensor_bytes(
-        value
+        local_tensor(value)
         for state in optimizer.state.values()
         for value in state.values()
         if isinstance(value, torch.Tensor) and value.dim() > 0
@@ -66,6 +68,10 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
 
 
 def parameter_and_gradient_bytes(model: nn.Module) -> tuple[int, int]:
-    """Bytes of the model's parameters, and of their gradients where they exist."""
+    """Bytes of the model's parameters, and of their gradients where they exist (ZeRO's: this rank's chunks)."""
+    from epl.sharding.data_shards import local_tensor
+
     params = list(model.parameters())
-    return tensor_bytes(params), tensor_bytes(p.grad for p in params if p.grad is not None)
+    return tensor_bytes(local_tensor(p) for p in params), tensor_bytes(
+        local_tensor(p.grad) for p in params if p.grad is not None
+    )

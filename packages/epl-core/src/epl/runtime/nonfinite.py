@@ -28,6 +28,7 @@ from torch import nn
 
 from epl.interfaces.communicator import Communicator
 from epl.interfaces.nonfinite_verdict import NonFiniteVerdict
+from epl.sharding.data_shards import local_tensor
 
 __all__ = ["NonFiniteCheck", "NonFiniteVerdict", "StepOutcome", "nonfinite_gradients"]
 
@@ -194,6 +195,7 @@ def nonfinite_gradients(params: Iterable[nn.Parameter], device: torch.device) ->
         grad = param.grad
         if grad is None:
             continue
+        grad = local_tensor(grad)  # ZeRO's chunk: the other chunks are checked by their ranks
         if grad.is_sparse:
             grad = grad._values()
         groups.setdefault((grad.device, grad.dtype), []).append(grad)

@@ -260,3 +260,14 @@ def sum_gradient_over_shards(parameter: torch.Tensor, group: ShardGroup) -> None
         return _all_reduce(grad, group)
 
     parameter.register_hook(summed)
+    setattr(parameter, _SUMMED_OVER_SHARDS, True)
+
+
+#: The mark :func:`sum_gradient_over_shards` leaves, for transforms that would replace the parameter (and its hook).
+_SUMMED_OVER_SHARDS = "_epl_gradient_summed_over_shards"
+
+
+def gradient_summed_over_shards(parameter: torch.Tensor) -> bool:
+    """Whether a hook on ``parameter`` sums its gradient over a shard group (:func:`sum_gradient_over_shards`): a
+    transform that replaces the parameter object would lose it, so ZeRO keeps such a parameter as it is."""
+    return bool(getattr(parameter, _SUMMED_OVER_SHARDS, False))

@@ -6,6 +6,10 @@ row-parallel bias, a replicated layer) is counted once, from this device's copy.
 That copy must be the replica's gradient: identical on every device of the group,
 which holds unless the group also splits the batch and the gradients are not yet
 reduced (the split transform refuses that combination). Only the 2-norm.
+
+A parameter ZeRO chunks over its copies (:mod:`epl.sharding.data_shards`) adds its chunk's squares, summed over
+those copies first (one all-reduce per communicator of copies, carrying every tensor of it at once); the sum then
+counts as the whole tensor's, or as its shard's where split cut it too.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from torch import nn
 
 from epl.interfaces.communicator import Communicator, ReduceOp
+from epl.sharding.data_shards import data_shards, local_tensor
 from epl.sharding.parameters import shard_spec
 
 #: Added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does.
@@ -44,8 +49,21 @@ def total_grad_norm(
     params = list(parameters)
     whole: list[torch.Tensor] = []
     shards: dict[int, tuple[Communicator, torch.device, list[torch.Tensor]]] = {}
+    # ZeRO's chunks, per communicator of copies: the shard communicator they belong to (None: whole) -> local grads
+    chunks: dict[int, tuple[Communicator, torch.device, dict[int | None, list[torch.Tensor]]]] = {}
     for param in params:
         spec = shard_spec(param)
+        copies = data_shards(param)
+        if copies is not None:
+            key = None
+            if spec is not None:
+                key = id(spec.group.communicator)
+                shards.setdefault(key, (spec.group.communicator, param.device, []))
+            _, _, by_shards = chunks.setdefault(id(copies.communicator), (copies.communicator, param.device, {}))
+            grads = by_shards.setdefault(key, [])
+            if param.grad is not None and id(param) not in counted_elsewhere:
+                grads.append(local_tensor(param.grad))
+            continue
         if spec is None:
             if param.grad is not None and id(param) not in counted_elsewhere:
                 whole.append(param.grad)
@@ -56,10 +74,22 @@ def total_grad_norm(
         _, _, grads = shards.setdefault(id(communicator), (communicator, param.device, []))
         if param.grad is not None and id(param) not in counted_elsewhere:
             grads.append(param.grad)
-    device = whole[0].device if whole else next((d for _, d, _ in shards.values()), device)
+    device = whole[0].device if whole else next((d for _, d, _ in [*shards.values(), *chunks.values()]), device)
     total = _sum_of_squares(whole, device)
+    summed_chunks: dict[int, torch.Tensor] = {}
+    for communicator, chunk_device, by_shards in chunks.values():  # in the order of the parameters, as below
+        keys = list(by_shards)
+        squares = torch.stack([_sum_of_squares(by_shards[key], chunk_device) for key in keys])
+        communicator.all_reduce(squares, ReduceOp.SUM).wait()
+        for key, value in zip(keys, squares, strict=True):
+            if key is None:
+                total = total + value.to(total.device)
+            else:
+                summed_chunks[key] = summed_chunks.get(key, 0) + value
     for communicator, shard_device, grads in shards.values():  # in the order of the parameters: same on every device
         squares = _sum_of_squares(grads, shard_device).reshape(1)
+        if id(communicator) in summed_chunks:
+            squares = squares + summed_chunks[id(communicator)].to(squares.device)
         communicator.all_reduce(squares, ReduceOp.SUM).wait()
         total = total + squares[0].to(total.device)
     if stages is not None:
@@ -88,7 +118,7 @@ def clip_grad_norm(
     stages it is ``clip_grad_norm_`` itself.
     """
     params = list(parameters)
-    if stages is None and all(shard_spec(p) is None for p in params):
+    if stages is None and all(shard_spec(p) is None and data_shards(p) is None for p in params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     norm = total_grad_norm(params, stages, counted_elsewhere, stage_copies, device=device)
     coefficient = (max_norm / (norm + EPSILON)).clamp(max=1.0)
@@ -97,6 +127,7 @@ def clip_grad_norm(
         grad = param.grad
         if grad is None:
             continue
+        grad = local_tensor(grad)
         if grad.is_sparse:
             grad.mul_(coefficient.to(grad.device, grad.dtype))
         else:

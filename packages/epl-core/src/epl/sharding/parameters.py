@@ -62,20 +62,35 @@ def shard_spec(tensor: torch.Tensor) -> ShardSpec | None:
     return getattr(tensor, _SPEC, None)
 
 
+def copy_shard_spec(source: torch.Tensor, target: torch.Tensor) -> None:
+    """Give ``target`` the shard spec of ``source`` (if any): for a transform that replaces a shard's parameter by
+    another holding the same values (ZeRO's sharded parameter)."""
+    spec = shard_spec(source)
+    if spec is not None:
+        setattr(target, _SPEC, spec)
+
+
 def is_sharded(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is one shard of a split tensor (each device holds a different part)."""
     return shard_spec(tensor) is not None
 
 
 def gather_whole(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor a shard belongs to, gathered from every device of its group (a collective)."""
+    """The whole tensor a shard belongs to, gathered from every device of its group (a collective); a tensor ZeRO
+    chunks over its copies is gathered from them first (:mod:`epl.sharding.data_shards`)."""
+    from epl.sharding.data_shards import is_dtensor
+
     spec = shard_spec(tensor)
+    piece = tensor.detach()
+    if is_dtensor(piece):
+        with torch.no_grad():
+            piece = piece.full_tensor()  # type: ignore[attr-defined]
     if spec is None:
-        return tensor.detach()
+        return piece
     from epl.sharding.collectives import gather_from_shards
 
     with torch.no_grad():
-        joined = gather_from_shards(tensor.detach(), spec.group, spec.dim, spec.piece_sizes())
+        joined = gather_from_shards(piece, spec.group, spec.dim, spec.piece_sizes())
     if spec.parts == 1:
         return joined
     return assemble(list(joined.split(spec.piece_sizes(), dim=spec.dim)), spec.dim, spec.parts)

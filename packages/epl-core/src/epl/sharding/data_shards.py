@@ -1,0 +1,72 @@
+"""Parameters that data parallelism shards over their copies (ZeRO on torch's FSDP2): the mark, and local reads.
+
+Under ``zero.level`` a parameter with several copies becomes a ``DTensor`` whose copies each hold one even chunk of
+its rows (FSDP2's ``fully_shard``). EPL marks such a parameter with the communicator over its copies
+(:func:`mark_data_sharded`), so that what sums over a parameter (the clipping norm) knows where its other chunks
+are, and reads it through :func:`local_tensor`: this rank's chunk, a view, never a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from epl.interfaces.communicator import Communicator
+
+_MARK = "_epl_data_shards"
+
+
+@dataclass(frozen=True)
+class DataShards:
+    """A parameter each of whose copies holds an even chunk of its rows: the communicator over those copies."""
+
+    communicator: Communicator
+
+
+def mark_data_sharded(parameter: torch.Tensor, communicator: Communicator) -> None:
+    """Mark ``parameter`` as chunked over the members of ``communicator`` (its copies)."""
+    setattr(parameter, _MARK, DataShards(communicator))
+
+
+def data_shards(tensor: torch.Tensor) -> DataShards | None:
+    """How ``tensor`` is chunked over its copies, or None when each copy holds it all."""
+    return getattr(tensor, _MARK, None)
+
+
+def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (without importing it where it is unused)."""
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local")
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``tensor``: a DTensor's local chunk (a view; no collective), else ``tensor``."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined,no-any-return]
+
+
+def sharded_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that FSDP2's ``fully_shard`` manages, outermost first."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[None]:
+    """Every chunked parameter of ``model`` whole on every rank, for the ``with`` block (a collective).
+
+    Every rank of the job calls it together: each sharded module gathers its parameters (one all-gather per module),
+    so inside the block ``model.parameters()`` are plain tensors holding the whole values. On leaving, each module
+    drops them again; writes inside the block are lost.
+    """
+    modules = sharded_modules(model)
+    for module in modules:
+        module.unshard()  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        for module in reversed(modules):
+            module.reshard()  # type: ignore[operator]
