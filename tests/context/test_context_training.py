@@ -167,6 +167,7 @@ def train_with(config: dict[str, Any], kind: str) -> dict[str, Any]:
 COMPOSED = {
     "4 context devices": ({"context.degree": 4}, 4),
     "ZeRO v1, 2 replicas": ({"context.degree": 2, "zero.level": "v1"}, 4),
+    "ZeRO v2, 2 replicas": ({"context.degree": 2, "zero.level": "v2"}, 4),
     "checkpointing": ({"context.degree": 2, "gradient_checkpoint.type": "auto"}, 2),
 }
 

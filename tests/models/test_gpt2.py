@@ -88,7 +88,7 @@ def train_with_epl(config: dict[str, Any], model: nn.Module, rows_per_rank: bool
             tokens = tokens[share * engine.replica_index : share * (engine.replica_index + 1)]
         losses.append(float(engine.step(tokens, tokens)))
         norms.append(engine.grad_norm)
-    state = engine.state_dict()["model"]  # every rank calls it (ZeRO v2 gathers the parameters)
+    state = engine.state_dict(full=True)["model"]  # every rank calls it (ZeRO gathers its chunks)
     return {
         "replica": engine.replica_index,
         "stage": min(engine.context.pipeline_stages, default=None),

@@ -147,9 +147,12 @@ def train(
     return pipeline_rank_result(engine, losses, norms)
 
 
-def train_here(name: str, replicas: int = 1) -> tuple[list[float], list[list[float]], dict[str, torch.Tensor]]:
+def train_here(
+    name: str, replicas: int = 1, *, after_average: bool = False
+) -> tuple[list[float], list[list[float]], dict[str, torch.Tensor]]:
     """The one-process reference: each replica's rows in ``MICRO`` micro-batches, its gradient clipped on its own
-    (clipping before the all-reduce, the default), the replicas' gradients averaged, one AdamW step.
+    (clipping before the all-reduce, the default), the replicas' gradients averaged, one AdamW step;
+    ``after_average``: the average clipped by its own norm instead (ZeRO, ``communication.clip_after_allreduce``).
 
     Returns the replicas' mean loss and each replica's gradient norm of every step, and the parameters.
     """
@@ -167,12 +170,17 @@ def train_here(name: str, replicas: int = 1) -> tuple[list[float], list[list[flo
                 loss = token_loss(model(input_ids=part), part)
                 (loss / MICRO).backward()
                 parts.append(loss.detach())
-            norms[replica].append(float(nn.utils.clip_grad_norm_(params, MAX_NORM)))
+            if not after_average:
+                norms[replica].append(float(nn.utils.clip_grad_norm_(params, MAX_NORM)))
             for total, param in zip(mean, params, strict=True):
                 if param.grad is not None:
                     total += param.grad / replicas
         for total, param in zip(mean, params, strict=True):
             param.grad = total if param.grad is not None else None  # unused parameters keep no gradient
+        if after_average:
+            norm = float(nn.utils.clip_grad_norm_(params, MAX_NORM))
+            for replica in range(replicas):
+                norms[replica].append(norm)
         optimizer.step()
         losses.append(float(torch.stack(parts).mean()))
     return losses, norms, {k: v.clone() for k, v in model.state_dict().items()}
@@ -243,12 +251,13 @@ def test_llama_checkpoint_from_tp2_pp2_loads_into_the_unmodified_model(
 
 
 def test_llama_split_2_by_2_stages_by_2_replicas_with_zero_v1_equals_the_local_run() -> None:
-    """8 processes: each replica is split(2) x 2 stages; ZeRO v1 partitions the update over the replicas."""
+    """8 processes: each replica is split(2) x 2 stages; ZeRO v1 chunks every shard over the replicas, whose
+    averaged gradient is clipped by its own norm."""
     config = {"auto.auto_parallel": True, "pipeline.num_stages": 2, "zero.level": "v1"}
     results = run_ranks(train, 8, "llama", config, 2, timeout=480)
     assert sorted(result["replica"] for result in results) == [0] * 4 + [1] * 4
     mean = torch.tensor([r["losses"] for r in results if r["stage"] == 1], dtype=torch.float64).mean(0).tolist()
-    losses, norms, full = train_here("llama", replicas=2)
+    losses, norms, full = train_here("llama", replicas=2, after_average=True)
     torch.testing.assert_close(mean, losses, rtol=TOLERANCE, atol=TOLERANCE)
     for result in results:
         torch.testing.assert_close(result["norms"], norms[result["replica"]], rtol=TOLERANCE, atol=0)

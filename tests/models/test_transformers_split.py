@@ -359,9 +359,12 @@ def llama_replicas_with_zero() -> dict[str, Any]:
     return {"replica": engine.replica_index, "losses": losses, "norms": norms, "state": state}
 
 
-def clipped_replicas_locally(replicas: int) -> tuple[list[list[float]], list[list[float]], dict[str, torch.Tensor]]:
+def clipped_replicas_locally(
+    replicas: int, *, after_average: bool = False
+) -> tuple[list[list[float]], list[list[float]], dict[str, torch.Tensor]]:
     """The reference: each replica's rows' gradient clipped on its own (clipping before the all-reduce, EPL's
-    default), then averaged, one AdamW step. Returns each replica's losses and norms, and the final state."""
+    default), then averaged, one AdamW step; ``after_average``: the average clipped by its norm instead (ZeRO, and
+    ``communication.clip_after_allreduce``). Returns each replica's losses and norms, and the final state."""
     model = built("llama")
     optimizer = adamw(model.parameters())
     losses: list[list[float]] = [[] for _ in range(replicas)]
@@ -372,20 +375,26 @@ def clipped_replicas_locally(replicas: int) -> tuple[list[list[float]], list[lis
             model.zero_grad()
             loss = next_token_loss(model(rows), rows)
             loss.backward()
-            norms[replica].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)))
+            if not after_average:
+                norms[replica].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)))
             losses[replica].append(float(loss))
             for sum_, p in zip(total, model.parameters(), strict=True):
                 sum_ += p.grad / replicas
         for p, grad in zip(model.parameters(), total, strict=True):
             p.grad = grad
+        if after_average:
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM))
+            for replica in range(replicas):
+                norms[replica].append(norm)
         optimizer.step()
     return losses, norms, {k: v.clone() for k, v in model.state_dict().items()}
 
 
 @pytest.mark.timeout(300)
 def test_split_with_replicas_zero_and_clipping_equals_the_local_run() -> None:
+    """ZeRO reduces the gradients inside the backward: the average is clipped, by its own norm."""
     results = run_ranks(llama_replicas_with_zero, 4, timeout=240)
-    losses, norms, state = clipped_replicas_locally(2)
+    losses, norms, state = clipped_replicas_locally(2, after_average=True)
     assert sorted(r["replica"] for r in results) == [0, 0, 1, 1]
     assert norms[0][0] > MAX_GRAD_NORM  # clipping acts
     for result in results:

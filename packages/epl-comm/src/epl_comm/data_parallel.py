@@ -9,9 +9,8 @@ rank issues the same collectives in the same order. Once reduced, each gradient 
 view into its bucket's buffer (like DDP's ``gradient_as_bucket_view``), so between
 steps the gradients cost their size once, not twice.
 
-Under ZeRO v1/v2 (``ParallelContext.gradient_owners``) a bucket holds parameters of one
-owner and is reduced to that owner only; the other copies drop their gradients as soon
-as the bucket is on its way, and no bucket buffer outlives its step.
+Parameters whose gradients another plugin reduces inside the backward (ZeRO's chunks,
+``ParallelContext.reduced_in_backward``) are not given to this reducer.
 
 A reducer that averages every trainable parameter over every rank of the job (plain data
 parallelism) also carries the job's verdict on non-finite steps (``carries_verdict``,
@@ -26,7 +25,7 @@ reaches the same verdict.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -56,8 +55,6 @@ class ReducePolicy:
 class _Bucket:
     params: list[nn.Parameter]
     communicator: Communicator
-    #: The member that alone keeps the reduced gradients (None: every member keeps them).
-    owner: int | None = None
     waiting: int = 0
     buffer: torch.Tensor | None = None
     wire: torch.Tensor | None = None
@@ -69,8 +66,6 @@ class _Bucket:
 class DataParallelReducer:
     """Reduces the gradients of ``params`` over ``policy.copies`` copies (implements GradientReducer).
 
-    ``owners`` (parameter id -> member) names the one copy that keeps a parameter's reduced
-    gradient; the other copies end the step with ``grad`` None for it (ZeRO v1/v2).
     ``carries_verdict``: ``params`` are every trainable parameter of the job's model and the
     communicators every rank of the job, so the reduction also decides whether the step's loss
     and gradients were finite everywhere (:meth:`observe_loss`, :meth:`nonfinite_verdict`).
@@ -84,7 +79,6 @@ class DataParallelReducer:
         *,
         sparse: Sequence[nn.Parameter] = (),
         defer_until_finish: bool = False,
-        owners: Mapping[int, int] | None = None,
         step_check: StepCheck | None = None,
         carries_verdict: bool = False,
     ) -> None:
@@ -95,13 +89,12 @@ class DataParallelReducer:
         sparse_ids = set() if policy.sparse_as_dense else {id(p) for p in sparse}
         dense = [p for p in params if p.requires_grad and id(p) not in sparse_ids]
         self.sparse = [p for p in params if p.requires_grad and id(p) in sparse_ids]
-        self.owners = dict(owners or {})
         self.buckets = [
-            _Bucket(params=group, communicator=self.communicators[i % len(self.communicators)], owner=owner)
-            for i, (group, owner) in enumerate(_by_owner(plan_buckets(dense, policy.max_splits), self.owners))
+            _Bucket(params=group, communicator=self.communicators[i % len(self.communicators)])
+            for i, group in enumerate(plan_buckets(dense, policy.max_splits))
         ]
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
-        self.carries_verdict = carries_verdict and bool(self.buckets) and not self.sparse and not self.owners
+        self.carries_verdict = carries_verdict and bool(self.buckets) and not self.sparse
         device = dense[0].device if dense else torch.device("cpu")
         self._loss_bad = torch.zeros((), dtype=torch.bool, device=device)
         self._found = torch.zeros(1, dtype=torch.float32, device=device)
@@ -156,7 +149,7 @@ class DataParallelReducer:
         for bucket in self.buckets:
             self._complete(bucket)
         for param, grad in zip(self.sparse, sparse_results, strict=True):
-            param.grad = grad if self._keeps(param) else None
+            param.grad = grad
         if clip is not None and self.policy.clip_after_allreduce:
             clip()
         self._reset()
@@ -185,10 +178,6 @@ class DataParallelReducer:
         while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
             self._start(self.buckets[self._next])
 
-    def _keeps(self, param: nn.Parameter) -> bool:
-        owner = self.owners.get(id(param))
-        return owner is None or owner == self.communicators[0].rank
-
     def _start(self, bucket: _Bucket) -> None:
         if bucket.buffer is None:
             first = bucket.params[0]
@@ -214,13 +203,8 @@ class DataParallelReducer:
         communicator = bucket.communicator
         if communicator.world_size == 1:  # nothing to add; the mean's divisor still applies
             bucket.work = CompletedWork()
-        elif bucket.owner is None:
-            bucket.work = communicator.all_reduce(wire, ReduceOp.SUM)
         else:
-            bucket.work = communicator.reduce(wire, bucket.owner, ReduceOp.SUM)
-            if communicator.rank != bucket.owner:
-                for param in bucket.params:  # sent: this copy's gradient is no longer needed
-                    param.grad = None
+            bucket.work = communicator.all_reduce(wire, ReduceOp.SUM)
         bucket.started = True
         self._next += 1
 
@@ -228,10 +212,6 @@ class DataParallelReducer:
         assert bucket.work is not None and bucket.buffer is not None
         bucket.work.wait()
         buffer, wire = bucket.buffer, bucket.wire
-        if bucket.owner is not None:  # buffers of owned buckets live for one step only
-            bucket.buffer = bucket.wire = None
-            if bucket.communicator.rank != bucket.owner and bucket.communicator.world_size > 1:
-                return
         with torch.no_grad():
             if self.policy.fp16:
                 assert wire is not None
@@ -292,19 +272,6 @@ class DataParallelReducer:
         if total._nnz() == 0 and param.grad is None:
             return None
         return total / self.policy.copies if self.policy.mean else total
-
-
-def _by_owner(
-    buckets: Sequence[list[nn.Parameter]], owners: Mapping[int, int]
-) -> list[tuple[list[nn.Parameter], int | None]]:
-    """Each bucket cut into one bucket per owner of its parameters (in order of first appearance)."""
-    result: list[tuple[list[nn.Parameter], int | None]] = []
-    for bucket in buckets:
-        parts: dict[int | None, list[nn.Parameter]] = {}
-        for param in bucket:
-            parts.setdefault(owners.get(id(param)), []).append(param)
-        result += [(params, owner) for owner, params in parts.items()]
-    return result
 
 
 class ReducerSet:

@@ -118,7 +118,6 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
                 policy,
                 sparse=[p for p in params if id(p) in sparse],
                 defer_until_finish=clip_first,
-                owners=context.gradient_owners,
                 step_check=StepCheck(groups.communicators(copies)[0]) if config["communication.check_steps"] else None,
                 # every rank, every trainable parameter: the reduction can decide non-finite steps for the job
                 carries_verdict=len(copies.devices) == context.cluster.world_size

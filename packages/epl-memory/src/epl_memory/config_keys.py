@@ -41,6 +41,15 @@ KEYS: tuple[ConfigKey, ...] = (
         "(reshard_after_forward=True); '' disables ZeRO.",
     ),
     ConfigKey(
+        name="zero.shard_degree",
+        types=(int,),
+        default=0,
+        minimum=0,
+        doc="Under zero.level: shard each tensor over groups of this many of its copies and replicate it across the "
+        "groups (hybrid sharding, FSDP's HSDP: only the shards' gradient all-reduce crosses groups; make a group a "
+        "node). It must divide every group of copies; 0: shard over all copies.",
+    ),
+    ConfigKey(
         name="zero.param_dtype",
         types=(str,),
         default="",

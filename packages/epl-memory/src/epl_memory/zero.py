@@ -107,6 +107,7 @@ class ZeroSharding:
             if param is not None
         }
         communicators = context.copy_communicators()
+        hybrid = HybridGroups.of(context)
         meshes: dict[Any, Any] = {}
         reshard = context.config["zero.level"] == "v2"
         precision = mixed_precision(context)
@@ -116,13 +117,12 @@ class ZeroSharding:
             copies = chosen.get(id(unit))
             if copies is None:
                 continue
-            communicator = communicators[copies.devices]
             if copies not in meshes:
-                meshes[copies] = _mesh(communicator, context.cluster.device)
+                meshes[copies] = hybrid.mesh(copies.devices, communicators, context.cluster.device)
             _shard(unit, meshes[copies], reshard=reshard, ignored=ignored, precision=precision)
             unit.set_gradient_divide_factor(float(copies.divisor) if sum_mean else 1.0)  # type: ignore[operator]
             sharded.append(unit)
-        _follow_new_parameters(model, before, copies_of, communicators, context)
+        _follow_new_parameters(model, before, copies_of, hybrid.chunk_communicators(communicators), context)
         if reshard and context.cluster.device.type != "cpu":  # a CPU has no streams to overlap on
             _prefetch(model, sharded)
         for called in (*entries, model):
@@ -212,16 +212,79 @@ def _common(model: nn.Module, first: nn.Module, second: nn.Module, unit_ids: set
     return common
 
 
-def _mesh(communicator: Communicator, device: torch.device) -> Any:
-    """A one-dimensional ``DeviceMesh`` over ``communicator``'s members, from its torch process group.
+@dataclass
+class HybridGroups:
+    """``zero.shard_degree`` k: each group of copies cut into shard groups of k consecutive devices, and replicate
+    groups of the devices at the same place in each (communicators made on every rank alike); k = 0: none."""
 
-    Named uniquely: DTensor caches how its operations shard by the meshes involved, and two meshes over the same
-    ranks with the same names compare equal, so a mesh of an earlier ``epl.init`` (whose groups are gone) would
-    come back from that cache.
-    """
-    from torch.distributed.device_mesh import DeviceMesh
+    degree: int = 0
+    #: Communicators of this rank by device group: its shard group's and its replicate group's.
+    communicators: dict[tuple[int, ...], Communicator] = field(default_factory=dict)
 
-    return DeviceMesh.from_group(communicator.process_group(), device.type, mesh_dim_names=(f"copies{next(_MESHES)}",))
+    @classmethod
+    def of(cls, context: ParallelContext) -> HybridGroups:
+        """The hybrid groups of ``context``'s plan (a collective: every rank makes every group)."""
+        from epl.plugin_api import communicators_for, every_copy_group
+
+        degree = context.config["zero.shard_degree"]
+        groups = [group for group in every_copy_group(context.plan) if len(group) > 1]
+        if degree == 0 or all(len(group) <= degree for group in groups):
+            return cls()
+        cut = []
+        for group in groups:
+            if len(group) % degree:
+                raise ConfigError(
+                    f"zero.shard_degree {degree} does not divide the {len(group)} copies of some tensors (devices "
+                    f"{list(group)}): use a divisor of every data-parallel degree, or 0 to shard over all copies."
+                )
+            shards = [group[start : start + degree] for start in range(0, len(group), degree)]
+            cut += shards + [tuple(shard[i] for shard in shards) for i in range(degree)]
+        return cls(degree, communicators_for(context.communicator, cut))
+
+    def parts(self, devices: tuple[int, ...], rank: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """This rank's replicate and shard groups within ``devices`` (None: shard over all of them)."""
+        if not self.degree or len(devices) <= self.degree:
+            return None
+        shards = [devices[start : start + self.degree] for start in range(0, len(devices), self.degree)]
+        mine = next(shard for shard in shards if rank in shard)
+        position = mine.index(rank)
+        return tuple(shard[position] for shard in shards), mine
+
+    def mesh(self, devices: tuple[int, ...], communicators: dict[Any, Communicator], device: torch.device) -> Any:
+        """The ``DeviceMesh`` to shard a tensor held by ``devices``: one dimension over them all, or replicate x
+        shard under hybrid sharding.
+
+        Named uniquely: DTensor caches how its operations shard by the meshes involved, and two meshes over the same
+        ranks with the same names compare equal, so a mesh of an earlier ``epl.init`` (whose groups are gone) would
+        come back from that cache.
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+
+        serial = next(_MESHES)
+        rank = communicators[devices].ranks[communicators[devices].rank]
+        parts = self.parts(devices, rank)
+        if parts is None:
+            return DeviceMesh.from_group(
+                communicators[devices].process_group(), device.type, mesh_dim_names=(f"copies{serial}",)
+            )
+        replicate, shard = parts
+        layout = torch.tensor(devices, dtype=torch.int).view(len(devices) // self.degree, self.degree)
+        return DeviceMesh.from_group(
+            [self.communicators[replicate].process_group(), self.communicators[shard].process_group()],
+            device.type,
+            mesh=layout,
+            mesh_dim_names=(f"replicate{serial}", f"shard{serial}"),
+        )
+
+    def chunk_communicators(self, communicators: dict[Any, Communicator]) -> dict[Any, Communicator]:
+        """By device group of copies: the communicator over the devices whose chunks together make a tensor (the
+        shard group under hybrid sharding: the replicate groups hold the same chunks)."""
+        chunked = dict(communicators)
+        for devices, communicator in communicators.items():
+            parts = self.parts(devices, communicator.ranks[communicator.rank])
+            if parts is not None:
+                chunked[devices] = self.communicators[parts[1]]
+        return chunked
 
 
 def _shard(unit: nn.Module, mesh: Any, *, reshard: bool, ignored: set[nn.Parameter], precision: Any) -> None:

@@ -104,11 +104,6 @@ class ParallelContext:
     #: Tensors a split rule made from a tensor several TaskGraphs hold (an embedding tied to the head of another
     #: pipeline stage): id -> the indices of those TaskGraphs, so the shard's copies are every holder's.
     split_holders: dict[int, set[int]] = field(default_factory=dict)
-    #: Parameters whose reduced gradient only one of their copies keeps: id -> that copy's rank in the
-    #: communicator over the parameter's copies. Written by whoever partitions the update over the copies
-    #: (epl-memory's ZeRO v1/v2); gradient reducers leave the other copies' gradient at None. Empty: every
-    #: copy keeps every reduced gradient (plain data parallelism).
-    gradient_owners: dict[int, int] = field(default_factory=dict)
     #: Parameters whose gradients a plugin reduces itself during the backward (epl-memory's ZeRO, on torch's FSDP2),
     #: by id: gradient reducers leave them alone.
     reduced_in_backward: set[int] = field(default_factory=set)
