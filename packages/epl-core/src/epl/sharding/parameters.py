@@ -69,7 +69,12 @@ def is_sharded(tensor: torch.Tensor) -> bool:
 
 def gather_whole(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor a shard belongs to, gathered from every device of its group (a collective)."""
-    spec = shard_spec(tensor)
+    return gather_split(tensor, shard_spec(tensor))
+
+
+def gather_split(tensor: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
+    """The whole tensor of which ``tensor`` is the piece ``spec`` describes, gathered from every device of its group
+    (a collective); ``tensor`` itself (detached) when ``spec`` is None."""
     if spec is None:
         return tensor.detach()
     from epl.sharding.collectives import gather_from_shards
