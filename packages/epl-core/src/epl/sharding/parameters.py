@@ -62,6 +62,17 @@ def shard_spec(tensor: torch.Tensor) -> ShardSpec | None:
     return getattr(tensor, _SPEC, None)
 
 
+def set_shard_spec(tensor: torch.Tensor, spec: ShardSpec | None) -> None:
+    """Mark ``tensor`` as the split piece ``spec`` describes (None: unmark it). A transform that replaces a split
+    parameter by another object (FSDP2's ``fully_shard`` makes a ``DTensor`` parameter whose global shape is the
+    piece) sets the old parameter's spec on the new one, so checkpoints, norms and pretrained I/O find the piece."""
+    if spec is None:
+        if hasattr(tensor, _SPEC):
+            delattr(tensor, _SPEC)
+        return
+    setattr(tensor, _SPEC, spec)
+
+
 def is_sharded(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is one shard of a split tensor (each device holds a different part)."""
     return shard_spec(tensor) is not None
