@@ -4,18 +4,20 @@
 every rank writes its own file at the same time, and a tensor several ranks hold
 (a replicated weight) is written once. What is saved is *logical*, not per device:
 
-- ``model/<name>``: each parameter and buffer whole (split shards gathered), under the
-  name it has in the model the user wrote;
-- ``optim/<name>/<state>``: the optimizer state of each parameter (Adam's ``exp_avg``...),
-  whole, or as ``.../shard<i>of<n>dim<d>`` pieces for split parameters, written by
-  whichever device keeps it (under ZeRO, the owner);
+- ``model/<name>``: each parameter and buffer as the whole tensor, under the name it has in the model the user
+  wrote. Each rank writes the rectangles of it that it holds (a split piece, an FSDP2 ``DTensor`` chunk, a chunk
+  of a split piece: :mod:`epl.sharding.chunks`, :mod:`epl.runtime.checkpoint_chunks`), so nothing is gathered;
+- ``optim/<name>/<state>``: the optimizer state of each parameter (Adam's ``exp_avg``...), a logical tensor
+  stored as its parameter is when shaped like it (others, such as ``step``, whole), written by whichever device
+  keeps it (under the owner-based ZeRO, the owner). Format 2 stored a split parameter's states as
+  ``.../shard<i>of<n>dim<d>`` pieces, which are still read;
 - ``engine/meta``: the step counter, the optimizer's hyperparameters, the loss scaler (JSON
   text in a uint8 tensor: nothing in a checkpoint is pickled by EPL);
 - ``rng/<rank>/<generator>``: every rank's random number generator states;
 - ``data/<rank>``: where each rank's ``epl.io`` loaders stand (JSON, :mod:`epl.io.positions`).
 
 ``Engine.load(path)`` reads what this rank's layout needs, whatever layout saved it: a
-pipeline stage reads its stage's names, a split device slices the whole tensors, a
+pipeline stage reads its stage's names, a split or sharded device reads its rectangles, a
 ZeRO owner reads the states it owns. Writing goes to ``<path>.partial`` and is renamed
 to ``<path>`` once every rank has finished (in DCP's ``finish`` step on the coordinator, which
 every rank waits for), so a crash while saving leaves the previous checkpoint intact. Only a checkpoint of EPL's
