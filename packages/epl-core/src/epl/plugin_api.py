@@ -27,7 +27,9 @@ What is here, by what a plugin does with it:
 * pipelines: :class:`Action`, :class:`ActionKind`, :data:`Schedule`, :class:`ScheduleGenerator`,
   :class:`TaskGraph`, :func:`replicate` and :func:`split` (to build TaskGraphs of a partition),
   :func:`holders_of`, :class:`Plan`;
-* split rules: :class:`ShardContext`, :class:`ShardGroup`, :data:`ShardRole`, :class:`SplitRule`;
+* split rules: :class:`ShardContext`, :class:`ShardGroup`, :data:`ShardRole`, :class:`SplitRule`, and a split
+  piece's spec (:class:`ShardSpec`, :func:`shard_spec`, :func:`set_shard_spec`: a transform that replaces a split
+  parameter sets its spec on the new one);
 * memory estimates: :class:`MemoryEstimate`, :class:`MemoryEstimateContext`, :class:`EstimatedTensor`,
   :class:`ShardShapes`, :func:`group_options`;
 * errors: every class of :mod:`epl.errors`;
@@ -97,7 +99,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.sharding.dataflow import example_input, forked_rng, tensors_in
     from epl.sharding.meta import meta_copy
     from epl.sharding.norms import clip_grad_norm
-    from epl.sharding.parameters import copy_shard_spec
+    from epl.sharding.parameters import ShardSpec, set_shard_spec, shard_spec
 
 #: Public name -> the module of epl-core it lives in.
 _EXPORTS: dict[str, str] = {
@@ -125,7 +127,6 @@ _EXPORTS: dict[str, str] = {
     "micro_batches": "epl.runtime.batch",
     "clip_grad_norm": "epl.sharding.norms",
     "local_tensor": "epl.sharding.data_shards",
-    "copy_shard_spec": "epl.sharding.parameters",
     "gradient_summed_over_shards": "epl.sharding.collectives",
     "mark_data_sharded": "epl.sharding.data_shards",
     "data_shards": "epl.sharding.data_shards",
@@ -175,6 +176,9 @@ _EXPORTS: dict[str, str] = {
     "ShardGroup": "epl.interfaces.shard_group",
     "shard_sizes": "epl.interfaces.shard_group",
     "shard_slice": "epl.interfaces.shard_group",
+    "ShardSpec": "epl.sharding.parameters",
+    "shard_spec": "epl.sharding.parameters",
+    "set_shard_spec": "epl.sharding.parameters",
     # memory estimates
     "MemoryEstimate": "epl.placement.memory_estimate",
     "EstimatedTensor": "epl.placement.memory_estimate",

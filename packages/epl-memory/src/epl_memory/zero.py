@@ -321,7 +321,7 @@ def _follow_new_parameters(
     """``fully_shard`` replaced each sharded parameter by a new one (a DTensor): carry EPL's marks and bookkeeping
     over to it, so that split's shard spec, the TaskGraphs' tensors and the copies they have find it, and the old
     whole tensor is freed."""
-    from epl.plugin_api import copy_shard_spec
+    from epl.plugin_api import set_shard_spec, shard_spec
 
     replaced: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -330,7 +330,7 @@ def _follow_new_parameters(
             if old is None or param is None or param is old:
                 continue
             replaced[id(old)] = param
-            copy_shard_spec(old, param)
+            set_shard_spec(param, shard_spec(old))
             copies = copies_of[id(old)]
             mark_data_sharded(param, communicators[copies.devices])
             context.reduced_in_backward.add(id(param))

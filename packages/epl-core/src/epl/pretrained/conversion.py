@@ -38,26 +38,30 @@ class Converted:
         """Every checkpoint name it reads."""
         return [name for group in self.sources.values() for name in group]
 
-    def read(self, target: str, piece: Piece, load: Callable[[str, Piece], torch.Tensor]) -> torch.Tensor:
-        """The ``piece`` of the tensor ``target``, from checkpoint tensors that ``load(name, piece)`` reads."""
+    def read(self, target: str, piece: Piece, load: Callable[[str, Piece | None], torch.Tensor]) -> torch.Tensor:
+        """The ``piece`` of the tensor ``target``, from checkpoint tensors that ``load(name, piece)`` reads (a piece
+        of None: whole)."""
+        if not piece.blocks:  # this rank holds none of it (a chunk of no rows)
+            return torch.empty(piece.local_shape)
         selected = self._merged_rows(piece)
         if selected is not None:  # only this piece's rows of the stack: read those sources, whole
-            collected = {p: [load(n, Piece(-1, ())) for n in names] for p, names in selected.items()}
+            collected = {p: [load(n, None) for n in names] for p, names in selected.items()}
             return self._run(target, collected)
-        collected = {p: [load(n, Piece(-1, ())) for n in names] for p, names in self.sources.items()}
+        collected = {p: [load(n, None) for n in names] for p, names in self.sources.items()}
         return piece.take(self._run(target, collected))
 
     def _merged_rows(self, piece: Piece) -> dict[str, list[str]] | None:
-        """The sources of the piece alone, when the first operation stacks each pattern's tensors along the piece's
-        dimension and the others leave that dimension alone."""
+        """The sources of the piece alone, when the piece is rows (dim 0 ranges) of the whole, the first operation
+        stacks each pattern's tensors along dim 0 and the others leave that dimension alone."""
         from transformers.core_model_loading import Concatenate, MergeModulelist
 
         operations = self.converter.operations
-        if piece.dim != 0 or not operations or not isinstance(operations[0], MergeModulelist):
+        rows = None if piece.whole else piece.rows()
+        if rows is None or not operations or not isinstance(operations[0], MergeModulelist):
             return None
         if operations[0].dim != 0 or not all(isinstance(op, Concatenate) and op.dim > 0 for op in operations[1:]):
             return None
-        return {p: [n for a, b in piece.ranges for n in names[a:b]] for p, names in self.sources.items()}
+        return {p: [n for a, b in rows for n in names[a:b]] for p, names in self.sources.items()}
 
     def _run(self, target: str, collected: dict[str, list[torch.Tensor]]) -> torch.Tensor:
         converter = self.converter

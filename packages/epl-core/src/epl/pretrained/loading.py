@@ -11,9 +11,10 @@ import torch
 
 from epl.errors import EplError
 from epl.pretrained.conversion import conversions
-from epl.pretrained.pieces import _ITEMSIZE, INDEX, SINGLE, Piece, local_tensors
+from epl.pretrained.pieces import _ITEMSIZE, INDEX, SINGLE, Piece, local_tensors, read
 from epl.runtime.checkpoint import _agree, _alone
 from epl.runtime.checkpoint_files import unreadable_file_error
+from epl.sharding.chunks import placed_like
 
 if TYPE_CHECKING:
     from epl.runtime.checkpoint import CheckpointedEngine
@@ -130,15 +131,15 @@ def load_pretrained(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
     values: dict[str, torch.Tensor] = {}
     try:
         for name, tensor, piece in local:
-            expected = piece.whole_shape(tuple(tensor.shape))
+            expected = piece.shape
             if name in converted and sources[name] is None:
                 value = converted[name].read(name, piece, reader.read)
-                if tuple(value.shape) != tuple(tensor.shape):
+                if tuple(value.shape) != piece.local_shape:
                     problem = f"{name!r} converted from {folder} has shape {list(value.shape)}, this rank's is " + (
-                        f"{list(tensor.shape)}."
+                        f"{list(piece.local_shape)}."
                     )
                     break
-                values[name] = value.to(tensor.dtype)
+                values[name] = placed_like(value.to(tensor.dtype), tensor)
                 continue
             source = sources[name]
             if source is None:
@@ -148,7 +149,7 @@ def load_pretrained(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
                 where = files[source].name
                 problem = f"{source!r} has shape {list(whole)} in {where}, the model's is {list(expected)}."
                 break
-            values[name] = reader.read(source, piece).to(tensor.dtype)
+            values[name] = placed_like(reader.read(source, piece).to(tensor.dtype), tensor)
     except Exception as error:  # noqa: BLE001 - what a rank reads alone fails on every rank (agreed), named
         problem = _problem(folder, error)
     finally:
@@ -191,11 +192,11 @@ class _Reader:
         """The whole shape of the checkpoint's tensor ``name``."""
         return tuple(self._view(name).get_shape())
 
-    def read(self, name: str, piece: Piece) -> torch.Tensor:
-        """The ``piece`` of the checkpoint's tensor ``name``, in its stored dtype."""
+    def read(self, name: str, piece: Piece | None) -> torch.Tensor:
+        """The ``piece`` (None: all) of the checkpoint's tensor ``name``, in its stored dtype."""
         view = self._view(name)
         try:
-            value = piece.read(view)
+            value = read(view, piece)
         except Exception as error:  # noqa: BLE001 - named, as above
             raise unreadable_file_error(self.files[name], error) from None
         self.bytes_read += value.numel() * _ITEMSIZE[view.get_dtype()]

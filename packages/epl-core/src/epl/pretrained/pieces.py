@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from epl.sharding.chunks import Held, held
 
 if TYPE_CHECKING:
     from epl.runtime.checkpoint import CheckpointedEngine
@@ -22,62 +22,30 @@ DTYPES: dict[torch.dtype, str] = {
 }  # fmt: skip
 #: Bytes per element of each safetensors dtype.
 _ITEMSIZE: dict[str, int] = {code: dtype.itemsize for dtype, code in DTYPES.items()}
+_TORCH_DTYPES: dict[str, torch.dtype] = {code: dtype for dtype, code in DTYPES.items()}
 
 
 # -- which part of a whole tensor a rank holds ----------------------------------------------------------------
-@dataclass(frozen=True)
-class Piece:
-    """The part of a whole tensor one rank holds: along ``dim`` (of ``size`` items in the whole), the index
-    ``ranges`` (start, stop), in order (several for a fused tensor's parts); ``dim`` -1: all of it."""
+#: The part of a whole tensor one rank holds: its rectangles (:class:`epl.sharding.chunks.Held`): all of it, a
+#: split piece (several strips for a fused tensor's parts), a ``DTensor``'s chunk, or a chunk of a split piece.
+Piece = Held
 
-    dim: int
-    ranges: tuple[tuple[int, int], ...]
-    size: int = 0
 
-    @staticmethod
-    def of(tensor: torch.Tensor) -> Piece:
-        """The piece ``tensor`` (a parameter or buffer of this rank's model) holds of its whole."""
-        from epl.sharding.parameters import shard_spec
+def read(view: Any, piece: Piece | None) -> torch.Tensor:
+    """The ``piece`` (None: all) of a tensor from its safetensors slice ``view`` (``safe_open(...).get_slice(name)``),
+    a rectangle at a time: only those bytes are read."""
+    if piece is None or piece.whole:
+        return view[:]
+    parts = [view[tuple(slice(o, o + s) for o, s in zip(b.offsets, b.sizes, strict=True))] for b in piece.blocks]
+    return piece.assemble(parts, dtype=_TORCH_DTYPES[view.get_dtype()])
 
-        spec = shard_spec(tensor)
-        if spec is None:
-            return Piece(-1, ())
-        part = spec.size // spec.parts
-        start, length = spec.group.slice(part).start, spec.group.sizes(part)[spec.group.index]
-        ranges = tuple((j * part + start, j * part + start + length) for j in range(spec.parts))
-        return Piece(spec.dim, ranges, spec.size)
 
-    def whole_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
-        """The whole tensor's shape, from the shape of the piece."""
-        if self.dim < 0:
-            return local
-        return (*local[: self.dim], self.size, *local[self.dim + 1 :])
-
-    def elements(self, shape: tuple[int, ...]) -> int:
-        """The elements of the piece of a whole tensor of ``shape``."""
-        if self.dim < 0:
-            return math.prod(shape)
-        return sum(b - a for a, b in self.ranges) * math.prod(shape) // shape[self.dim]
-
-    def take(self, whole: torch.Tensor) -> torch.Tensor:
-        """The piece of the ``whole`` tensor."""
-        if self.dim < 0:
-            return whole
-        parts = [whole.narrow(self.dim, a, b - a) for a, b in self.ranges]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
-
-    def read(self, view: Any) -> torch.Tensor:
-        """The piece from a safetensors slice ``view`` (``safe_open(...).get_slice(name)``)."""
-        if self.dim < 0:
-            return view[:]
-        parts = []
-        for a, b in self.ranges:
-            index = tuple([slice(None)] * self.dim + [slice(a, b)])
-            parts.append(view[index])
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+def elements(piece: Piece) -> int:
+    """The elements of the whole tensor the piece holds."""
+    return sum(block.numel() for block in piece.blocks)
 
 
 def local_tensors(engine: CheckpointedEngine) -> Iterator[tuple[str, torch.Tensor, Piece]]:
     """Each (name, this rank's tensor, its piece of the whole) of the model's state."""
     for name, tensor in engine.model.state_dict(keep_vars=True).items():
-        yield name, tensor, Piece.of(tensor)
+        yield name, tensor, held(tensor)

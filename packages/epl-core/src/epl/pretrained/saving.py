@@ -26,6 +26,7 @@ raised on every rank, naming the rank and the file, and the partial files are de
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -41,6 +42,7 @@ from epl.pretrained.pieces import _ITEMSIZE, DTYPES, INDEX, SINGLE, Piece, local
 from epl.runtime import agreement
 from epl.runtime.checkpoint import _alone, _meet
 from epl.runtime.checkpoint_folders import foreign_entries, remove_own
+from epl.sharding.data_shards import local_tensor
 
 if TYPE_CHECKING:
     from epl.runtime.checkpoint import CheckpointedEngine
@@ -92,8 +94,8 @@ def _write(engine: CheckpointedEngine, target: Path, partial: Path, limit: int) 
 
     def describe_pieces() -> None:
         mine = [
-            {"name": name, "dtype": DTYPES[t.dtype], "shape": list(piece.whole_shape(tuple(t.shape))),
-             "dim": piece.dim, "ranges": [list(r) for r in piece.ranges]}
+            {"name": name, "dtype": DTYPES[t.dtype], "shape": list(piece.shape),
+             "blocks": [[list(b.offsets), list(b.sizes)] for b in piece.blocks]}
             for name, t, piece in local
         ]  # fmt: skip
         (partial / _PIECES.format(rank=rank)).write_text(json.dumps(mine))
@@ -109,8 +111,8 @@ def _write(engine: CheckpointedEngine, target: Path, partial: Path, limit: int) 
         values = engine.state_dict()["model"]  # plain values (a technique that frees parameters hands copies)
         layout = laid[0]
         for name, _, piece in local:
-            if layout.writer[(name, piece.dim, tuple(piece.ranges))] == rank:
-                layout.write_piece(partial, name, piece, values[name])
+            if piece.blocks and layout.writer[_key(name, [(b.offsets, b.sizes) for b in piece.blocks])] == rank:
+                layout.write_piece(partial, name, piece, local_tensor(values[name]))
 
     def finish() -> None:
         for r in range(world):
@@ -232,7 +234,8 @@ class _Layout:
 
     def __init__(self, ranks: list[list[dict[str, Any]]]) -> None:
         self.tensors: dict[str, dict[str, Any]] = {}
-        self.writer: dict[tuple[str, int, tuple[tuple[int, ...], ...]], int] = {}
+        #: Which rank writes each set of rectangles (the first rank holding it: a replica's copy is written once).
+        self.writer: dict[Any, int] = {}
         covered: dict[str, int] = {}
         for rank, pieces in enumerate(ranks):
             for entry in pieces:
@@ -240,10 +243,10 @@ class _Layout:
                 known = self.tensors.setdefault(name, {"dtype": entry["dtype"], "shape": shape})
                 if known["shape"] != shape or known["dtype"] != entry["dtype"]:
                     raise EplError(f"The ranks disagree on {name!r}: {known} and {entry}.")
-                key = (name, entry["dim"], tuple(tuple(r) for r in entry["ranges"]))
+                key = _key(name, entry["blocks"])
                 if key not in self.writer:
                     self.writer[key] = rank
-                    covered[name] = covered.get(name, 0) + Piece(entry["dim"], key[2]).elements(tuple(shape))
+                    covered[name] = covered.get(name, 0) + sum(math.prod(sizes) for _, sizes in entry["blocks"])
         for name, info in self.tensors.items():
             if covered[name] != math.prod(info["shape"]):
                 raise EplError(f"The ranks' pieces of {name!r} do not make the whole tensor; nothing was written.")
@@ -301,29 +304,29 @@ class _Layout:
                 handle.truncate(len(header) + data)
 
     def write_piece(self, folder: Path, name: str, piece: Piece, value: torch.Tensor) -> None:
-        """Write this rank's ``value`` of ``name`` into its byte ranges of the whole tensor."""
+        """Write this rank's ``value`` (its local tensor) of ``name`` into the byte ranges of its rectangles of the
+        whole tensor: one write per run of contiguous bytes."""
         index, start = self.offsets[name]
         shape = tuple(self.tensors[name]["shape"])
         base = len(self.headers[index]) + start
-        raw = value.detach().to("cpu").contiguous()
+        raw = value.detach().to("cpu")
         item = raw.element_size()
-        data = raw.view(torch.uint8) if raw.dim() else raw.reshape(1).view(torch.uint8)
         path = folder / self.file_name(index)
         fd = os.open(path, os.O_WRONLY)
         try:
-            if piece.dim < 0:
-                _pwrite_all(fd, data.numpy().tobytes(), base)
-                return
-            outer = math.prod(shape[: piece.dim])
-            inner = math.prod(shape[piece.dim + 1 :])
-            local = 0
-            for a, b in piece.ranges:
-                part = raw.narrow(piece.dim, local, b - a).contiguous().reshape(outer, (b - a) * inner)
-                local += b - a
-                rows = part.view(torch.uint8) if part.numel() else part
-                for o in range(outer):
-                    offset = base + ((o * shape[piece.dim]) + a) * inner * item
-                    _pwrite_all(fd, rows[o].numpy().tobytes(), offset)
+            for block in piece.blocks:
+                part = block.in_local(raw).contiguous()
+                # Dims after the last one the rectangle cuts are whole: each run is the rectangle's extent there.
+                cut = max((d for d in range(len(shape)) if block.sizes[d] != shape[d]), default=-1)
+                inner = math.prod(shape[cut + 1 :])
+                runs = part.reshape(-1, (block.sizes[cut] if cut >= 0 else 1) * inner).view(torch.uint8)
+                outer = itertools.product(
+                    *(range(block.offsets[d], block.offsets[d] + block.sizes[d]) for d in range(cut))
+                )
+                for run, at in zip(runs, outer, strict=True):
+                    element = sum(i * math.prod(shape[d + 1 :]) for d, i in enumerate(at))
+                    element += block.offsets[cut] * inner if cut >= 0 else 0
+                    _pwrite_all(fd, run.numpy().tobytes(), base + element * item)
         except OSError as error:  # name the file (a full disk)
             raise OSError(error.errno, error.strerror, str(path)) from None
         finally:
@@ -336,6 +339,12 @@ class _Layout:
         total = sum(self.sizes.values())
         weight_map = {name: self.file_name(self.offsets[name][0]) for name in self.tensors}
         (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def _key(name: str, blocks: Any) -> tuple[str, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]]:
+    """A tensor's name and a rank's rectangles of it (offsets, sizes), as a key: ranks with the same key hold the same
+    values (replicas)."""
+    return name, tuple((tuple(offsets), tuple(sizes)) for offsets, sizes in blocks)
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:

@@ -4,18 +4,20 @@
 every rank writes its own file at the same time, and a tensor several ranks hold
 (a replicated weight) is written once. What is saved is *logical*, not per device:
 
-- ``model/<name>``: each parameter and buffer whole (split shards gathered), under the
-  name it has in the model the user wrote;
-- ``optim/<name>/<state>``: the optimizer state of each parameter (Adam's ``exp_avg``...),
-  whole, or as ``.../shard<i>of<n>dim<d>`` pieces for split parameters, written by
-  whichever device keeps it (under ZeRO, the owner);
+- ``model/<name>``: each parameter and buffer as the whole tensor, under the name it has in the model the user
+  wrote. Each rank writes the rectangles of it that it holds (a split piece, an FSDP2 ``DTensor`` chunk, a chunk
+  of a split piece: :mod:`epl.sharding.chunks`, :mod:`epl.runtime.checkpoint_chunks`), so nothing is gathered;
+- ``optim/<name>/<state>``: the optimizer state of each parameter (Adam's ``exp_avg``...), a logical tensor
+  stored as its parameter is when shaped like it (others, such as ``step``, whole), written by whichever device
+  keeps it (under the owner-based ZeRO, the owner). Format 2 stored a split parameter's states as
+  ``.../shard<i>of<n>dim<d>`` pieces, which are still read;
 - ``engine/meta``: the step counter, the optimizer's hyperparameters, the loss scaler (JSON
   text in a uint8 tensor: nothing in a checkpoint is pickled by EPL);
 - ``rng/<rank>/<generator>``: every rank's random number generator states;
 - ``data/<rank>``: where each rank's ``epl.io`` loaders stand (JSON, :mod:`epl.io.positions`).
 
 ``Engine.load(path)`` reads what this rank's layout needs, whatever layout saved it: a
-pipeline stage reads its stage's names, a split device slices the whole tensors, a
+pipeline stage reads its stage's names, a split or sharded device reads its rectangles, a
 ZeRO owner reads the states it owns. Writing goes to ``<path>.partial`` and is renamed
 to ``<path>`` once every rank has finished (in DCP's ``finish`` step on the coordinator, which
 every rank waits for), so a crash while saving leaves the previous checkpoint intact. Only a checkpoint of EPL's
@@ -61,7 +63,11 @@ from epl.interfaces.optimizer_groups import group_options
 from epl.runtime import agreement
 from epl.runtime import checkpoint_files as files
 from epl.runtime import checkpoint_folders as folders
+from epl.runtime.checkpoint_chunks import Rectangles, local_value, to_read, to_write
 from epl.runtime.collective_calls import agree_to_call
+from epl.sharding.chunks import held, placed_like
+from epl.sharding.data_shards import local_tensor
+from epl.sharding.parameters import assemble, shard_spec
 
 if TYPE_CHECKING:
     from epl.placement.plan import Plan
@@ -113,12 +119,14 @@ class CheckpointedEngine(Protocol):
         ...
 
 
-#: Identifies the layout of the directory.
-FORMAT = "epl-checkpoint/2"
-_PIECE = "shard{index}of{count}dim{dim}"
+#: Identifies the layout of the directory. 3: every logical tensor (model and optimizer states alike) is stored as
+#: the rectangles its ranks held, at their offsets. 2 (read too): model tensors whole, and a split parameter's
+#: states as its pieces, ``optim/<name>/<state>/shard<i>of<n>dim<d>[parts<p>]``.
+FORMAT = "epl-checkpoint/3"
+#: The formats this version reads.
+_READABLE = ("epl-checkpoint/2", FORMAT)
 #: Options an LR scheduler adds to the optimizer's groups: not part of the optimizer's kind.
 _SCHEDULER_OPTIONS = {"initial_lr"}
-_PARTS = "parts{parts}"  # appended for shards of fused tensors (ShardSpec.parts > 1)
 
 
 # -- saving ------------------------------------------------------------------------------------
@@ -338,18 +346,28 @@ def _stage(engine: CheckpointedEngine, items: dict[str, Any]) -> dict[str, torch
     takes 31 ms, into memory already touched 12 ms.
     """
     buffers = engine.context.state(_Staging).buffers
-    staged, cuda = {}, False
-    for key, value in items.items():
+    staged: dict[str, torch.Tensor] = {}
+    used: dict[str, bool] = {}  # name -> from a CUDA tensor
+
+    def stage(name: str, value: torch.Tensor) -> torch.Tensor:
         value = value.detach()
-        buffer = buffers.get(key)
+        buffer = buffers.get(name)
         if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
             buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
-            buffers[key] = buffer
+            buffers[name] = buffer
         buffer.copy_(value, non_blocking=value.is_cuda)
-        cuda = cuda or value.is_cuda
-        staged[key] = buffer
-    for key in set(buffers) - set(items):
-        del buffers[key]
+        used[name] = value.is_cuda
+        return buffer
+
+    for key, value in items.items():
+        if isinstance(value, Rectangles):  # each rectangle on its own: never a buffer of the logical shape
+            parts = [stage(f"{key}@{list(offsets)}", part) for offsets, part in value.blocks]
+            staged[key] = value.holding(parts)
+        else:
+            staged[key] = stage(key, value)
+    cuda = any(used.values())
+    for name in set(buffers) - set(used):
+        del buffers[name]
     if cuda:
         torch.cuda.synchronize()
     return staged
@@ -381,25 +399,21 @@ def _timeout(engine: CheckpointedEngine) -> float:
 
 
 def _logical_items(engine: CheckpointedEngine) -> dict[str, Any]:
-    from epl.sharding.parameters import shard_spec
-
-    items: dict[str, Any] = {f"model/{k}": v for k, v in engine.state_dict(full=True)["model"].items()}
+    """Everything a save writes, by key: each logical tensor as this rank's rectangles of it (nothing gathered)."""
+    own = engine.model.state_dict(keep_vars=True)  # FSDP2's pre-hook puts its sharded parameters back first
+    values = engine.model.state_dict()  # a technique that frees parameters between uses hands copies here
+    items: dict[str, Any] = {
+        f"model/{key}": to_write(held(tensor), local_tensor(values[key])) for key, tensor in own.items()
+    }
     optimizer = engine.optimizer
     if optimizer is not None:
-        holds = getattr(optimizer, "holds_state", lambda param: True)
         for name, param in engine.model.named_parameters():
             state = optimizer.state.get(param)
-            if not state or not holds(param):
+            if not state:
                 continue
-            spec = shard_spec(param)
             for key, value in state.items():
-                if not isinstance(value, torch.Tensor):
-                    continue
-                item = f"optim/{name}/{key}"
-                if spec is not None and value.shape == param.shape:
-                    item += "/" + _PIECE.format(index=spec.group.index, count=spec.group.count, dim=spec.dim)
-                    item += _PARTS.format(parts=spec.parts) if spec.parts > 1 else ""
-                items[item] = value
+                if isinstance(value, torch.Tensor):
+                    items[f"optim/{name}/{key}"] = to_write(held(value, like=param), local_tensor(value))
     scaler = engine.loss_scaler
     meta = {
         "format": FORMAT,
@@ -428,18 +442,26 @@ def load_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
     wait_for_background_save()
     _meet(engine, "engine.load")
     read = _read(engine, Path(path), strict)  # checked and agreed by every rank: nothing was applied before
-    current = engine.state_dict(full=True)["model"] if not strict else {}  # what missing tensors keep
-    whole = {key: read.tensors[item] for key, item in read.model_keys.items()}
-    whole.update({key: value for key, value in current.items() if key not in whole})
+    own = engine.model.state_dict(keep_vars=True)
+    # This rank's part of each tensor, as the model holds it (a DTensor for a DTensor parameter).
+    model = {
+        key: placed_like(local_value(read.tensors[item], held(own[key])), own[key])
+        for key, item in read.model_keys.items()
+    }
+    if not strict:  # what missing tensors keep
+        model.update({key: value for key, value in engine.model.state_dict().items() if key not in model})
+    pieces = {
+        key: [spec.group.index, spec.group.count] for key, t in own.items() if (spec := shard_spec(t)) is not None
+    }
     meta = read.meta
     engine.load_state_dict(
         {
             "version": 1,
-            "model": whole,
+            "model": model,
             "optimizer": None,
             "global_step": meta["global_step"],
             "skipped_steps": meta.get("skipped_steps", 0),  # absent from checkpoints before issue 40
-            "shards": {},
+            "shards": pieces,  # every split tensor of ``model`` is this rank's piece already
         }
     )
     if engine.optimizer is not None and read.optimizer_problem is None:
@@ -535,19 +557,27 @@ def _read_here(
             "checkpoint. Load it with that version and save it again with this one."
         )
     local = engine.model.state_dict(keep_vars=True)
-    problem, keys = _model_problems(saved, local, strict)
+    holdings = {key: held(tensor) for key, tensor in local.items()}
+    problem, keys = _model_problems(saved, local, holdings, strict)
     # The checkpoint's model tensors no rank holds (each rank may hold only its stage): agreed by _read.
     names = sorted(key[len("model/") :] for key in saved if key.startswith("model/")) if strict else []
-    held = [name in local for name in names]
+    here = [name in local for name in names]
     states = _wanted_states(engine, saved)
-    wanted = [*keys.values(), "engine/meta", *(key for _, ks in states for key in ks)]
-    wanted += [key for key in saved if key.startswith(f"rng/{rank}/")]
-    wanted += [key for key in saved if key.startswith("data/")]  # every saving rank's loader positions
+    # This rank's rectangles of each tensor it holds part of; whole tensors (and the pieces of a format 2 split
+    # parameter's states, assembled then cut) else.
+    wanted = {item: to_read(holdings[key], saved[item].size, _dtype(saved[item])) for key, item in keys.items()}
+    for (param, _), state_keys in states:
+        holding = held(param) if len(state_keys) == 1 else None
+        for key in state_keys:
+            fits = holding is not None and tuple(saved[key].size) == holding.shape
+            wanted[key] = to_read(holding if fits else None, saved[key].size, _dtype(saved[key]))
+    plain = ["engine/meta", *(key for key in saved if key.startswith((f"rng/{rank}/", "data/")))]  # data: every rank's
+    wanted.update({key: _placeholder(saved[key]) for key in plain})
     tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] = {}
     optimizer_problem = None
     if problem is None:
-        tensors, problem = _load(reader, {key: _placeholder(saved[key]) for key in wanted}, folder)
+        tensors, problem = _load(reader, wanted, folder)
     if problem is None:
         meta, problem = _decoded_meta(tensors["engine/meta"], folder)
     if problem is None:
@@ -557,7 +587,7 @@ def _read_here(
     if problem is None:
         problem = _data_problem(tensors, strict)
     read = _Read(tensors, keys, [] if optimizer_problem is not None else states, meta, optimizer_problem)
-    return read, names, held, problem
+    return read, names, here, problem
 
 
 class _Verification:
@@ -608,20 +638,16 @@ class _Verification:
 
 
 def _model_problems(
-    saved: dict[str, Any], local: dict[str, torch.Tensor], strict: bool
+    saved: dict[str, Any], local: dict[str, torch.Tensor], holdings: dict[str, Any], strict: bool
 ) -> tuple[str | None, dict[str, str]]:
     """What keeps the checkpoint's model tensors from loading into this rank's (None: nothing), and the checkpoint
-    key of each local tensor to load. (Tensors no rank holds are found by :func:`_read`, over every rank.)"""
-    from epl.sharding.parameters import shard_spec
-
+    key of each local tensor to load (``holdings``: what this rank holds of each). (Tensors no rank holds are found
+    by :func:`_read`, over every rank.)"""
     absent = [key for key in local if f"model/{key}" not in saved]
     keys = {key: f"model/{key}" for key in local if key not in absent}
     shapes, dtypes = [], []
     for key, item in keys.items():
-        tensor, spec = local[key], shard_spec(local[key])
-        whole = list(tensor.shape)
-        if spec is not None:
-            whole[spec.dim] = spec.size
+        tensor, whole = local[key], list(holdings[key].shape)
         if list(saved[item].size) != whole:
             shapes.append(f"{key} {list(saved[item].size)} (the model's {whole})")
         if _dtype(saved[item]) != tensor.dtype:
@@ -712,6 +738,11 @@ def _decoded_meta(data: torch.Tensor, folder: Path) -> tuple[dict[str, Any], str
             raise ValueError("not EPL's")
     except (ValueError, TypeError, UnicodeDecodeError) as error:
         return {}, f"The checkpoint {folder} has an unreadable engine/meta entry ({error})."
+    if meta.get("format") not in _READABLE:
+        return {}, (
+            f"The checkpoint {folder} is in the format {meta.get('format')!r}; this EPL reads {list(_READABLE)}. "
+            "Load it with the EPL that wrote it."
+        )
     return meta, None
 
 
@@ -818,7 +849,6 @@ def _wanted_states(
     optimizer = engine.optimizer
     if optimizer is None:
         return []
-    holds = getattr(optimizer, "holds_state", lambda param: True)
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     by_parameter: dict[str, dict[str, list[str]]] = {}  # "optim/<name>/<state>[/<piece>]", read once
     for key in saved:
@@ -827,7 +857,7 @@ def _wanted_states(
             by_parameter.setdefault(name, {}).setdefault(state_name, []).append(key)
     result = []
     for name, param in engine.model.named_parameters():
-        if id(param) not in in_optimizer or not holds(param):
+        if id(param) not in in_optimizer:
             continue
         for state_name, keys in by_parameter.get(name, {}).items():
             result.append(((param, state_name), sorted(keys, key=_piece_index)))
@@ -841,20 +871,19 @@ def _restore_optimizer(
     param_groups: list[dict[str, Any]] | None,
     device: torch.device,
 ) -> None:
-    from epl.sharding.parameters import assemble, shard_spec
-
     optimizer.state.clear()
     for (param, state_name), keys in states:
         if len(keys) == 1 and "/shard" not in keys[0]:
-            value = loaded[keys[0]]
-        else:
+            read = loaded[keys[0]]
+        else:  # format 2: a split parameter's pieces, made whole (one tensor at a time) and cut below
             piece, _, parts = keys[0].rsplit("dim", 1)[1].partition("parts")
-            value = assemble([loaded[key] for key in keys], int(piece), int(parts or 1))
-        spec = shard_spec(param)
-        if spec is not None and value.dim() and value.shape[spec.dim] == spec.size:
-            value = spec.slice_of(value).clone()
+            read = assemble([loaded[key] for key in keys], int(piece), int(parts or 1))
+        holding = held(param)
+        value = local_value(read, holding)
         if value.dim():
             value = value.to(device)
+            if isinstance(read, Rectangles) or tuple(read.shape) == holding.shape:  # held as the parameter is
+                value = placed_like(value, param)
         optimizer.state[param][state_name] = value
     if param_groups is not None:
         if len(param_groups) != len(optimizer.param_groups):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import mmap
 import os
 import pickle
@@ -144,6 +145,11 @@ def safe_reader(folder: Path) -> Any:
     tensor is read once, as DCP reads it (``torch.load`` of the item's slice of the file, ``weights_only=True``),
     then checked against the shape and dtype the metadata gives it. Only tensors are read: a checkpoint entry of
     bytes (which DCP unpickles with ``weights_only=False``) is refused.
+
+    A placeholder that one stored rectangle covers keeps what was read (a copy when it is a small part of the stored
+    rectangle, so the rest is freed); one that several stored rectangles cover (saved under another layout) is
+    assembled in a tensor of its own. Placeholders of :class:`epl.runtime.checkpoint_chunks.Rectangles` give
+    ``Rectangles`` of what was read. A placeholder the checkpoint does not cover whole is refused.
     """
     from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed.checkpoint import FileSystemReader
@@ -174,16 +180,18 @@ def safe_reader(folder: Path) -> Any:
             by_file: dict[str, list[Any]] = {}
             for item in plan.items:
                 by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            received = _Received()
             for relative_path, items in by_file.items():
                 path = folder / relative_path
                 try:
                     with path.open("rb") as stream:
                         for item in sorted(items, key=lambda item: self.storage_data[item.storage_index].offset):
-                            self.loaded[item.dest_index.fqn] = self._read_tensor(stream, item, planner)
+                            received.add(item, self._read_tensor(stream, item, planner), planner)
                 except EplError:
                     raise
                 except Exception as error:  # noqa: BLE001 - named: torch.load's errors do not say which file
                     raise unreadable_file_error(path, error) from error
+            self.loaded.update(received.results(planner.state_dict, folder))
             done: Future[None] = Future()
             done.set_result(None)
             return done
@@ -195,7 +203,7 @@ def safe_reader(folder: Path) -> Any:
             tensor = torch.load(self._slice_file(stream, info), map_location="cpu", weights_only=True)
             tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
             wanted = planner.resolve_tensor(item)
-            if tensor.shape != wanted.shape or tensor.dtype != wanted.dtype or any(item.dest_offsets):
+            if tensor.shape != wanted.shape or tensor.dtype != wanted.dtype:
                 raise EplError(
                     f"{item.dest_index.fqn} in {info.relative_path} is a {tensor.dtype} tensor of shape "
                     f"{list(tensor.shape)}, its metadata says {wanted.dtype} {list(wanted.shape)}."
@@ -203,6 +211,55 @@ def safe_reader(folder: Path) -> Any:
             return tensor
 
     return SafeFileSystemReader()
+
+
+class _Received:
+    """What a rank read for each placeholder rectangle (by key and offsets), and how many of its elements."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self.counts: dict[tuple[str, tuple[int, ...]], int] = {}
+
+    def add(self, item: Any, tensor: torch.Tensor, planner: Any) -> None:
+        """Keep ``tensor``, read for the read item ``item`` (a part of one placeholder rectangle, or all of it)."""
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+        from torch.distributed.checkpoint.utils import find_state_dict_object
+
+        index = item.dest_index
+        key = (index.fqn, tuple(index.offset) if index.offset is not None else ())
+        target = find_state_dict_object(planner.state_dict, index)
+        self.counts[key] = self.counts.get(key, 0) + math.prod(item.lengths)
+        if tuple(item.lengths) == tuple(target.shape):  # all of it, from one stored rectangle
+            whole_storage = tensor.untyped_storage().nbytes() <= tensor.numel() * tensor.element_size()
+            self.values[key] = tensor if whole_storage else tensor.clone()
+            return
+        if key not in self.values:
+            self.values[key] = torch.empty(tuple(target.shape), dtype=tensor.dtype)
+        narrow_tensor_by_index(self.values[key], item.dest_offsets, item.lengths).copy_(tensor)
+
+    def results(self, placeholders: dict[str, Any], folder: Path) -> dict[str, torch.Tensor]:
+        """What was read for each of ``placeholders`` (by key); a placeholder read in part is refused."""
+        from epl.runtime.checkpoint_chunks import Rectangles
+
+        results: dict[str, torch.Tensor] = {}
+        for fqn, placeholder in placeholders.items():
+            if isinstance(placeholder, Rectangles):
+                parts = [self._value(fqn, offsets, value, folder) for offsets, value in placeholder.blocks]
+                results[fqn] = placeholder.holding(parts)
+            elif isinstance(placeholder, torch.Tensor):
+                results[fqn] = self._value(fqn, (0,) * placeholder.dim(), placeholder, folder)
+        return results
+
+    def _value(self, fqn: str, offsets: tuple[int, ...], placeholder: torch.Tensor, folder: Path) -> torch.Tensor:
+        if not placeholder.numel():
+            return torch.empty(placeholder.shape, dtype=placeholder.dtype)
+        count = self.counts.get((fqn, offsets), 0)
+        if count != placeholder.numel():
+            raise EplError(
+                f"The checkpoint {folder} holds {count} of the {placeholder.numel()} elements of {fqn} at "
+                f"{list(offsets)} that this rank reads: it was not written whole. Load an intact checkpoint."
+            )
+        return self.values[(fqn, offsets)]
 
 
 # -- checksums -----------------------------------------------------------------------------------------------------

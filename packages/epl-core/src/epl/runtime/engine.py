@@ -366,23 +366,20 @@ class Engine:
     def state_dict(self, *, full: bool = False) -> dict[str, Any]:
         """Model, optimizer, step counter and (with AMP) loss scale of this rank.
 
-        ``full=True`` gathers every split shard into the whole tensor (a collective:
-        every device of the split TaskGraph must call it), so the model's entries
-        have the names and shapes of the unsplit model and a local run can load
-        them; the optimizer's state is left out (``None``) in that case.
+        ``full=True`` gathers every split shard and every sharded (``DTensor``) tensor into the whole tensor, one
+        tensor at a time (a collective: every device holding part of a tensor must call it), so the model's entries
+        have the names and shapes of the unsplit model and a local run can load them; the optimizer's state is left
+        out (``None``) in that case. Otherwise a sharded tensor is this rank's ``DTensor``.
         """
-        from epl.sharding.data_shards import is_dtensor
-        from epl.sharding.parameters import gather_whole, shard_spec
+        from epl.sharding.chunks import whole_of
+        from epl.sharding.parameters import shard_spec
 
         tensors = self.model.state_dict(keep_vars=True)
         specs = {key: shard_spec(value) for key, value in tensors.items()}
-        gathered = {
-            key: gather_whole(value)  # one tensor at a time: split's shards, ZeRO's chunks
-            for key, value in tensors.items()
-            if full and (specs[key] is not None or is_dtensor(value))
-        }
         # Values from a plain state_dict: a technique that frees parameters between uses hands copies here.
-        model = {**self.model.state_dict(), **gathered}
+        model = self.model.state_dict()
+        if full:
+            model = {key: whole_of(value, like=tensors[key]) for key, value in model.items()}
         shards = {key: [spec.group.index, spec.group.count] for key, spec in specs.items() if spec and not full}
         return {
             "version": STATE_VERSION,
@@ -482,30 +479,39 @@ class Engine:
 def _to_shards(
     model: nn.Module, state: dict[str, torch.Tensor], shards: dict[str, list[int]]
 ) -> dict[str, torch.Tensor]:
-    """``state`` with each whole tensor of a sharded parameter replaced by this rank's shard of it.
+    """``state`` with each whole tensor of a parameter this rank holds part of replaced by this rank's part, as
+    the parameter holds it (a ``DTensor`` for a ``DTensor`` parameter; a ``DTensor`` given is taken as it is).
 
-    A shard saved by another device (``shards`` says which) is refused: loading it would
-    silently give this device another device's part.
+    A split shard saved by another device (``shards`` says which) is refused: loading it would
+    silently give this device another device's part. A shard ``shards`` marks as this device's is the split
+    piece: a ``DTensor`` parameter takes its chunk of it.
     """
     from epl.errors import EplError
+    from epl.sharding.chunks import held, placed_like
+    from epl.sharding.data_shards import is_dtensor
     from epl.sharding.parameters import shard_spec
 
     result = dict(state)
     for key, tensor in model.state_dict(keep_vars=True).items():
         spec = shard_spec(tensor)
         given = state.get(key)
-        if spec is None or given is None:
-            continue
-        mine = [spec.group.index, spec.group.count]
+        if given is None or is_dtensor(given):
+            continue  # absent, or already this rank's part
         saved = shards.get(key)
-        if saved is not None and list(saved) != mine:
-            raise EplError(
-                f"The checkpoint holds shard {saved[0]} of {saved[1]} of {key!r}, but this device holds shard "
-                f"{mine[0]} of {mine[1]}. Save split models with engine.state_dict(full=True) (every device "
-                "calls it; whole tensors load under any layout), or let every device load the file it saved."
-            )
-        if saved is None and given.shape[spec.dim] == spec.size:
-            result[key] = spec.slice_of(given)
+        if spec is not None:
+            mine = [spec.group.index, spec.group.count]
+            if saved is not None and list(saved) != mine:
+                raise EplError(
+                    f"The checkpoint holds shard {saved[0]} of {saved[1]} of {key!r}, but this device holds shard "
+                    f"{mine[0]} of {mine[1]}. Save split models with engine.state_dict(full=True) (every device "
+                    "calls it; whole tensors load under any layout), or let every device load the file it saved."
+                )
+        # The logical whole (unless marked as the piece), then the split piece: each cut to what this rank holds.
+        for holding in (held(tensor, split=False),) if saved is not None else (held(tensor), held(tensor, split=False)):
+            if not holding.whole and tuple(given.shape) == holding.shape:
+                given = holding.take(given)
+                break
+        result[key] = placed_like(given, tensor)
     return result
 
 

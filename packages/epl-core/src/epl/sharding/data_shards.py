@@ -38,8 +38,12 @@ def data_shards(tensor: torch.Tensor) -> DataShards | None:
 
 
 def is_dtensor(tensor: object) -> bool:
-    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (without importing it where it is unused)."""
-    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local")
+    """Whether ``tensor`` is a ``DTensor`` (a chunk of a tensor sharded over a device mesh)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without torch.distributed
+        return False
+    return isinstance(tensor, DTensor)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -62,12 +62,15 @@ def shard_spec(tensor: torch.Tensor) -> ShardSpec | None:
     return getattr(tensor, _SPEC, None)
 
 
-def copy_shard_spec(source: torch.Tensor, target: torch.Tensor) -> None:
-    """Give ``target`` the shard spec of ``source`` (if any): for a transform that replaces a shard's parameter by
-    another holding the same values (ZeRO's sharded parameter)."""
-    spec = shard_spec(source)
-    if spec is not None:
-        setattr(target, _SPEC, spec)
+def set_shard_spec(tensor: torch.Tensor, spec: ShardSpec | None) -> None:
+    """Mark ``tensor`` as the split piece ``spec`` describes (None: unmark it). A transform that replaces a split
+    parameter by another object (FSDP2's ``fully_shard`` makes a ``DTensor`` parameter whose global shape is the
+    piece) sets the old parameter's spec on the new one, so checkpoints, norms and pretrained I/O find the piece."""
+    if spec is None:
+        if hasattr(tensor, _SPEC):
+            delattr(tensor, _SPEC)
+        return
+    setattr(tensor, _SPEC, spec)
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
@@ -77,20 +80,22 @@ def is_sharded(tensor: torch.Tensor) -> bool:
 
 def gather_whole(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor a shard belongs to, gathered from every device of its group (a collective); a tensor ZeRO
-    chunks over its copies is gathered from them first (:mod:`epl.sharding.data_shards`)."""
-    from epl.sharding.data_shards import is_dtensor
+    chunks over its copies (a DTensor) is gathered from them first."""
+    from epl.sharding.chunks import whole_of
 
-    spec = shard_spec(tensor)
-    piece = tensor.detach()
-    if is_dtensor(piece):
-        with torch.no_grad():
-            piece = piece.full_tensor()  # type: ignore[attr-defined]
+    with torch.no_grad():
+        return whole_of(tensor.detach(), like=tensor)
+
+
+def gather_split(tensor: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
+    """The whole tensor of which ``tensor`` is the piece ``spec`` describes, gathered from every device of its group
+    (a collective); ``tensor`` itself (detached) when ``spec`` is None."""
     if spec is None:
-        return piece
+        return tensor.detach()
     from epl.sharding.collectives import gather_from_shards
 
     with torch.no_grad():
-        joined = gather_from_shards(piece, spec.group, spec.dim, spec.piece_sizes())
+        joined = gather_from_shards(tensor.detach(), spec.group, spec.dim, spec.piece_sizes())
     if spec.parts == 1:
         return joined
     return assemble(list(joined.split(spec.piece_sizes(), dim=spec.dim)), spec.dim, spec.parts)
