@@ -20,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import epl
+from epl.plugin_api import local_tensor
 from epl.runtime import checkpoint_files as files
 from tests.checkpoints.test_layouts import engine_for, step, whole
 from tests.helpers.distributed import run_ranks
@@ -51,7 +52,7 @@ def state_of(engine: epl.Engine) -> dict[str, Any]:
     return {
         "model": whole(engine),
         "optimizer": {
-            f"{index}/{name}": value.clone()
+            f"{index}/{name}": local_tensor(value).clone()  # ZeRO's states: this rank's chunks
             for index, states in optimizer.get("state", {}).items()
             for name, value in states.items()
         },

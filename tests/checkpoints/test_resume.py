@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import epl
+from epl.plugin_api import local_tensor
 from tests.checkpoints.test_layouts import Net, batch, engine_for, step
 from tests.helpers.distributed import run_ranks
 
@@ -21,9 +22,8 @@ def straight_and_resumed(layout: str, folder: str) -> dict[str, Any]:
     straight = [step(engine, i) for i in range(2)]
     engine.save(Path(folder) / layout)
     straight += [step(engine, i) for i in range(2, 4)]
-    # state_dict, not parameters(): under ZeRO v2 a device holds the data of the parameters it owns only. Read
-    # before the next epl.init, which releases this engine's process groups.
-    straight_weights = [value.clone() for value in engine.model.state_dict().values()]
+    # Read before the next epl.init, which releases this engine's process groups; under ZeRO, this rank's chunks.
+    straight_weights = [local_tensor(value).clone() for value in engine.model.state_dict().values()]
     scalers = [engine.loss_scaler]
     torch.manual_seed(12345)  # the fresh engine must not depend on the generator's state: the checkpoint has it
     resumed_engine = engine_for(layout, dropout=0.3)
@@ -35,7 +35,8 @@ def straight_and_resumed(layout: str, folder: str) -> dict[str, Any]:
         "resumed": resumed,
         "scales": [None if scaler is None else (scaler.scale, scaler.skipped_steps) for scaler in scalers],
         "same_weights": all(
-            torch.equal(a, b) for a, b in zip(straight_weights, resumed_engine.model.state_dict().values(), strict=True)
+            torch.equal(a, local_tensor(b))
+            for a, b in zip(straight_weights, resumed_engine.model.state_dict().values(), strict=True)
         ),
     }
 

@@ -121,7 +121,8 @@ def rectangles(engine: epl.Engine) -> dict[str, Any]:
     tensor equal to the rectangles cut from the gathered whole."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from epl.sharding.chunks import held, is_dtensor, local_of, whole_of
+    from epl.sharding.chunks import held, whole_of
+    from epl.sharding.data_shards import is_dtensor, local_tensor
 
     found = {}
     for name, param in engine.model.named_parameters():
@@ -130,7 +131,7 @@ def rectangles(engine: epl.Engine) -> dict[str, Any]:
             sizes, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
             piece = held(param, split=False).blocks
             assert [(b.offsets, b.sizes) for b in piece] == ([(tuple(offsets), tuple(sizes))] if piece else [])
-        assert torch.equal(holding.take(whole_of(param)), local_of(param).detach())
+        assert torch.equal(holding.take(whole_of(param)), local_tensor(param).detach())
         found[name] = [(list(b.offsets), list(b.sizes)) for b in holding.blocks]
     return found
 
@@ -145,7 +146,8 @@ def standalone(folder: Path, engine: epl.Engine, mesh: Any) -> dict[str, Any]:
 
     from epl.runtime import checkpoint_files as files
     from epl.runtime.checkpoint_chunks import Rectangles, local_value, to_read, to_write
-    from epl.sharding.chunks import held, local_of
+    from epl.sharding.chunks import held
+    from epl.sharding.data_shards import local_tensor
     from epl.sharding.parameters import shard_spec, sharded_parameter
 
     rank = dist.get_rank()
@@ -168,10 +170,10 @@ def standalone(folder: Path, engine: epl.Engine, mesh: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, (param, whole) in tensors.items():
         holding = held(param)
-        assert torch.equal(holding.take(whole), local_of(param).detach()), key
+        assert torch.equal(holding.take(whole), local_tensor(param).detach()), key
         out[key] = [(list(b.offsets), list(b.sizes)) for b in holding.blocks]
     path = folder / "standalone"
-    items = {key: to_write(held(param), local_of(param)) for key, (param, _) in tensors.items()}
+    items = {key: to_write(held(param), local_tensor(param)) for key, (param, _) in tensors.items()}
     dcp.save(items, storage_writer=files.checksumming_writer(path))
     dist.barrier()
     reader = files.safe_reader(path)
@@ -179,7 +181,7 @@ def standalone(folder: Path, engine: epl.Engine, mesh: Any) -> dict[str, Any]:
     dcp.load(wanted, storage_reader=reader, no_dist=True)
     for key, (param, _) in tensors.items():
         assert isinstance(reader.loaded[key], Rectangles), key
-        assert torch.equal(local_value(reader.loaded[key], held(param)), local_of(param).detach()), key
+        assert torch.equal(local_value(reader.loaded[key], held(param)), local_tensor(param).detach()), key
     return out
 
 

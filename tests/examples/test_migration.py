@@ -158,9 +158,9 @@ def test_accelerate_port_trains_as_accelerate(tmp_path: Path) -> None:
     "flags",
     [
         ["--zero-stage", "1"],  # ZeRO-1 = zero.level v0, clipping the averaged gradients
-        ["--zero-stage", "2", "--max-grad-norm", "0"],  # ZeRO-2 = zero.level v1, no clipping (see the guide)
+        ["--zero-stage", "2"],  # ZeRO-2 = zero.level v1 (FSDP2), clipping the averaged gradients too
     ],
-    ids=["zero1-clipping", "zero2"],
+    ids=["zero1-clipping", "zero2-clipping"],
 )
 def test_deepspeed_port_trains_as_deepspeed(tmp_path: Path, flags: list[str]) -> None:
     original = MIGRATION / "deepspeed" / "train_deepspeed.py"

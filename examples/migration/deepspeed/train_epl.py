@@ -58,9 +58,8 @@ def main() -> None:
     config = {
         "pipeline.num_micro_batch": args.grad_accum,  # gradient accumulation: each batch in grad_accum parts
         "optimizer.max_grad_norm": args.max_grad_norm or None,  # 0: no clipping, as DeepSpeed's 0
-        # DeepSpeed clips the averaged gradients. EPL does too up to zero.level v0 (stage 1); from v1 (stage 2)
-        # on it can only clip each replica's gradients before they are averaged (docs/migration/deepspeed.md).
-        "communication.clip_after_allreduce": args.zero_stage < 2,
+        # DeepSpeed clips the averaged gradients; so does EPL with this key (ZeRO always does: docs/zero.md).
+        "communication.clip_after_allreduce": True,
         "zero.level": ZERO_LEVEL[args.zero_stage],
     }
     if args.bf16:

@@ -79,12 +79,9 @@ def is_sharded(tensor: torch.Tensor) -> bool:
 
 
 def gather_whole(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor a shard belongs to, gathered from every device of its group (a collective); a tensor ZeRO
-    chunks over its copies (a DTensor) is gathered from them first."""
-    from epl.sharding.chunks import whole_of
-
-    with torch.no_grad():
-        return whole_of(tensor.detach(), like=tensor)
+    """The whole tensor a shard belongs to, gathered from every device of its group (a collective); for a tensor
+    ZeRO also chunks (a DTensor), :func:`epl.sharding.chunks.whole_of`."""
+    return gather_split(tensor, shard_spec(tensor))
 
 
 def gather_split(tensor: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
