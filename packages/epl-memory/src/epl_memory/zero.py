@@ -119,7 +119,11 @@ class ZeroSharding:
                 continue
             if copies not in meshes:
                 meshes[copies] = hybrid.mesh(copies.devices, communicators, context.cluster.device)
-            _shard(unit, meshes[copies], reshard=reshard, ignored=ignored, precision=precision)
+            # fully_shard takes every parameter below the unit that no inner unit took: leave it those of the units
+            # above (a tied weight belongs to the unit above both its users) and the whole ones
+            inside = {id(inner) for inner in unit.modules()}
+            theirs = {p for p in params if id(p) not in whole and id(owner[id(p)]) not in inside}
+            _shard(unit, meshes[copies], reshard=reshard, ignored=ignored | theirs, precision=precision)
             unit.set_gradient_divide_factor(float(copies.divisor) if sum_mean else 1.0)  # type: ignore[operator]
             sharded.append(unit)
         _follow_new_parameters(model, before, copies_of, hybrid.chunk_communicators(communicators), context)
