@@ -107,9 +107,12 @@ def train(config: dict[str, Any], evaluate: bool = False, model: str = "stages")
     )
 
 
-def train_locally(replicas: int) -> tuple[list[list[float]], list[list[float]], dict[str, torch.Tensor]]:
+def train_locally(
+    replicas: int, *, after_average: bool = False
+) -> tuple[list[list[float]], list[list[float]], dict[str, torch.Tensor]]:
     """The one-process reference: each replica's rows in micro-batches, its gradient clipped on its own (clipping
-    before the all-reduce, the default), the replicas' gradients averaged, one Adam step."""
+    before the all-reduce, the default), the replicas' gradients averaged, one Adam step; ``after_average``: the
+    average clipped by its own norm instead (ZeRO reduces inside the backward)."""
     import epl
 
     epl.init()
@@ -126,20 +129,28 @@ def train_locally(replicas: int) -> tuple[list[list[float]], list[list[float]], 
                 loss = nn.functional.mse_loss(model(xm), ym)
                 (loss / MICRO_BATCHES).backward()
                 parts.append(float(loss.detach()))
-            norms[replica].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+            if not after_average:
+                norms[replica].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
             losses[replica].append(sum(parts) / MICRO_BATCHES)
             for sum_, p in zip(total, model.parameters(), strict=True):
                 sum_ += p.grad / replicas
         for p, grad in zip(model.parameters(), total, strict=True):
             p.grad = grad
+        if after_average:
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+            for replica in range(replicas):
+                norms[replica].append(norm)
         optimizer.step()
     return losses, norms, {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def assert_equal_to_local(
-    results: list[dict[str, Any]], replicas: int, held: dict[int, int] = STAGE_PARAMETERS
+    results: list[dict[str, Any]], replicas: int, held: dict[int, int] = STAGE_PARAMETERS, *, zero: bool = False
 ) -> None:
-    losses, norms, state = train_locally(replicas)
+    """Each rank equal to one process, holding its stage's tensors (under ZeRO, its chunks of them)."""
+    losses, norms, state = train_locally(replicas, after_average=zero)
+    if zero:  # every row count here is even: each of the 2 replicas holds half
+        held = {stage: count // replicas for stage, count in held.items()}
     assert norms[0][0] > MAX_NORM  # clipping acts
     for result in results:
         replica = result["replica"]
@@ -178,7 +189,7 @@ def test_two_split_stages_on_four_processes_equal_the_local_run(config: dict[str
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("zero", [None, "v1"])
 def test_split_stages_times_two_replicas_on_eight_processes_equal_the_local_run(zero: str | None) -> None:
-    """TP 2 x PP 2 x DP 2 (with ZeRO v1 over the replicas: Megatron's distributed optimizer with pipelines): the
+    """TP 2 x PP 2 x DP 2 (with ZeRO v1 over the replicas: each shard chunked over them, the average clipped): the
     4 devices of a replica are consecutive, the stage's 2 devices too."""
     results = run_ranks(train, 8, {"zero.level": zero} if zero else {}, timeout=220)
     assert [(r["stage"], r["replica"]) for r in results] == [(0, 0), (0, 0), (1, 0), (1, 0)] + [
@@ -187,7 +198,7 @@ def test_split_stages_times_two_replicas_on_eight_processes_equal_the_local_run(
         (1, 1),
         (1, 1),
     ]
-    assert_equal_to_local(results, 2)
+    assert_equal_to_local(results, 2, zero=zero is not None)
 
 
 @pytest.mark.timeout(120)
