@@ -113,8 +113,16 @@ class ZeroSharding:
         precision = mixed_precision(context)
         sum_mean = context.config["communication.gradients_reduce_method"] == "mean"
         sharded: list[nn.Module] = []
+        # The modules the runner calls (the model, or a pipeline's stage roots) are sharded even when they hold no
+        # tensor of their own: FSDP2 makes the outermost sharded module the root, whose state the blocks below it
+        # share. Without it every block is a root of its own, and each keeps its reduce-scatter input (its whole
+        # gradients) until the end of backward, where a shared root frees it when the next block's backward begins.
+        roots = {id(called) for called in entries} if entries else {id(model)}
         for unit in reversed(units):  # innermost first, as fully_shard wants
             copies = chosen.get(id(unit))
+            if copies is None and id(unit) in roots:
+                inner = [chosen[id(module)] for module in unit.modules() if id(module) in chosen]
+                copies = max(inner, key=inner.count) if inner else None
             if copies is None:
                 continue
             if copies not in meshes:

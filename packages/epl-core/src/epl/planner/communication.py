@@ -18,10 +18,12 @@ pipeline stage:
   boundary the device sits on; under split each tensor device sends the whole activation to its peer (Megatron
   scatters it over them), under sequence parallelism its share of the tokens;
 - **data parallel**: the gradients of the weights the device holds (its shards, and the norms whole), all-reduced
-  once per step (reduced to their owners under ZeRO v1 and v2);
-- **ZeRO's weights** (``zero_parameters``): under v0 and v1 each owner broadcasts its updated shard after the
-  step (the whole weights, over the owners); under v2 the weights are gathered (broadcast by their owners) before
-  each micro-batch's forward and again for its backward.
+  once per step; under ZeRO (v0-v2: every tensor chunked over the data devices by FSDP2, ``epl_memory.zero``) each
+  block's gradients are reduce-scattered as its backward ends, in every micro-batch (the whole gradients are the
+  payload; :func:`zero_collectives`);
+- **ZeRO's weights** (``zero_parameters``): each block's weights all-gathered from their chunks (the whole weights
+  are the payload) before each micro-batch's forward under v0 and v1 (kept whole until its backward ends), and
+  before its forward and again before its backward under v2.
 
 :func:`collective_calls` counts the calls, each of which costs the device profile's latency besides its bytes.
 
@@ -47,6 +49,13 @@ def weights_per_device(shape: ModelShape, layout: Layout) -> float:
     return (blocks * (shape.layer_parameters() - 2 * shape.hidden) + embedding) / layout.tensor + norms
 
 
+def largest_unit(shape: ModelShape, layout: Layout) -> float:
+    """Weights on one device of the largest block ZeRO gathers at once (:func:`zero_units`): a decoder layer, or the
+    embedding or the head, divided over the tensor devices (a layer's norms whole)."""
+    layer = (shape.layer_parameters() - 2 * shape.hidden) / layout.tensor + 2 * shape.hidden
+    return max(layer, shape.vocab * shape.hidden / layout.tensor)
+
+
 def updated_weights(shape: ModelShape, layout: Layout) -> float:
     """Weights one device's optimizer updates: those it holds (:func:`weights_per_device`), or under ZeRO (v0-v2)
     its share of them over the data devices."""
@@ -56,7 +65,7 @@ def updated_weights(shape: ModelShape, layout: Layout) -> float:
 
 def payload_bytes(shape: ModelShape, layout: Layout, workload: Workload, grad_bytes: int = 4) -> dict[str, float]:
     """Bytes per step one device hands to tensor-parallel, pipeline and data-parallel collectives."""
-    t, d, m = layout.tensor, layout.data, layout.micro_batches
+    t, d = layout.tensor, layout.data
     tokens = layout.micro_batch_size * workload.sequence  # a micro-batch's
     message = tokens * shape.hidden * workload.dtype_bytes  # its activations, one tensor-parallel all-reduce's
     calls = collective_calls(shape, layout, workload)
@@ -67,10 +76,10 @@ def payload_bytes(shape: ModelShape, layout: Layout, workload: Workload, grad_by
     if d > 1:
         weights = weights_per_device(shape, layout)
         data = weights * grad_bytes
-        if layout.zero in ("v0", "v1"):  # each owner broadcasts its updated shard after the step
-            parameters = weights * workload.dtype_bytes
-        elif layout.zero == "v2":  # the whole weights gathered before each micro-batch's forward and backward
-            parameters = 2 * m * weights * workload.dtype_bytes
+        if zero_shards(layout):
+            reductions, gathers = zero_collectives(layout, workload)
+            data *= reductions
+            parameters = gathers * weights * workload.dtype_bytes
     return {
         "tensor_parallel": tensor, "gathered_logits": logits, "pipeline": pipeline, "data_parallel": data,
         "zero_parameters": parameters,
@@ -96,12 +105,35 @@ def tensor_parallel_all_reduces(shape: ModelShape, layout: Layout) -> float:
 GRADIENT_BUCKETS = 5
 
 
+def zero_shards(layout: Layout) -> bool:
+    """Whether the layout chunks every tensor over its data devices (ZeRO v0-v2 on more than one)."""
+    return layout.zero in ("v0", "v1", "v2") and layout.data > 1
+
+
+def zero_collectives(layout: Layout, workload: Workload) -> tuple[int, int]:
+    """How many times per step ZeRO reduce-scatters each block's gradients and gathers its weights. EPL (FSDP2)
+    reduces in every micro-batch's backward, and gathers for every micro-batch's forward under v0 and v1 (the
+    weights stay whole until its backward ends: ``reshard_after_forward=False``) and again for its backward under v2.
+    ``Workload.zero_once_per_step`` (Megatron-LM's distributed optimizer) reduces once a step and, under v0 and v1,
+    gathers once a step."""
+    m = layout.micro_batches
+    once = workload.zero_once_per_step
+    return (1 if once else m), (2 * m if layout.zero == "v2" else 1 if once else m)
+
+
+def zero_units(shape: ModelShape, layout: Layout) -> int:
+    """Blocks ZeRO gathers and reduces one at a time on a device of the first (or last) stage: its decoder layers,
+    and the embedding, the final norm and the head, each a unit of its own (``epl_memory.residency.find_units``; a
+    tied embedding and head are one matrix, gathered with the model's root)."""
+    blocks = math.ceil(shape.layers / layout.pipeline)
+    return blocks + ((2 if shape.tied else 3) if layout.pipeline == 1 else 1)
+
+
 def collective_calls(shape: ModelShape, layout: Layout, workload: Workload) -> dict[str, float]:
     """Collective calls per step one device makes, by the kinds of :func:`payload_bytes`: each tensor-parallel
-    all-reduce; a send and a receive per micro-batch and boundary; :data:`GRADIENT_BUCKETS` gradient buckets (one
-    per owner and bucket under ZeRO v1/v2); ZeRO's broadcasts, one per owner after the step (v0, v1), and under v2
-    per use (each micro-batch's forward and backward) one per owner of each block and one for each of the embedding,
-    the final norm and the head (units EPL fetches whole: ``epl_memory.residency.find_units``)."""
+    all-reduce; a send and a receive per micro-batch and boundary; :data:`GRADIENT_BUCKETS` gradient buckets, or
+    under ZeRO a reduce-scatter per block (:func:`zero_units`) and micro-batch; ZeRO's all-gathers, one per block
+    and micro-batch under v0 and v1, two under v2."""
     t, p, d, m = layout.tensor, layout.pipeline, layout.data, layout.micro_batches
     blocks = math.ceil(shape.layers / p)
     tensor = 0.0
@@ -115,13 +147,11 @@ def collective_calls(shape: ModelShape, layout: Layout, workload: Workload) -> d
     pipeline = 2.0 * m if p > 1 else 0.0
     logits = float(m) if t > 1 and workload.gathered_logits else 0.0
     data = parameters = 0.0
-    if d > 1:
-        data = GRADIENT_BUCKETS * (d if layout.zero in ("v1", "v2") else 1)
-        if layout.zero in ("v0", "v1"):
-            parameters = d
-        elif layout.zero == "v2":  # per use, a block in d owners' pieces; the embedding, norm and head whole
-            outside = (2 if shape.tied else 3) if p == 1 else 1
-            parameters = 2 * m * (blocks * d + outside)
+    if zero_shards(layout):
+        reductions, gathers = zero_collectives(layout, workload)
+        data, parameters = float(reductions * zero_units(shape, layout)), float(gathers * zero_units(shape, layout))
+    elif d > 1:
+        data = GRADIENT_BUCKETS
     return {
         "tensor_parallel": tensor, "gathered_logits": logits, "pipeline": pipeline, "data_parallel": data,
         "zero_parameters": parameters,

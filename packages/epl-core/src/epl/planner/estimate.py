@@ -3,15 +3,18 @@
 **Memory** of the most loaded device (the first pipeline stage, or the last when its head is larger): the
 weights of ``ceil(L/p)`` blocks and the embedding or head, divided over the tensor devices, the norms whole
 (:func:`epl.planner.communication.weights_per_device`); in bf16/fp16 a
-float32 master copy besides; float32 gradients; the optimizer's states (float32); ZeRO v0 divides the states
-and master weights over the data devices, v1 the gradients too, v2 the weights too. Activations: a block's per
+float32 master copy besides; float32 gradients; the optimizer's states (float32); under ZeRO (v0-v2 alike, on
+FSDP2: ``epl_memory.zero``) a chunk of each weight (the float32 master in bf16), gradient and state per data
+device. Activations: a block's per
 micro-batch (:mod:`epl.planner.activations`) times the stage's blocks times the micro-batches the schedule keeps,
 plus, on the last stage, the float32 logits of one micro-batch and their gradient. Peak: weights, gradients and
 optimizer states, plus the larger of the backward's working set (the activations, one block's more for
-recomputation or its backward, and the gradients' copies while they are reduced: the flat buckets in flight, as
-many as communication falls behind, and under ZeRO v1/v2 the bucket being filled) and the optimizer step's
-float32 temporary the size of what it updates (torch's foreach Adam). Checked against resident memory in
-tests/planner/test_measured_memory.py.
+recomputation or its backward, and what data parallelism holds to communicate: without ZeRO the flat gradient
+buckets in flight, as many as communication falls behind; under ZeRO the weights gathered whole, every block's
+under v0/v1 and the largest block's under v2, and the largest block's gradients twice, unsharded and in the
+reduce-scatter's buffer) and the optimizer step's float32 temporary the size of what it updates (torch's foreach
+Adam). Checked against resident memory in tests/planner/test_measured_memory.py and, under ZeRO, in
+benchmarks/test_zero_memory.py.
 
 **Time.** Model FLOPs are PaLM's (Chowdhery et al. 2022, appendix B): ``6·N + 12·L·h·s`` per token, N the
 weights of the blocks and the head, recomputation not counted; MFU is model FLOPs per second over the devices'
@@ -29,13 +32,13 @@ attention core's under ``auto``. Parts of a step, on one device:
   not overlapped (as Megatron without overlap); and the head's logits all-gathered per micro-batch when the model
   computes its own loss on them (``Workload.gathered_logits``);
 - pipeline: a micro-batch's activations forward and their gradient back per stage boundary and micro-batch;
-- data parallel: float32 gradients, ``2(d-1)/d`` of their bytes (also under ZeRO v1/v2, which reduces them to
-  their owners: gloo's reduce costs what its all-reduce does; FSDP's reduce-scatter half), and ZeRO's weights
-  (``(d-1)/d`` of them after the step under v0 and v1, before each micro-batch's forward and backward under v2:
-  :mod:`epl.planner.communication`); the gradients' reduction overlaps (the profile's ``overlap`` of it) with the
-  backward of the last micro-batch, ZeRO's weights are waited for (EPL fetches them just in time); with
-  ``Workload.weights_prefetched`` (FSDP, which gathers the next block's weights during this one's compute) all of
-  it runs behind the step's compute;
+- data parallel: float32 gradients, ``2(d-1)/d`` of their bytes once a step; under ZeRO each block's
+  reduce-scattered in every micro-batch (``(d-1)/d`` of the bytes, half an all-reduce's latency), and its weights
+  all-gathered (``(d-1)/d``) for every micro-batch's forward under v0 and v1 and again for its backward under v2
+  (:mod:`epl.planner.communication`); the gradients' reduction overlaps (the profile's ``overlap`` of it) with the
+  backward of the last micro-batch, ZeRO's weights are waited for; with ``Workload.weights_prefetched`` (FSDP on a
+  GPU, which gathers the next block's weights during this one's compute) all of it runs behind the step's
+  compute;
 - each collective call also costs the profile's latency (:func:`epl.planner.communication.collective_calls`),
   measured on an all-reduce, which exchanges two messages on the way (a reduce-scatter and an all-gather); a
   broadcast or a send, one message, costs half of it;
@@ -58,9 +61,12 @@ from epl.planner.activations import block_activations, micro_batches_in_flight
 from epl.planner.communication import (
     GRADIENT_BUCKETS,
     collective_calls,
+    largest_unit,
     payload_bytes,
     updated_weights,
     weights_per_device,
+    zero_collectives,
+    zero_shards,
 )
 from epl.planner.devices import DeviceProfile
 from epl.planner.layout import Layout, Workload
@@ -200,12 +206,10 @@ def _memory(shape: ModelShape, layout: Layout, workload: Workload, device: Devic
     gradient_bytes = weights * 4
     updated = updated_weights(shape, layout)
     optimizer_bytes = updated * 4 * workload.optimizer_states
-    if layout.zero in ("v0", "v1", "v2"):
-        parameter_bytes = weights * e + weights * master / d
-    if layout.zero in ("v1", "v2"):
+    zero = layout.zero in ("v0", "v1", "v2")
+    if zero:  # every tensor chunked over the data devices, at every level; in bf16 the chunks are the float32 masters
+        parameter_bytes = weights * (master or e) / d
         gradient_bytes /= d
-    if layout.zero == "v2":
-        parameter_bytes = weights * (e + master) / d
 
     block = block_activations(shape, b, s, dtype_bytes=e, sdpa=workload.sdpa, checkpoint=layout.gradient_checkpoint)
     per_block = block.per_device(t, sequence_parallel)
@@ -217,18 +221,23 @@ def _memory(shape: ModelShape, layout: Layout, workload: Workload, device: Devic
     first_stage = blocks * per_block * in_flight
     last_stage = blocks * per_block * micro_batches_in_flight(layout, stage=p - 1) + logits
     activations = max(first_stage, last_stage if p > 1 else first_stage + logits)
-    # Transients: gradients are copied into flat buckets to be reduced (GRADIENT_BUCKETS of them; as many in flight
-    # at once as the communication falls behind: one where it keeps up, overlap 1), and under ZeRO v1/v2 the
-    # gradients of the bucket being filled are held whole until it leaves for its owner (FSDP: a block's, reduced
-    # as its backward ends); the optimizer's step makes a float32 temporary the size of what it updates (torch's
-    # foreach Adam: the square roots' denominators), after backward freed the activations.
-    whole_gradients = weights * 4
+    # Transients: without ZeRO, gradients are copied into flat buckets to be reduced (GRADIENT_BUCKETS of them; as
+    # many in flight at once as the communication falls behind: one where it keeps up, overlap 1). Under ZeRO
+    # (FSDP2, epl_memory.zero) the weights are whole while a block computes: v0 and v1 every block's from its forward
+    # to the end of its backward, so the stage's whole weights at the start of backward; v2 one block's at a time
+    # (two where the next one's gather is prefetched). A block's gradients are whole from its backward until they
+    # are reduce-scattered: the unsharded gradients and the reduce-scatter's buffer (the previous block's buffer is
+    # released as this one's is made), float32, of the largest block. The optimizer's step makes a float32 temporary
+    # the size of what it updates (torch's foreach Adam: the square roots' denominators), after backward freed the
+    # activations.
     reducing = 0.0
-    if d > 1 and workload.weights_prefetched:
-        reducing = 2 * whole_gradients / blocks
+    if zero and d > 1:
+        unit = largest_unit(shape, layout)
+        gathered = weights if layout.zero in ("v0", "v1") else unit * (2 if workload.weights_prefetched else 1)
+        reducing = gathered * e + 2 * unit * 4
     elif d > 1:
         buckets_waiting = 1 - device.overlap * (1 - 1 / GRADIENT_BUCKETS)
-        reducing = whole_gradients * buckets_waiting + (whole_gradients - gradient_bytes) / GRADIENT_BUCKETS
+        reducing = weights * 4 * buckets_waiting
     update_temporary = updated * 4 if workload.optimizer_states >= 2 else 0.0
     working = max(activations + whole_block + reducing, update_temporary)
     peak = parameter_bytes + gradient_bytes + optimizer_bytes + working
@@ -292,10 +301,12 @@ def _communication_seconds(
     data_comm = 0.0
     if d > 1:
         bandwidth = device.inter_node_bandwidth if t * d > in_node else device.intra_node_bandwidth
-        # EPL reduces to owners under ZeRO v1/v2; gloo's reduce costs what its all-reduce does (measured), so both
-        # count as all-reduces; FSDP reduce-scatters (half the bytes)
-        passes = 1 if workload.weights_prefetched else 2
-        reduce = passes * (d - 1) / d * payload["data_parallel"] / bandwidth + calls["data_parallel"] * latency
+        # an all-reduce moves 2(d-1)/d of its bytes and costs the profile's latency (two messages); ZeRO's
+        # reduce-scatters and all-gathers (FSDP2) half of each
+        sharded = zero_shards(layout)
+        passes, messages = (1, 0.5) if sharded else (2, 1.0)
+        reduce = passes * (d - 1) / d * payload["data_parallel"] / bandwidth
+        reduce += calls["data_parallel"] * latency * messages
         gather = (d - 1) / d * payload["zero_parameters"] / bandwidth + calls["zero_parameters"] * latency / 2
         if workload.weights_prefetched:  # FSDP: gathers and reductions run behind the whole step's compute
             data_comm = max(0.0, reduce + gather - device.overlap * busy)
@@ -321,6 +332,7 @@ def _memory_bound_seconds(
     update = memory_traffic.optimizer_bytes(updated_weights(shape, layout), workload.optimizer_states)
     update /= device.optimizer_bandwidth or device.memory_bandwidth
     if d > 1:
-        packing = memory_traffic.packing_bytes(weights, layout.zero, layout.micro_batches, workload.dtype_bytes)
+        zero = zero_collectives(layout, workload) if zero_shards(layout) else None
+        packing = memory_traffic.packing_bytes(weights, workload.dtype_bytes, zero)
         update += packing / device.memory_bandwidth
     return kernels / device.memory_bandwidth, update

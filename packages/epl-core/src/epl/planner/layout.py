@@ -121,6 +121,10 @@ class Workload:
     devices_per_node: int = 8
     weights_prefetched: bool = False
     gathered_logits: bool = False
+    #: ZeRO's gradients reduced once a step and, under v0/v1, its weights gathered once a step, however many
+    #: micro-batches (Megatron-LM's distributed optimizer accumulates whole gradients); EPL's ZeRO (FSDP2, as
+    #: ``epl_memory.zero`` sets it up) reduce-scatters and gathers each block in every micro-batch.
+    zero_once_per_step: bool = False
 
     @property
     def dtype_bytes(self) -> int:

@@ -17,9 +17,10 @@ The backward moves about twice the forward's bytes; full recomputation runs the 
 residual adds run whole on every device of a shard group unless sequence parallel; the rest is divided among
 them. The loss reads and writes the float32 logits about 6 times (upcast, log-softmax, its gradient). Adam, as
 torch runs it by default (``foreach``), makes :data:`ADAM_ACCESSES` float32 reads and writes per parameter it
-updates. Data parallelism copies gradients into flat buckets and ZeRO's weights into and out of flat broadcasts
-(:func:`packing_bytes`). ``epl calibrate`` measures the bandwidth these kernels reach by running a norm, a gated
-activation and a residual add, so the counts and the bandwidth agree by construction.
+updates. Data parallelism copies gradients into flat buckets, and ZeRO gradients into reduce-scatter buffers and
+gathered weights out of all-gather buffers (:func:`packing_bytes`). ``epl calibrate`` measures the bandwidth these
+kernels reach by running a norm, a gated activation and a residual add, so the counts and the bandwidth agree by
+construction.
 """
 
 from __future__ import annotations
@@ -75,13 +76,12 @@ def optimizer_bytes(parameters: float, optimizer_states: int) -> float:
     return parameters * accesses * 4
 
 
-def packing_bytes(weights: float, zero: str, micro_batches: int, dtype_bytes: int) -> float:
+def packing_bytes(weights: float, dtype_bytes: int, zero: tuple[int, int] | None = None) -> float:
     """Bytes data parallelism copies to communicate, on a device holding ``weights``: its float32 gradients into
-    flat buckets (read and written), and under ZeRO the weights packed into and out of the owners' flat
-    broadcasts (once after the step under v0/v1; for each micro-batch's forward and backward under v2)."""
-    moved = 2 * weights * 4
-    if zero in ("v0", "v1"):
-        moved += 2 * weights * dtype_bytes
-    elif zero == "v2":
-        moved += 2 * micro_batches * 2 * weights * dtype_bytes
-    return moved
+    flat buckets (read and written) once a step; under ZeRO (FSDP2), ``zero`` the reduce-scatters and all-gathers of
+    each block a step (:func:`epl.planner.communication.zero_collectives`), each block's gradients into the
+    reduce-scatter's buffer at each reduction and its weights out of the all-gather's buffer at each gather."""
+    if zero is None:
+        return 2 * weights * 4
+    reductions, gathers = zero
+    return reductions * 2 * weights * 4 + gathers * 2 * weights * dtype_bytes
