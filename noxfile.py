@@ -127,6 +127,15 @@ def bigmem(session: nox.Session) -> None:
     session.run("pytest", "benchmarks/test_big_memory.py", "-s", *session.posargs, env=SINGLE_THREAD)
 
 
+@nox.session(name="zero-memory")
+def zero_memory(session: nox.Session) -> None:
+    """ZeRO's peak memory per rank against FSDP2 alone: a 380M Llama built on meta at 2 and 4 ranks, a 191M one at
+    2, 4 and 8 (about 40 minutes on 2 cores; benchmarks/results/zero_memory.json and
+    docs/images/zero_memory_per_rank.svg). CI runs a 2-layer Llama on 2 ranks, in bench-short."""
+    install_packages(session, *TEST_TOOLS, *BENCH_TOOLS)
+    session.run("pytest", "benchmarks/test_zero_memory.py", "-s", *session.posargs, env=SINGLE_THREAD)
+
+
 @nox.session(name="compile")
 def compile_suite(session: nox.Session) -> None:
     """``compile.enabled`` under every layout with inductor (CI runs a slice with aot_eager), and its benchmark."""

@@ -4,7 +4,8 @@ Each case is one script: build the model without memory (``with torch.device("me
 construction, or the config key ``model.meta_init`` with the construction left as it is), ``epl.parallelize``,
 4 AdamW steps. Run on several processes it must equal the same script run in one process (which also builds
 on meta): losses and every parameter (gathered whole) within ``TOLERANCE`` (float64). Each rank holds only its
-part: after ``parallelize`` no rank's model holds a ``meta`` tensor, and its elements are its share.
+part: after ``parallelize`` no rank's model holds a ``meta`` tensor, and its elements are its share; under ZeRO
+the model is chunked before it gets values, so that ``parallelize`` never allocates the whole model on a rank.
 
 - 2 processes: data parallel with ZeRO v2 (Llama, head tied to the embedding); split(2) of GPT-2 (fused q/k/v,
   tied head) built with ``model.meta_init``; 2 pipeline stages cut automatically (Llama, tied embedding and head
@@ -23,6 +24,7 @@ import pytest
 import torch
 from torch import nn
 
+from epl_memory.measure import peak_allocated_bytes
 from tests.helpers.distributed import run_ranks
 from tests.materialize import models
 
@@ -79,7 +81,9 @@ def train(name: str) -> dict[str, Any]:
     case = CASES[name]
     torch.manual_seed(0)
     epl.init(epl.Config({"pipeline.num_micro_batch": MICRO, **case.get("config", {})}))
-    engine = epl.parallelize(build(case), optimizer=adamw, loss_fn=token_loss)
+    made: list[Any] = []
+    built = peak_allocated_bytes(lambda: made.append(epl.parallelize(build(case), optimizer=adamw, loss_fn=token_loss)))
+    engine = made[0]
     on_meta = [n for n, t in engine.model.state_dict(keep_vars=True).items() if t.is_meta]
     held = sum(p.numel() for p in engine.parameters())
     losses = []
@@ -94,6 +98,8 @@ def train(name: str) -> dict[str, Any]:
         "state": {k: v.detach().clone() for k, v in state.items()},
         "on_meta": on_meta,
         "held": held,
+        "built": built,
+        "whole_bytes": sum(t.nbytes for t in state.values()),
         "replica": engine.replica_index,
     }
 
@@ -123,8 +129,14 @@ def _assert_equal_to_one_process(name: str, results: list[dict[str, Any]]) -> No
             torch.testing.assert_close(result["losses"], expected["losses"], rtol=TOLERANCE, atol=TOLERANCE)
         for key, value in result["state"].items():
             torch.testing.assert_close(value, expected["state"][key], rtol=TOLERANCE, atol=TOLERANCE, msg=key)
-        if replicas == 1:  # a split, a stage or both: each rank holds its part only
+        if replicas == 1 or "zero.level" in CASES[name].get(
+            "config", {}
+        ):  # a split, a stage, chunks: each rank its part
             assert result["held"] < 0.8 * whole, (name, result["held"], whole)
+        if "zero.level" in CASES[name].get(
+            "config", {}
+        ):  # chunked before given values: the whole model never on a rank
+            assert result["built"] < 0.8 * result["whole_bytes"], (name, result["built"], result["whole_bytes"])
 
 
 @pytest.mark.timeout(600)

@@ -131,8 +131,9 @@ def _llama3(gpus: int, per_replica: int, mfu: float) -> PublishedRun:
     return PublishedRun(f"405B, {gpus:,} GPUs", "Llama 3", LLAMA3, LLAMA3_405B, layout,
                         Workload(d * per_replica, 8192, zero_once_per_step=True), "h100-sxm", gpus, "mfu", mfu,
                         assumed="full recomputation and 2 interleaved chunks (not given); ZeRO v1 for its FSDP, "
-                        "which shards optimizer states and gradients and keeps the weights, gathering them and "
-                        "reducing the gradients once a step (as the paper describes)")  # fmt: skip
+                        "which shards optimizer states and gradients and keeps the weights; gathering them and "
+                        "reducing the gradients once a step rather than per micro-batch is assumed, not read "
+                        "from the paper")  # fmt: skip
 
 
 def _llama3_long_context() -> PublishedRun:

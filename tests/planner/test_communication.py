@@ -110,14 +110,7 @@ def test_payloads_are_the_predicted_ones(counted: list[dict[str, dict[str, Any]]
         assert sum(rotary.values()) in (0, 2 * MICRO), stages["counts"]  # the last stage sends none
 
 
-#: Issue 41 moved ZeRO onto FSDP2 (all-gathers and reduce-scatters per block); the planner's communication model
-#: still counts the owner design's reduces and broadcasts. Strict: these pass again once the model follows FSDP2.
-ZERO_MODEL_PENDING = pytest.mark.xfail(
-    strict=True, reason="issue 41: the planner's ZeRO communication model still describes owner broadcasts"
-)
 
-
-@ZERO_MODEL_PENDING
 @pytest.mark.timeout(400)
 def test_zero_payloads_are_the_predicted_ones(counted: list[dict[str, dict[str, Any]]]) -> None:
     for ranks in counted:
@@ -161,7 +154,6 @@ def test_collective_calls_are_the_predicted_ones(counted: list[dict[str, dict[st
         assert calls(stages["counts"], "send", "recv", activations=True) == stages["calls"]["pipeline"], stages
 
 
-@ZERO_MODEL_PENDING
 @pytest.mark.timeout(400)
 def test_zero_collective_calls_are_the_predicted_ones(counted: list[dict[str, dict[str, Any]]]) -> None:
     for ranks in counted:

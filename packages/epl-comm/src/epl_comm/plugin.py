@@ -50,18 +50,19 @@ def epl_make_communicator(cluster: Cluster, config: Config) -> Communicator | No
 
 
 class BroadcastInitialWeights:
-    """Model transform: every copy starts from the first copy's parameters and buffers."""
+    """Model transform: every copy starts from the first copy's parameters and buffers (a tensor sharded over its
+    copies, each holding a different chunk, was made to agree before it was sharded)."""
 
     name = "broadcast_initial_weights"
     phase = TransformPhase.SYNC_WEIGHTS
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """Broadcast ``model``'s tensors from the first copy of each; return it."""
-        from epl.plugin_api import broadcast_tensors
+        from epl.plugin_api import broadcast_tensors, data_shards
         from epl_comm.groups import groups_for
 
         groups = groups_for(context)
-        tensors = [*model.parameters(), *model.buffers()]
+        tensors = [t for t in (*model.parameters(), *model.buffers()) if data_shards(t) is None]
         for copies, members in context.copies_of_tensors(tensors).items():
             if len(copies.devices) > 1:
                 broadcast_tensors(members, groups.communicators(copies)[0])

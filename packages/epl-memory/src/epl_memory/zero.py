@@ -13,6 +13,10 @@ or none, when the rows do not divide), with that chunk's gradient and optimizer 
 - ``v2``: the weights are gathered just before each block's forward and again before its backward, the next
   block's gather posted while this one computes, and dropped after use (``reshard_after_forward=True``: ZeRO-3).
 
+It runs before materialisation (``TransformPhase.PARTITION_PARAMETERS``): a model built on ``meta`` is chunked
+first, and each device then gives values only to its chunks, so that no rank ever holds the whole model; a model
+built with values is made to agree over its copies (the first copy's values) before it is chunked.
+
 The user's optimizer is built over the sharded parameters (DTensors), so each rank keeps the state of its chunks
 and steps them; no update is broadcast. The gradients are averaged over the copies by the divisor EPL's
 data parallelism uses. With ``N`` copies and AdamW in float32 a device holds about ``16Ψ/N`` bytes plus the
@@ -107,6 +111,7 @@ class ZeroSharding:
             if param is not None
         }
         communicators = context.copy_communicators()
+        _agree_before_sharding([p for p in params if id(p) not in whole], context)
         hybrid = HybridGroups.of(context)
         meshes: dict[Any, Any] = {}
         reshard = context.config["zero.level"] == "v2"
@@ -158,6 +163,19 @@ def refuse_unsupported(context: ParallelContext) -> None:
             f"the communication backend {type(context.communicator).__name__} has none. Use the default torch "
             "backend, or leave zero.level unset."
         )
+
+
+def _agree_before_sharding(params: Sequence[nn.Parameter], context: ParallelContext) -> None:
+    """Copy the first copy's values of ``params`` into every copy, as the weights' synchronisation does for the
+    tensors kept whole (it comes later, and skips chunks). A model built on ``meta`` has no values yet: each device
+    gets its chunks' values from the job's seed when the model is materialised, the same on every copy."""
+    from epl.plugin_api import broadcast_tensors
+
+    valued = [param for param in params if not param.is_meta]
+    communicators = context.copy_communicators()
+    for copies, members in context.copies_of_tensors(valued).items():
+        if len(copies.devices) > 1:
+            broadcast_tensors(members, communicators[copies.devices])
 
 
 def _kept_whole(

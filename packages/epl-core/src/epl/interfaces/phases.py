@@ -35,6 +35,10 @@ class TransformPhase(enum.IntEnum):
     #: takes this device's tokens and attends over the context group. After the model's modules are final
     #: (it changes none), before checkpointing wraps their forwards.
     CONTEXT = 22
+    #: Shard each tensor with several copies over them (epl-memory's ZeRO: FSDP2's ``fully_shard`` per block,
+    #: replacing parameters by DTensors). After the stage, split's shards and the context are final; before
+    #: materialisation, so that a model built on ``meta`` gets values only for the chunks this device keeps.
+    PARTITION_PARAMETERS = 24
     #: Give values to the tensors this rank keeps of a model built on the ``meta`` device (the core's
     #: :mod:`epl.materialize`), from the model's own initialisation, one layer at a time. After the stage
     #: and the shards are kept, so nothing else gets memory; before anything reads or hooks the values.
@@ -48,9 +52,6 @@ class TransformPhase(enum.IntEnum):
     #: Run the forward in lower precision (epl-memory's AMP autocast). After checkpointing, whose
     #: recomputation keeps the autocast state it was entered with.
     CAST = 50
-    #: Partition parameters over their copies: each gets an owner; ZeRO v2 frees the others' storage
-    #: between uses (epl-memory). After every phase that replaces, moves or wraps parameters.
-    PARTITION_PARAMETERS = 60
     #: Keep weights in host memory between uses (epl-memory's offload). Last: the weights this device
     #: keeps are final once they are partitioned.
     OFFLOAD = 70

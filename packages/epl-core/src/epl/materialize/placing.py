@@ -3,8 +3,9 @@
 Names are the link: a transform that replaces a module keeps its name (a split layer's shard is
 ``model.layers.0.mlp.up_proj.weight`` as the whole weight was), so each ``meta`` tensor of this rank's model
 is found in the model as built, and the init unit holding it there gives the values. A tensor kept whole gets
-the unit's values; a shard (:func:`epl.sharding.parameters.shard_spec`) gets its slice of them. Units are
-taken one at a time, in order, so a rank holds what it keeps plus one unit's whole values.
+the unit's values; a shard (:func:`epl.sharding.parameters.shard_spec`) gets its slice of them, and a chunk over
+the copies (a ``DTensor`` ZeRO made: :mod:`epl.sharding.data_shards`) the rows this device holds of that. Units
+are taken one at a time, in order, so a rank holds what it keeps plus one unit's whole values.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from epl.materialize.heap import FreedMemory
 from epl.materialize.streaming import StreamedInit
 from epl.materialize.swap import swap_values
 from epl.materialize.units import named_tensors
+from epl.sharding.chunks import held
+from epl.sharding.data_shards import is_dtensor
 from epl.sharding.parameters import shard_spec
 
 
@@ -41,9 +44,11 @@ def materialize_kept(model: nn.Module, stream: StreamedInit, device: torch.devic
     for unit, members in stream.by_unit(wanted, lambda item: item[2]):
         values = stream.values(unit)
         for name, local, original in members:
-            whole = values[id(original)]
-            swap_values(local, _part(name, local, whole).to(device).contiguous())
-            count += local.numel()
+            part = _part(name, local, values[id(original)]).to(device).contiguous()
+            if part.untyped_storage().nbytes() > part.nbytes:  # a slice's view would keep the unit's values alive
+                part = part.clone()
+            swap_values(local, part)
+            count += part.numel()
         heap.freed(sum(value.nbytes for value in values.values()))
         del values  # before the next unit's values: one unit at a time
     heap.trim()
@@ -51,10 +56,13 @@ def materialize_kept(model: nn.Module, stream: StreamedInit, device: torch.devic
 
 
 def _part(name: str, local: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-    """The values ``local`` holds of ``whole``: all of them, or its shard's slice."""
+    """The values ``local`` holds of ``whole``: all of them, its shard's slice, or its chunk of either."""
     spec = shard_spec(local)
+    piece = whole if spec is None else spec.slice_of(whole)
+    if is_dtensor(local):
+        return held(local, split=False).take(piece)
     if spec is not None:
-        return spec.slice_of(whole)
+        return piece
     if local.shape != whole.shape:
         raise EplError(
             f"{name!r} of this rank's model has shape {list(local.shape)} but {list(whole.shape)} as built, and is no "

@@ -10,15 +10,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from epl.sharding.data_shards import is_dtensor
+
 
 def swap_values(tensor: torch.Tensor, value: torch.Tensor) -> None:
-    """Make ``tensor`` (the same object) hold ``value``'s data, device and dtype; ``value`` is left as it was."""
+    """Make ``tensor`` (the same object) hold ``value``'s data, device and dtype; ``value`` is left as it was. For a
+    ``DTensor``, ``value`` is its local chunk; it stays a ``DTensor`` on the same mesh and placements."""
     data = value.detach()  # a new object on the same data
-    new = (
-        torch.Tensor._make_subclass(type(tensor), data, tensor.requires_grad)
-        if isinstance(tensor, nn.Parameter)
-        else data
-    )
+    if is_dtensor(tensor):
+        new = _dtensor_like(tensor, data)
+    elif isinstance(tensor, nn.Parameter):
+        new = torch.Tensor._make_subclass(type(tensor), data, tensor.requires_grad)
+    else:
+        new = data
     new.__dict__.update(tensor.__dict__)
     hooks = list((getattr(tensor, "_backward_hooks", None) or {}).values())
     accumulate_hooks = list((getattr(tensor, "_post_accumulate_grad_hooks", None) or {}).values())
@@ -30,6 +34,22 @@ def swap_values(tensor: torch.Tensor, value: torch.Tensor) -> None:
         tensor.register_hook(hook)
     for hook in accumulate_hooks:
         tensor.register_post_accumulate_grad_hook(hook)
+
+
+def _dtensor_like(tensor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A ``DTensor`` (a parameter when ``tensor`` is one) of ``tensor``'s global shape, mesh and placements, whose
+    chunk on this device is ``local``."""
+    from torch.distributed.tensor import DTensor
+
+    placed = DTensor.from_local(
+        local,
+        tensor.device_mesh,  # type: ignore[attr-defined]
+        tensor.placements,  # type: ignore[attr-defined]
+        run_check=False,
+        shape=tensor.shape,
+        stride=tensor.stride(),
+    )
+    return nn.Parameter(placed, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else placed
 
 
 def to_meta(tensor: torch.Tensor) -> bool:
