@@ -110,7 +110,6 @@ def test_payloads_are_the_predicted_ones(counted: list[dict[str, dict[str, Any]]
         assert sum(rotary.values()) in (0, 2 * MICRO), stages["counts"]  # the last stage sends none
 
 
-
 @pytest.mark.timeout(400)
 def test_zero_payloads_are_the_predicted_ones(counted: list[dict[str, dict[str, Any]]]) -> None:
     for ranks in counted:
