@@ -3,11 +3,13 @@
 Inside ``Engine.step`` (between ``start`` and ``finish``), bucket reductions start
 during backward: a post-accumulate-grad hook counts each
 parameter's gradients, and once every parameter of a bucket has received its last
-micro-batch's gradient, the bucket is copied into a flat buffer and its all-reduce
-starts, on the communicators in turn. Buckets always start in bucket order, so every
-rank issues the same collectives in the same order. Once reduced, each gradient is a
-view into its bucket's buffer (like DDP's ``gradient_as_bucket_view``), so between
-steps the gradients cost their size once, not twice.
+micro-batch's gradient, its all-reduce starts, on the communicators in turn. Buckets
+always start in bucket order, so every rank issues the same collectives in the same order.
+Each bucket keeps one flat buffer, and each gradient is a view into it (like DDP's
+``gradient_as_bucket_view``): the hook moves a gradient autograd made into its place in
+the buffer as soon as it lands (later micro-batches then accumulate there in place), so
+the gradients cost their size once, during backward as between steps, plus one
+parameter's fresh gradient at a time.
 
 Parameters whose gradients another plugin reduces inside the backward (ZeRO's chunks,
 ``ParallelContext.reduced_in_backward``) are not given to this reducer.
@@ -24,6 +26,7 @@ reaches the same verdict.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +64,8 @@ class _Bucket:
     work: Work | None = None
     started: bool = False
     sizes: list[int] = field(default_factory=list)
+    #: Where each parameter's gradient starts in ``buffer``, by ``id``.
+    offsets: dict[int, int] = field(default_factory=dict)
 
 
 class DataParallelReducer:
@@ -168,6 +173,7 @@ class DataParallelReducer:
         if not self._armed:  # a backward outside Engine.step: plain local gradients
             return
         key = id(param)
+        self._seat(self._bucket_of[key], param)
         self._arrivals[key] += 1
         if self._arrivals[key] != self.policy.num_micro_batch:
             return
@@ -178,19 +184,40 @@ class DataParallelReducer:
         while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
             self._start(self.buckets[self._next])
 
-    def _start(self, bucket: _Bucket) -> None:
+    def _buffer(self, bucket: _Bucket) -> torch.Tensor:
+        """``bucket``'s flat buffer (made on first use, kept between steps)."""
         if bucket.buffer is None:
             first = bucket.params[0]
             bucket.sizes = [p.numel() for p in bucket.params]
             bucket.buffer = torch.empty(sum(bucket.sizes), dtype=first.dtype, device=first.device)
             if self.policy.fp16:
                 bucket.wire = torch.empty(sum(bucket.sizes), dtype=torch.float16, device=first.device)
-        buffer = bucket.buffer
+            bucket.offsets = dict(
+                zip((id(p) for p in bucket.params), itertools.accumulate([0, *bucket.sizes]), strict=False)
+            )
+        return bucket.buffer
+
+    def _seat(self, bucket: _Bucket, param: nn.Parameter) -> None:
+        """Make ``param.grad`` its piece of ``bucket``'s buffer: a gradient autograd just made is moved there (and
+        freed), so that the next micro-batch accumulates in place and the bucket's reduction copies nothing."""
+        grad = param.grad
+        if grad is None or grad.is_sparse:
+            return
+        buffer = self._buffer(bucket)
+        piece = buffer.narrow(0, bucket.offsets[id(param)], param.numel())
+        if grad.data_ptr() == piece.data_ptr() and grad.is_contiguous():
+            return
+        with torch.no_grad():
+            piece.copy_(grad.reshape(-1))
+        param.grad = piece.view_as(param)
+
+    def _start(self, bucket: _Bucket) -> None:
+        buffer = self._buffer(bucket)
         with torch.no_grad():
             for param, piece in zip(bucket.params, buffer.split(bucket.sizes), strict=True):
                 if param.grad is None:
                     piece.zero_()
-                else:
+                elif param.grad.is_sparse or param.grad.data_ptr() != piece.data_ptr():
                     grad = param.grad.to_dense() if param.grad.is_sparse else param.grad
                     piece.copy_(grad.reshape(-1))
             if self.carries_verdict and bucket is self.buckets[-1]:  # a loss that is not finite: NaN in the sum

@@ -9,8 +9,8 @@ device. Activations: a block's per
 micro-batch (:mod:`epl.planner.activations`) times the stage's blocks times the micro-batches the schedule keeps,
 plus, on the last stage, the float32 logits of one micro-batch and their gradient. Peak: weights, gradients and
 optimizer states, plus the larger of the backward's working set (the activations, one block's more for
-recomputation or its backward, and what data parallelism holds to communicate: without ZeRO the flat gradient
-buckets in flight, as many as communication falls behind; under ZeRO the weights gathered whole, every block's
+recomputation or its backward, and what data parallelism holds to communicate: without ZeRO one tensor's fresh
+gradient, the largest, before it moves into its flat bucket; under ZeRO the weights gathered whole, every block's
 under v0/v1 and the largest block's under v2, and the largest block's gradients twice, unsharded and in the
 reduce-scatter's buffer) and the optimizer step's float32 temporary the size of what it updates (torch's foreach
 Adam). Checked against resident memory in tests/planner/test_measured_memory.py and, under ZeRO, in
@@ -59,8 +59,8 @@ from typing import Any
 from epl.planner import memory_traffic
 from epl.planner.activations import block_activations, micro_batches_in_flight
 from epl.planner.communication import (
-    GRADIENT_BUCKETS,
     collective_calls,
+    largest_tensor,
     largest_unit,
     payload_bytes,
     updated_weights,
@@ -221,8 +221,9 @@ def _memory(shape: ModelShape, layout: Layout, workload: Workload, device: Devic
     first_stage = blocks * per_block * in_flight
     last_stage = blocks * per_block * micro_batches_in_flight(layout, stage=p - 1) + logits
     activations = max(first_stage, last_stage if p > 1 else first_stage + logits)
-    # Transients: without ZeRO, gradients are copied into flat buckets to be reduced (GRADIENT_BUCKETS of them; as
-    # many in flight at once as the communication falls behind: one where it keeps up, overlap 1). Under ZeRO
+    # Transients: without ZeRO, each gradient is a view into its flat bucket (epl_comm.data_parallel), and one that
+    # autograd makes is moved there as it lands: one tensor's fresh gradient at a time, the largest (the embedding
+    # or the head) at most. Under ZeRO
     # (FSDP2, epl_memory.zero) the weights are whole while a block computes: v0 and v1 every block's from its forward
     # to the end of its backward, so the stage's whole weights at the start of backward; v2 one block's at a time
     # (two where the next one's gather is prefetched). A block's gradients are whole from its backward until they
@@ -236,8 +237,7 @@ def _memory(shape: ModelShape, layout: Layout, workload: Workload, device: Devic
         gathered = weights if layout.zero in ("v0", "v1") else unit * (2 if workload.weights_prefetched else 1)
         reducing = gathered * e + 2 * unit * 4
     elif d > 1:
-        buckets_waiting = 1 - device.overlap * (1 - 1 / GRADIENT_BUCKETS)
-        reducing = weights * 4 * buckets_waiting
+        reducing = largest_tensor(shape, layout) * 4
     update_temporary = updated * 4 if workload.optimizer_states >= 2 else 0.0
     working = max(activations + whole_block + reducing, update_temporary)
     peak = parameter_bytes + gradient_bytes + optimizer_bytes + working
