@@ -272,7 +272,8 @@ def test_the_transform_has_a_phase_and_a_name() -> None:
     from epl_example_plugin.transforms import CheckFinite
 
     assert CheckFinite.phase is TransformPhase.CHECKPOINT
-    assert TransformPhase.SYNC_WEIGHTS < CheckFinite.phase < TransformPhase.PARTITION_PARAMETERS
+    assert TransformPhase.SYNC_WEIGHTS < CheckFinite.phase < TransformPhase.OFFLOAD
+    assert TransformPhase.PARTITION_PARAMETERS < TransformPhase.MATERIALIZE  # ZeRO chunks before values are given
     assert CheckFinite.name == "example_check_finite"
 
 
