@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from epl.sharding.chunks import placed_like
 from epl.sharding.data_shards import is_dtensor
 
 
@@ -37,18 +38,9 @@ def swap_values(tensor: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def _dtensor_like(tensor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """A ``DTensor`` (a parameter when ``tensor`` is one) of ``tensor``'s global shape, mesh and placements, whose
-    chunk on this device is ``local``."""
-    from torch.distributed.tensor import DTensor
-
-    placed = DTensor.from_local(
-        local,
-        tensor.device_mesh,  # type: ignore[attr-defined]
-        tensor.placements,  # type: ignore[attr-defined]
-        run_check=False,
-        shape=tensor.shape,
-        stride=tensor.stride(),
-    )
+    """A ``DTensor`` (a parameter when ``tensor`` is one) placed as ``tensor`` is, whose chunk on this device is
+    ``local``."""
+    placed = placed_like(local, tensor)
     return nn.Parameter(placed, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else placed
 
 

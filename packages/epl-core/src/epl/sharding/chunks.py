@@ -114,7 +114,8 @@ def held(tensor: torch.Tensor, *, like: torch.Tensor | None = None, split: bool 
 
 def placed_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``local`` (values of what this rank holds of ``like``) as ``like`` holds them: a ``DTensor`` on ``like``'s
-    mesh and placements, in its dtype and on its device, when ``like`` is one; else ``local`` itself."""
+    mesh and placements, in its dtype and on its device (on ``local``'s where ``like`` is on ``meta``, being given
+    values), when ``like`` is one; else ``local`` itself."""
     if not is_dtensor(like):
         return local
     from torch.distributed.tensor import DTensor
@@ -123,7 +124,7 @@ def placed_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if tuple(local.shape) != tuple(own.shape):
         raise EplError(f"A value of shape {list(local.shape)} where this rank holds {list(own.shape)}.")
     return DTensor.from_local(
-        local.to(dtype=own.dtype, device=own.device),
+        local.to(dtype=own.dtype, device=local.device if own.is_meta else own.device),
         like.device_mesh,  # type: ignore[attr-defined]
         like.placements,  # type: ignore[attr-defined]
         run_check=False,
