@@ -26,7 +26,6 @@ reaches the same verdict.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,9 +62,8 @@ class _Bucket:
     wire: torch.Tensor | None = None
     work: Work | None = None
     started: bool = False
-    sizes: list[int] = field(default_factory=list)
-    #: Where each parameter's gradient starts in ``buffer``, by ``id``.
-    offsets: dict[int, int] = field(default_factory=dict)
+    #: Each parameter's piece of ``buffer`` (a flat view), by ``id``, in the order of ``params``.
+    pieces: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class DataParallelReducer:
@@ -188,13 +186,11 @@ class DataParallelReducer:
         """``bucket``'s flat buffer (made on first use, kept between steps)."""
         if bucket.buffer is None:
             first = bucket.params[0]
-            bucket.sizes = [p.numel() for p in bucket.params]
-            bucket.buffer = torch.empty(sum(bucket.sizes), dtype=first.dtype, device=first.device)
+            sizes = [p.numel() for p in bucket.params]
+            bucket.buffer = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
             if self.policy.fp16:
-                bucket.wire = torch.empty(sum(bucket.sizes), dtype=torch.float16, device=first.device)
-            bucket.offsets = dict(
-                zip((id(p) for p in bucket.params), itertools.accumulate([0, *bucket.sizes]), strict=False)
-            )
+                bucket.wire = torch.empty(sum(sizes), dtype=torch.float16, device=first.device)
+            bucket.pieces = dict(zip((id(p) for p in bucket.params), bucket.buffer.split(sizes), strict=True))
         return bucket.buffer
 
     def _seat(self, bucket: _Bucket, param: nn.Parameter) -> None:
@@ -203,8 +199,8 @@ class DataParallelReducer:
         grad = param.grad
         if grad is None or grad.is_sparse:
             return
-        buffer = self._buffer(bucket)
-        piece = buffer.narrow(0, bucket.offsets[id(param)], param.numel())
+        self._buffer(bucket)
+        piece = bucket.pieces[id(param)]
         if grad.data_ptr() == piece.data_ptr() and grad.is_contiguous():
             return
         with torch.no_grad():
@@ -214,7 +210,7 @@ class DataParallelReducer:
     def _start(self, bucket: _Bucket) -> None:
         buffer = self._buffer(bucket)
         with torch.no_grad():
-            for param, piece in zip(bucket.params, buffer.split(bucket.sizes), strict=True):
+            for param, piece in zip(bucket.params, bucket.pieces.values(), strict=True):
                 if param.grad is None:
                     piece.zero_()
                 elif param.grad.is_sparse or param.grad.data_ptr() != piece.data_ptr():
@@ -247,7 +243,7 @@ class DataParallelReducer:
                 self._average_and_check(buffer)
             elif self.policy.mean:
                 buffer.div_(self.policy.copies)
-            for param, piece in zip(bucket.params, buffer.split(bucket.sizes), strict=True):
+            for param, piece in zip(bucket.params, bucket.pieces.values(), strict=True):
                 param.grad = piece.view_as(param)  # a view: the bucket's memory is the gradients' memory
             if self.carries_verdict and bucket is self.buckets[-1]:
                 self._verdict = NonFiniteVerdict(found=self._found)
