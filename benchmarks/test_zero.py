@@ -1,7 +1,7 @@
 """EPL's ZeRO against PyTorch's FSDP2, same model, same data, 2 processes on gloo, same run.
 
 EPL's ``zero.level`` shards every tensor with copies evenly over them with torch's FSDP2 (``fully_shard`` per
-block, the units of ``epl_memory.residency.find_units``, over a ``DeviceMesh`` of the copies): each rank keeps a
+block, the units of ``epl_memory.blocks.find_units``, over a ``DeviceMesh`` of the copies): each rank keeps a
 chunk of every parameter, its gradient and its optimizer state; each block's gradients are reduce-scattered as
 its backward ends. v0 and v1 keep a block's weights whole from its forward to its backward
 (``reshard_after_forward=False``, ZeRO-2; FSDP2 has no mode that shards only the optimizer states, so v0 is v1);

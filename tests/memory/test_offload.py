@@ -1,17 +1,26 @@
-"""Offload v0: weights in host memory, fetched to the device just in time; the same training as without it."""
+"""Offload v0 on FSDP2: weights, gradients and optimizer state in host memory; the same training as without it.
+
+Several processes and a lent GPU take the real path; on these CPUs one process has nothing to move (its host memory
+is its device's), so the one-process test forces the path in a process of its own, where it runs on the CPU with
+the same arithmetic and bookkeeping. Layouts with offload (with and without ZeRO, under split) are in
+``test_zero_layouts.py``.
+"""
 
 from __future__ import annotations
 
 import copy
 import logging
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import epl
-from epl_memory.offload import CPU_NOTE, HostCopies, offload_parameters, step_with_parameters_fetched
-from epl_memory.residency import find_units
+from epl_memory.blocks import find_units
+from epl_memory.offload import CPU_NOTE
+from tests.helpers.distributed import run_ranks
 
 
 def tower() -> nn.Module:
@@ -29,44 +38,80 @@ def batches(device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]  # fmt: skip
 
 
-def test_host_copies_train_exactly_like_the_model_without_them() -> None:
-    plain, offloaded = tower(), tower()
-    plain_optimizer = torch.optim.Adam(plain.parameters(), lr=0.01)
-    optimizer = torch.optim.Adam(offloaded.parameters(), lr=0.01)
-    moving = offload_parameters(offloaded)
-    step_with_parameters_fetched(optimizer, moving)
-    residency = moving.residency
-    assert isinstance(residency, HostCopies)
-    for x, y in batches():
-        for model, opt in ((plain, plain_optimizer), (offloaded, optimizer)):
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-        # between steps the device copies are freed; the host copies hold the values
-        assert all(p.untyped_storage().nbytes() == 0 for p in offloaded.parameters())
-        homes = [residency.home[id(p)] for p in offloaded.parameters()]
-        for home, reference in zip(homes, plain.parameters(), strict=True):
-            assert torch.equal(home, reference)
-    assert residency.host_bytes() == sum(p.numel() * 8 for p in plain.parameters())
-    moving.fetch_all()
-    state = offloaded.state_dict()
-    for key, value in plain.state_dict().items():
-        assert torch.equal(state[key], value), key
+def plain_training(device: str = "cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = tower().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses = []
+    for x, y in batches(device):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses, {key: value.cpu() for key, value in model.state_dict().items()}
 
 
-def test_a_loaded_state_goes_to_the_host_copies() -> None:
-    model = tower()
-    loaded = {key: torch.full_like(value, 7.0) for key, value in model.state_dict().items()}
-    moving = offload_parameters(model)
-    model.load_state_dict(loaded)
-    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
-    for key, value in model.state_dict().items():
-        assert torch.equal(value, loaded[key]), key
-    x = torch.randn(2, 5, dtype=torch.float64)
-    moving.fetch_all()
-    expected = model(x)
-    moving.release_all()
-    assert torch.equal(model(x), expected)
+def offloaded_training(folder: str, force: bool = True) -> dict[str, Any]:
+    """One process, offload v0 (forced onto the FSDP2 path on a CPU), three steps, a save and a load."""
+    import epl_memory.offload
+
+    if force:
+        epl_memory.offload.offloads = lambda context: bool(context.config["offload.level"])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    epl.init(epl.Config({"offload.level": "v0"}))
+    engine = epl.parallelize(
+        tower(), optimizer=lambda p: torch.optim.AdamW(p, lr=0.01), loss_fn=nn.MSELoss()
+    )  # fmt: skip
+    homes = {name: str(p.to_local().device) for name, p in engine.model.named_parameters()}
+    losses = [float(engine.step(x, y)) for x, y in batches(device)]
+    states = [str(value.device) for group in engine.optimizer.state.values() for value in group.values()]
+    engine.save(folder)
+    state = {key: value.clone() for key, value in engine.state_dict(full=True)["model"].items()}
+    engine.step(*batches(device)[0])  # moves away from the saved state
+    engine.load(folder)
+    with torch.device("meta"):  # a model built on meta gets its values in host memory, never whole on the device
+        meta = tower()
+    built = epl.parallelize(meta, optimizer=lambda p: torch.optim.AdamW(p, lr=0.01), loss_fn=nn.MSELoss())
+    built.step(*batches(device)[0])
+    return {
+        "meta homes": {str(p.to_local().device) for p in built.model.parameters()},
+        "losses": losses,
+        "state": state,
+        "loaded": engine.state_dict(full=True)["model"],
+        "homes": homes,
+        "optimizer state": states,
+        "readable": [float(p.sum()) for p in engine.parameters()],
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_offload_in_one_process_trains_as_without_it_and_saves(tmp_path: Path) -> None:
+    (result,) = run_ranks(offloaded_training, 1, str(tmp_path / "checkpoint"), timeout=150)
+    losses, state = plain_training()
+    assert set(result["homes"].values()) == result["meta homes"] == {"cpu"}  # every weight's home is host memory
+    assert set(result["optimizer state"]) == {"cpu"}  # and so is the optimizer's state: it steps on the CPU
+    assert result["losses"] == pytest.approx(losses, rel=1e-12, abs=1e-12)
+    for key, value in state.items():
+        torch.testing.assert_close(result["state"][key], value, rtol=1e-12, atol=1e-12, msg=key)
+        torch.testing.assert_close(result["loaded"][key], value, rtol=1e-12, atol=1e-12, msg=key)
+    assert len(result["readable"]) == len(state)
+
+
+def test_offload_on_a_cpu_says_why_nothing_moves(caplog: pytest.LogCaptureFixture) -> None:
+    def train(config: dict[str, str]) -> dict[str, torch.Tensor]:
+        epl.init(epl.Config(config))
+        engine = epl.parallelize(tower(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.MSELoss())
+        for x, y in batches():
+            engine.step(x, y)
+        return engine.model.state_dict()
+
+    with caplog.at_level(logging.WARNING, logger="epl.memory"):
+        offloaded = train({"offload.level": "v0"})
+    assert CPU_NOTE in caplog.text
+    plain = train({})
+    for key, value in plain.items():
+        assert torch.equal(offloaded[key], value), key
 
 
 def test_units_are_the_blocks_of_containers() -> None:
@@ -87,44 +132,8 @@ def test_units_are_the_blocks_of_containers() -> None:
     assert find_units(holder) == [holder, blocks[0], blocks[1], holder.head]
 
 
-def test_offload_on_a_cpu_says_why_nothing_moves(caplog: pytest.LogCaptureFixture) -> None:
-    def train(config: dict[str, str]) -> dict[str, torch.Tensor]:
-        epl.init(epl.Config(config))
-        engine = epl.parallelize(tower(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.MSELoss())
-        for x, y in batches():
-            engine.step(x, y)
-        return engine.model.state_dict()
-
-    with caplog.at_level(logging.WARNING, logger="epl.memory"):
-        offloaded = train({"offload.level": "v0"})
-    assert CPU_NOTE in caplog.text
-    plain = train({})
-    for key, value in plain.items():
-        assert torch.equal(offloaded[key], value), key
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (offload moves weights to host memory)")
-def test_offload_keeps_weights_off_the_gpu_between_uses() -> None:
-    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda()
-    reference = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    before = torch.cuda.memory_allocated()
-    moving = offload_parameters(model)
-    step_with_parameters_fetched(optimizer, moving)
-    weights = sum(p.numel() * p.element_size() for p in reference.parameters())
-    assert before - torch.cuda.memory_allocated() >= weights  # the weights left the device
-    x = torch.randn(64, 1024, device="cuda")
-    torch.cuda.reset_peak_memory_stats()
-    model(x).sum().backward()
-    torch.cuda.synchronize()
-    print(f"offload: weights {weights / 2**20:.1f} MiB, step peak {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB")
-    optimizer.step()
-    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
-
-
 def test_a_transformers_model_is_fetched_a_block_at_a_time() -> None:
-    """transformers' LlamaModel holds its blocks in ``layers``: it is opened, so ZeRO v2 and offload fetch one
+    """transformers' LlamaModel holds its blocks in ``layers``: it is opened, so ZeRO and offload gather one
     decoder layer at a time (as FSDP wraps each block), not the whole body at once."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -134,3 +143,38 @@ def test_a_transformers_model_is_fetched_a_block_at_a_time() -> None:
     units = find_units(model)
     body = model.model
     assert units == [model, body.embed_tokens, *body.layers, body.norm, model.lm_head]
+
+
+def on_one_gpu() -> dict[str, Any]:
+    """offload v0 on one GPU: what the device holds after parallelize and at a step's peak, against the weights."""
+    width, depth = 1024, 8
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).cuda()
+    reference = copy.deepcopy(model)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    epl.init(epl.Config({"offload.level": "v0"}))
+    before = torch.cuda.memory_allocated()
+    engine = epl.parallelize(model, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), loss_fn=nn.MSELoss())
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    x = torch.randn(64, width, device="cuda")
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    for _ in range(2):
+        engine.step(x, x)
+        reference_optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x), x).backward()
+        reference_optimizer.step()
+    with engine.full_parameters():
+        gap = max(float((p.detach().cpu() - r.detach().cpu()).abs().max()) for p, r in
+                  zip(engine.model.parameters(), reference.parameters(), strict=True))  # fmt: skip
+    return {"weights": weights, "held": held, "gap": gap}
+
+
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (offload moves weights to host memory)")
+def test_offload_keeps_weights_off_the_gpu_between_uses() -> None:
+    (result,) = run_ranks(on_one_gpu, 1, timeout=300)
+    print(f"offload on one GPU: {result}")
+    assert result["held"] < result["weights"] / 10, result  # the weights left the device
+    assert result["gap"] < 1e-5, result  # the CPU's AdamW against the GPU's, in float32

@@ -281,7 +281,6 @@ def test_v2_explains_a_forward_that_reads_another_blocks_parameter() -> None:
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        ({"zero.level": "v2", "offload.level": "v0"}, "does not move its chunks to the host yet"),
         ({"zero.param_dtype": "bfloat16"}, "only applies to ZeRO"),
     ],
 )

@@ -3,9 +3,9 @@
 transformers' Llama (float32, SDPA) under ``epl.split(2)``, with and without sequence parallelism. A block's
 bytes are what one more block adds (5 blocks against 1, over 4), measured from the allocator: the profiler's allocations
 made during the forward and the loss that are still live after them (by address, so that objects of earlier runs
-freed meanwhile do not count), the least of three forwards. Korthikanti et al. (2022): with sequence parallelism everything a block
-saves is divided by ``t``, which is the planner's count (``BlockActivations.per_device``); without it the norms'
-inputs and the attention's and the MLP's inputs stay whole on every device.
+freed meanwhile do not count), the least of three forwards. Korthikanti et al. (2022): with sequence parallelism
+everything a block saves is divided by ``t``, which is the planner's count (``BlockActivations.per_device``);
+without it the norms' inputs and the attention's and the MLP's inputs stay whole on every device.
 """
 
 from __future__ import annotations

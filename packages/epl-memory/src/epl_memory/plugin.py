@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from epl.plugin_api import TransformPhase, WrapperPhase, hookimpl
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
     from epl.plugin_api import ConfigKey, LossScaler, ModelTransform, OptimizerWrapper, ParallelContext
 
 PLUGIN = "epl-memory"
+_log = logging.getLogger("epl.memory")
 
 #: Keys this package declares but does not implement yet, with their "off" value.
 NOT_YET: dict[str, str] = {}
@@ -82,15 +84,10 @@ def epl_config_keys() -> Sequence[ConfigKey]:
 
 @hookimpl
 def epl_optimizer_wrappers(context: ParallelContext) -> list[OptimizerWrapper] | None:
-    """Apply groups and offload's step, as configured (ZeRO needs no wrapper: the optimizer steps its chunks)."""
-    from epl_memory.offload import OffloadStep
-
-    wrappers: list[OptimizerWrapper] = []
+    """Apply groups, as configured (ZeRO and offload need no wrapper: the optimizer steps the chunks it is given)."""
     if context.config["optimizer.num_apply_group"] > 1:
-        wrappers.append(ApplyGroups())
-    if context.config["offload.level"] and not _zero(context):
-        wrappers.append(OffloadStep())
-    return wrappers or None
+        return [ApplyGroups()]
+    return None
 
 
 @hookimpl
@@ -100,7 +97,7 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
     (The checks run here, the first memory hook ``epl.parallelize`` calls.)
     """
     from epl.plugin_api import ConfigError
-    from epl_memory.offload import OffloadWeights
+    from epl_memory.offload import CPU_NOTE, offloads
     from epl_memory.zero import ZeroSharding
 
     config = context.config
@@ -115,10 +112,10 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
     transforms: list[ModelTransform] = []
     if config["gradient_checkpoint.type"]:
         transforms.append(GradientCheckpointing())
-    if _zero(context):
+    if _zero(context) or offloads(context):
         transforms.append(ZeroSharding())
     elif config["offload.level"]:
-        transforms.append(OffloadWeights())
+        _log.warning(CPU_NOTE)
     if config["amp.level"]:
         from epl_memory.amp import Autocast
 
@@ -143,11 +140,6 @@ def _check_combinations(context: ParallelContext) -> None:
                     f"Config key {key!r} = {config[key]!r} only applies to ZeRO: set zero.level too, or leave {key} "
                     "unset (amp.level 'O1' lowers the precision of the operations without ZeRO)."
                 )
-    if config["zero.level"] and config["offload.level"]:
-        raise ConfigError(
-            f"zero.level {config['zero.level']!r} with offload.level: ZeRO on FSDP2 does not move its chunks to the "
-            "host yet. Use one of them."
-        )
 
 
 @hookimpl

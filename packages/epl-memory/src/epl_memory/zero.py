@@ -1,7 +1,7 @@
 """ZeRO on torch's FSDP2: every tensor with several copies is sharded evenly over them, block by block.
 
 Each block of the model (a transformer layer, the embeddings, the head: the units of
-:func:`epl_memory.residency.find_units`, pipeline stage roots included) is handed to ``fully_shard`` over the
+:func:`epl_memory.blocks.find_units`, pipeline stage roots included) is handed to ``fully_shard`` over the
 devices that hold copies of its tensors (one ``DeviceMesh`` per group of copies, from the communicator EPL
 already has for it). Each copy then keeps an even chunk of every tensor's rows (the last copies a shorter one,
 or none, when the rows do not divide), with that chunk's gradient and optimizer state:
@@ -68,9 +68,11 @@ class ZeroSharding:
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """Shard ``model``'s blocks in place; record what was sharded; return ``model``."""
-        from epl_memory.residency import find_units, stage_entries
+        from epl_memory.blocks import find_units, stage_entries
 
         refuse_unsupported(context)
+        offload = bool(context.config["offload.level"])
+        sharding = bool(context.config["zero.level"]) and not context.plan.local
         entries = stage_entries(model, context)
         units = find_units(model, entries)
         if entries:  # a pipeline's runner calls the stage roots, never the model itself
@@ -78,7 +80,7 @@ class ZeroSharding:
         names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
         params = list(model.parameters())
         copies_of = {id(p): copies for copies, group in context.copies_of_tensors(params).items() for p in group}
-        whole = _kept_whole(model, params, copies_of, context)
+        whole = _kept_whole(model, params, copies_of, context, offload=offload)
         owner = _innermost_unit(model, units)
         by_unit: dict[int, list[nn.Parameter]] = {}
         for param in params:
@@ -112,10 +114,14 @@ class ZeroSharding:
         }
         communicators = context.copy_communicators()
         _agree_before_sharding([p for p in params if id(p) not in whole], context)
-        hybrid = HybridGroups.of(context)
+        # offload without zero.level: every copy keeps whole tensors (shards of one device), replicated over copies
+        hybrid = HybridGroups.of(context, degree=None if sharding else 1)
         meshes: dict[Any, Any] = {}
-        reshard = context.config["zero.level"] == "v2"
+        # v2, and offload without zero.level: weights on the device only while a block uses them
+        reshard = context.config["zero.level"] == "v2" or not sharding
         precision = mixed_precision(context)
+        home = torch.device("cpu") if offload else None
+        policy = offload_policy(context)
         sum_mean = context.config["communication.gradients_reduce_method"] == "mean"
         sharded: list[nn.Module] = []
         # The modules the runner calls (the model, or a pipeline's stage roots) are sharded even when they hold no
@@ -131,15 +137,23 @@ class ZeroSharding:
             if copies is None:
                 continue
             if copies not in meshes:
-                meshes[copies] = hybrid.mesh(copies.devices, communicators, context.cluster.device)
+                meshes[copies] = (
+                    one_process_mesh(context.cluster.device)
+                    if context.plan.local
+                    else hybrid.mesh(copies.devices, communicators, context.cluster.device)
+                )
             # fully_shard takes every parameter below the unit that no inner unit took: leave it those of the units
             # above (a tied weight belongs to the unit above both its users) and the whole ones
             inside = {id(inner) for inner in unit.modules()}
             theirs = {p for p in params if id(p) not in whole and id(owner[id(p)]) not in inside}
-            _shard(unit, meshes[copies], reshard=reshard, ignored=ignored | theirs, precision=precision)
-            unit.set_gradient_divide_factor(float(copies.divisor) if sum_mean else 1.0)  # type: ignore[operator]
+            _shard(unit, meshes[copies], reshard=reshard, ignored=ignored | theirs, precision=precision, offload=policy)
+            divisor = float(copies.divisor) if sum_mean else 1.0
+            # FSDP2 divides by its mesh's size unless told otherwise; told, it divides twice where the shards are of
+            # one device (hybrid sharding of degree 1) in float64, so it is told only where the divisor differs
+            if divisor != meshes[copies].size():
+                unit.set_gradient_divide_factor(divisor)  # type: ignore[operator]
             sharded.append(unit)
-        _follow_new_parameters(model, before, copies_of, hybrid.chunk_communicators(communicators), context)
+        _follow_new_parameters(model, before, copies_of, hybrid.chunk_communicators(communicators), context, home)
         if reshard and context.cluster.device.type != "cpu":  # a CPU has no streams to overlap on
             _prefetch(model, sharded)
         for called in (*entries, model):
@@ -149,19 +163,21 @@ class ZeroSharding:
 
 
 def refuse_unsupported(context: ParallelContext) -> None:
-    """One clear error for what ZeRO on FSDP2 cannot do (yet)."""
-    level = context.config["zero.level"]
+    """One clear error for what ZeRO and offload on FSDP2 cannot do (yet)."""
+    config = context.config
+    key = "zero.level" if config["zero.level"] and not context.plan.local else "offload.level"
+    setting = f"{key} {config[key]!r}"
     if context.split_backward:
         raise ConfigError(
-            f"zero.level {level!r} with a zero-bubble pipeline schedule (its backward is split into input and weight "
-            "gradients, which FSDP2's gradient reduction does not follow): use another pipeline.schedule (1F1B, "
-            "GPipe, interleaved), or leave zero.level unset."
+            f"{setting} with a zero-bubble pipeline schedule (its backward is split into input and weight gradients, "
+            "which FSDP2's gradient reduction does not follow): use another pipeline.schedule (1F1B, GPipe, "
+            f"interleaved), or leave {key} unset."
         )
-    if context.communicator.process_group() is None:
+    if not context.plan.local and context.communicator.process_group() is None:
         raise ConfigError(
-            f"zero.level {level!r} shards tensors with torch's FSDP2, which needs a torch.distributed process group; "
-            f"the communication backend {type(context.communicator).__name__} has none. Use the default torch "
-            "backend, or leave zero.level unset."
+            f"{setting} shards tensors with torch's FSDP2, which needs a torch.distributed process group; the "
+            f"communication backend {type(context.communicator).__name__} has none. Use the default torch backend, "
+            f"or leave {key} unset."
         )
 
 
@@ -179,9 +195,15 @@ def _agree_before_sharding(params: Sequence[nn.Parameter], context: ParallelCont
 
 
 def _kept_whole(
-    model: nn.Module, params: Sequence[nn.Parameter], copies_of: dict[int, Any], context: ParallelContext
+    model: nn.Module,
+    params: Sequence[nn.Parameter],
+    copies_of: dict[int, Any],
+    context: ParallelContext,
+    *,
+    offload: bool,
 ) -> dict[int, str]:
-    """Parameter id -> why ZeRO keeps it whole on every copy (see the module doc)."""
+    """Parameter id -> why ZeRO keeps it whole on every copy (see the module doc); under offload a tensor one device
+    holds is sharded over that device alone (so that it lives in host memory)."""
     shared = context.plan.shared
     holders = context.tensor_holders()
     sparse = {
@@ -192,7 +214,7 @@ def _kept_whole(
     whole: dict[int, str] = {}
     for param in params:
         key = id(param)
-        if len(copies_of[key].devices) < 2:
+        if len(copies_of[key].devices) < 2 and not offload:
             whole[key] = "no other device holds a copy of it"
         elif tuple(sorted(holders.get(key, ()))) in shared:
             whole[key] = "it is tied across pipeline stages"
@@ -252,11 +274,14 @@ class HybridGroups:
     communicators: dict[tuple[int, ...], Communicator] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, context: ParallelContext) -> HybridGroups:
-        """The hybrid groups of ``context``'s plan (a collective: every rank makes every group)."""
+    def of(cls, context: ParallelContext, degree: int | None = None) -> HybridGroups:
+        """The hybrid groups of ``context``'s plan (a collective: every rank makes every group), of ``degree`` or
+        ``zero.shard_degree``."""
         from epl.plugin_api import communicators_for, every_copy_group
 
-        degree = context.config["zero.shard_degree"]
+        if context.plan.local:
+            return cls()
+        degree = context.config["zero.shard_degree"] if degree is None else degree
         groups = [group for group in every_copy_group(context.plan) if len(group) > 1]
         if degree == 0 or all(len(group) <= degree for group in groups):
             return cls()
@@ -317,11 +342,49 @@ class HybridGroups:
         return chunked
 
 
-def _shard(unit: nn.Module, mesh: Any, *, reshard: bool, ignored: set[nn.Parameter], precision: Any) -> None:
+def _shard(
+    unit: nn.Module, mesh: Any, *, reshard: bool, ignored: set[nn.Parameter], precision: Any, offload: Any
+) -> None:
     """``fully_shard`` one block (its tensors not yet managed by an inner block, but for ``ignored``)."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import OffloadPolicy, fully_shard
 
-    fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored, mp_policy=precision)
+    fully_shard(
+        unit,
+        mesh=mesh,
+        reshard_after_forward=reshard,
+        ignored_params=ignored,
+        mp_policy=precision,
+        offload_policy=offload if offload is not None else OffloadPolicy(),
+    )
+
+
+def offload_policy(context: ParallelContext) -> Any:
+    """FSDP2's ``CPUOffloadPolicy`` under ``offload.level`` (pinned host memory on CUDA), else None."""
+    if not context.config["offload.level"]:
+        return None
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=context.cluster.device.type == "cuda")
+
+
+def one_process_mesh(device: torch.device) -> Any:
+    """A ``DeviceMesh`` over this process alone, for a job of one process (offload on one GPU).
+
+    FSDP2 needs a process group; a job of one process has none, so this makes the default group over an in-process
+    ``HashStore`` (nothing listens) unless the script made one.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not dist.is_initialized():
+        backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() != 1:
+        raise EplError(
+            f"epl.init found one process, but the default process group has {dist.get_world_size()}: launch every "
+            "process through epl launch or torchrun so that EPL sees them."
+        )
+    return DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=(f"alone{next(_MESHES)}",))
 
 
 #: The dtypes ``zero.param_dtype`` and ``zero.reduce_dtype`` name.
@@ -347,6 +410,7 @@ def _follow_new_parameters(
     copies_of: dict[int, Any],
     communicators: dict[Any, Communicator],
     context: ParallelContext,
+    home: torch.device | None,
 ) -> None:
     """``fully_shard`` replaced each sharded parameter by a new one (a DTensor): carry EPL's marks and bookkeeping
     over to it, so that split's shard spec, the TaskGraphs' tensors and the copies they have find it, and the old
@@ -362,7 +426,7 @@ def _follow_new_parameters(
             replaced[id(old)] = param
             set_shard_spec(param, shard_spec(old))
             copies = copies_of[id(old)]
-            mark_data_sharded(param, communicators[copies.devices])
+            mark_data_sharded(param, communicators[copies.devices], home)
             context.reduced_in_backward.add(id(param))
     for taskgraph in context.taskgraphs:
         taskgraph.tensors = [replaced.get(id(tensor), tensor) for tensor in taskgraph.tensors]

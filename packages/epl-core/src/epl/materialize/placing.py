@@ -19,13 +19,14 @@ from epl.materialize.streaming import StreamedInit
 from epl.materialize.swap import swap_values
 from epl.materialize.units import named_tensors
 from epl.sharding.chunks import held
-from epl.sharding.data_shards import is_dtensor
+from epl.sharding.data_shards import data_shards, is_dtensor
 from epl.sharding.parameters import shard_spec
 
 
 def materialize_kept(model: nn.Module, stream: StreamedInit, device: torch.device) -> int:
-    """Give values on ``device`` to every ``meta`` tensor of ``model`` (this rank's model after the transforms),
-    from the model as built that ``stream`` knows. Returns the number of elements given values."""
+    """Give values on ``device`` (a chunk marked with another home: there) to every ``meta`` tensor of ``model``
+    (this rank's model after the transforms), from the model as built that ``stream`` knows.
+    Returns the number of elements given values."""
     wanted: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     seen: set[int] = set()
     for name, local in named_tensors(model):
@@ -44,7 +45,9 @@ def materialize_kept(model: nn.Module, stream: StreamedInit, device: torch.devic
     for unit, members in stream.by_unit(wanted, lambda item: item[2]):
         values = stream.values(unit)
         for name, local, original in members:
-            part = _part(name, local, values[id(original)]).to(device).contiguous()
+            shards = data_shards(local)
+            home = shards.home if shards is not None and shards.home is not None else device  # offload: the host
+            part = _part(name, local, values[id(original)]).to(home).contiguous()
             if part.untyped_storage().nbytes() > part.nbytes:  # a slice's view would keep the unit's values alive
                 part = part.clone()
             swap_values(local, part)

@@ -129,7 +129,7 @@ def zero_collectives(layout: Layout, workload: Workload) -> tuple[int, int]:
 
 def zero_units(shape: ModelShape, layout: Layout) -> int:
     """Blocks ZeRO gathers and reduces one at a time on a device of the first (or last) stage: its decoder layers,
-    and the embedding, the final norm and the head, each a unit of its own (``epl_memory.residency.find_units``; a
+    and the embedding, the final norm and the head, each a unit of its own (``epl_memory.blocks.find_units``; a
     tied embedding and head are one matrix, gathered with the model's root)."""
     blocks = math.ceil(shape.layers / layout.pipeline)
     return blocks + ((2 if shape.tied else 3) if layout.pipeline == 1 else 1)

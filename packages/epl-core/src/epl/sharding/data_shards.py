@@ -22,14 +22,17 @@ _MARK = "_epl_data_shards"
 
 @dataclass(frozen=True)
 class DataShards:
-    """A parameter each of whose copies holds an even chunk of its rows: the communicator over those copies."""
+    """A parameter each of whose copies holds an even chunk of its rows: the communicator over those copies, and
+    where the chunk lives between uses when that is not the compute device (host memory under offload)."""
 
     communicator: Communicator
+    home: torch.device | None = None
 
 
-def mark_data_sharded(parameter: torch.Tensor, communicator: Communicator) -> None:
-    """Mark ``parameter`` as chunked over the members of ``communicator`` (its copies)."""
-    setattr(parameter, _MARK, DataShards(communicator))
+def mark_data_sharded(parameter: torch.Tensor, communicator: Communicator, home: torch.device | None = None) -> None:
+    """Mark ``parameter`` as chunked over the members of ``communicator`` (its copies), its chunk kept on ``home``
+    (None: the compute device)."""
+    setattr(parameter, _MARK, DataShards(communicator, home))
 
 
 def data_shards(tensor: torch.Tensor) -> DataShards | None:
