@@ -32,3 +32,13 @@ def test_dtypes_never_share_a_bucket() -> None:
     mixed = [floats[0], doubles[0], floats[1], doubles[1]]
     buckets = plan_buckets(mixed, 1)
     assert [{p.dtype for p in b} for b in buckets] == [{torch.float64}, {torch.float32}]
+
+
+def test_buckets_stay_within_the_byte_bound_where_max_splits_would_exceed_it() -> None:
+    """communication.bucket_size_mb: 12 tensors of 400 bytes in 5 buckets would hold up to 1,200 bytes each; with a
+    bound of 1,000 they are cut into runs of 2 (800 bytes), and a tensor larger than the bound is a bucket alone."""
+    ps = params(*([100] * 12))
+    assert [len(b) for b in plan_buckets(ps, 5, bucket_bytes=1000)] == [2] * 6
+    assert [len(b) for b in plan_buckets(ps, 5, bucket_bytes=2000)] == [3, 2, 3, 2, 2]  # max_splits' count holds
+    big = params(10, 1000, 10)
+    assert [[p.numel() for p in b] for b in plan_buckets(big, 1, bucket_bytes=100)] == [[10], [1000], [10]]

@@ -19,6 +19,12 @@ GRADIENTS_ONLY = {"communication.check_steps": False}
 SCENARIOS: dict[str, dict[str, Any]] = {
     "one_bucket": {"optimizer": "adam", "dtype": F64, "config": {"communication.max_splits": 1}},
     "three_buckets": {"optimizer": "adam", "dtype": F64, "config": {"communication.max_splits": 3}},
+    # 3,480 bytes of float64 gradients in one bucket would exceed 0.001 MiB (1,048 bytes): cut into 3 within it
+    "byte_bound": {
+        "optimizer": "adam",
+        "dtype": F64,
+        "config": {"communication.max_splits": 1, "communication.bucket_size_mb": 0.001},
+    },
     "three_communicators": {
         "optimizer": "adam",
         "dtype": F64,
@@ -72,6 +78,11 @@ def test_max_splits_sets_the_number_of_buckets() -> None:
     assert {r["buckets"] for r in outcome("three_buckets")} == {3}
     equal_to_reference("one_bucket")
     equal_to_reference("three_buckets")
+
+
+def test_bucket_size_mb_bounds_each_bucket_where_max_splits_would_exceed_it() -> None:
+    assert {r["buckets"] for r in outcome("byte_bound")} == {3}
+    equal_to_reference("byte_bound")
 
 
 def test_num_communicators_spreads_buckets_round_robin() -> None:

@@ -59,11 +59,15 @@ def train(optimizer: str, zero: str, micro_batches: int = 1) -> dict[str, Any]:
     engine = epl.parallelize(build(), optimizer=OPTIMIZERS[optimizer], loss_fn=nn.MSELoss())
     scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
     losses = []
+    reductions = 0
     for x, y in batches(engine.num_replicas, engine.replica_index):
-        losses.append(float(engine.step(x, y)))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            losses.append(float(engine.step(x, y)))
+        reductions = sum(event.name.startswith("FSDP::post_backward_reduce") for event in profile.events())
         scheduler.step()
     report = engine.memory_report()
     return {
+        "reductions": reductions,  # FSDP2's gradient reductions in the last step
         "losses": losses,
         "state": engine.state_dict(full=True)["model"],
         "bytes": (report.parameter_bytes, report.gradient_bytes, report.optimizer_state_bytes),
@@ -82,6 +86,8 @@ def test_zero_equals_plain_data_parallelism(optimizer: str, micro_batches: int) 
     results = run_ranks(every_level, 2, optimizer, micro_batches, timeout=180)
     tolerance = 0.0 if micro_batches == 1 else 1e-12
     for result in results:
+        # v0 (only the optimizer state sharded) accumulates whole gradients and reduces each block once a step
+        assert result["v0"]["reductions"] * micro_batches == result["v1"]["reductions"] > 0, result
         for level in LEVELS:
             assert result[level]["losses"] == pytest.approx(result["plain"]["losses"], rel=tolerance, abs=0), level
             for key, value in result["plain"]["state"].items():

@@ -26,7 +26,16 @@ KEYS: tuple[ConfigKey, ...] = (
         types=(int,),
         default=5,
         minimum=1,
-        doc="Maximum number of gradient buckets per dtype for tensor fusion.",
+        doc="Number of gradient buckets per dtype for tensor fusion (more where one would exceed "
+        "communication.bucket_size_mb).",
+    ),
+    ConfigKey(
+        name="communication.bucket_size_mb",
+        types=(int, float),
+        default=25,
+        minimum=0.001,
+        doc="Most MiB of gradients one bucket of data parallelism holds where communication.max_splits buckets "
+        "would hold more (torch DDP's bucket_cap_mb).",
     ),
     ConfigKey(
         name="communication.fp16",

@@ -46,6 +46,8 @@ class ReducePolicy:
     copies: int
     num_micro_batch: int = 1
     max_splits: int = 5
+    #: The most bytes of gradients one bucket holds where ``max_splits`` buckets would hold more.
+    bucket_bytes: float = 25 * 2**20
     mean: bool = True
     fp16: bool = False
     fp16_scale: float = 128.0
@@ -94,7 +96,7 @@ class DataParallelReducer:
         self.sparse = [p for p in params if p.requires_grad and id(p) in sparse_ids]
         self.buckets = [
             _Bucket(params=group, communicator=self.communicators[i % len(self.communicators)])
-            for i, group in enumerate(plan_buckets(dense, policy.max_splits))
+            for i, group in enumerate(plan_buckets(dense, policy.max_splits, policy.bucket_bytes))
         ]
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self.carries_verdict = carries_verdict and bool(self.buckets) and not self.sparse

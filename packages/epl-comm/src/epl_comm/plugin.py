@@ -106,6 +106,7 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
             copies=copies.divisor,
             num_micro_batch=context.plan.num_micro_batch,
             max_splits=config["communication.max_splits"],
+            bucket_bytes=config["communication.bucket_size_mb"] * 2**20,
             mean=config["communication.gradients_reduce_method"] == "mean",
             fp16=config["communication.fp16"],
             fp16_scale=float(config["communication.fp16_scale"]),

@@ -95,7 +95,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.runtime.loss import compute_loss
     from epl.runtime.nonfinite import NonFiniteCheck
     from epl.sharding.collectives import gradient_summed_over_shards
-    from epl.sharding.data_shards import data_shards, local_tensor, mark_data_sharded
+    from epl.sharding.data_shards import data_shards, local_tensor, mark_data_sharded, reduce_at_last_micro_batch
     from epl.sharding.dataflow import example_input, forked_rng, tensors_in
     from epl.sharding.meta import meta_copy
     from epl.sharding.norms import clip_grad_norm
@@ -130,6 +130,7 @@ _EXPORTS: dict[str, str] = {
     "gradient_summed_over_shards": "epl.sharding.collectives",
     "mark_data_sharded": "epl.sharding.data_shards",
     "data_shards": "epl.sharding.data_shards",
+    "reduce_at_last_micro_batch": "epl.sharding.data_shards",
     "split_batch": "epl.runtime.batch",
     "batch_size": "epl.runtime.batch",
     "to_device": "epl.runtime.batch",

@@ -72,7 +72,8 @@ KEYS: tuple[ConfigKey, ...] = (
         types=(str,),
         default="",
         choices=("", "v0"),
-        doc="Offload level: 'v0' keeps all weights in CPU memory; '' disables offload.",
+        doc="Offload level: 'v0' keeps weights, gradients and optimizer state in host memory (FSDP2's CPU offload; the "
+        "optimizer steps on the CPU); '' disables offload.",
     ),
     # 6.5 Memory-efficient AMP
     ConfigKey(

@@ -8,8 +8,9 @@ or none, when the rows do not divide), with that chunk's gradient and optimizer 
 
 - ``v0`` and ``v1``: the weights are gathered whole when a block's forward begins and stay whole through its
   backward (``reshard_after_forward=False``: ZeRO-2); each block's gradient is reduce-scattered as its backward
-  ends. FSDP2 has no mode that shards only the optimizer state, so v0 is v1: gradients are sharded too, the
-  same traffic as an all-reduce, and less memory than v0 promised.
+  ends. Under v0 (ZeRO-1: only the optimizer state sharded) a step of several micro-batches accumulates each
+  block's gradient whole and reduce-scatters it once, in the last micro-batch (``set_requires_gradient_sync``; the
+  local step runner, not a pipeline's); v1 reduce-scatters in every micro-batch and holds only chunks between them.
 - ``v2``: the weights are gathered just before each block's forward and again before its backward, the next
   block's gather posted while this one computes, and dropped after use (``reshard_after_forward=True``: ZeRO-3).
 
@@ -21,6 +22,10 @@ The user's optimizer is built over the sharded parameters (DTensors), so each ra
 and steps them; no update is broadcast. The gradients are averaged over the copies by the divisor EPL's
 data parallelism uses. With ``N`` copies and AdamW in float32 a device holds about ``16Ψ/N`` bytes plus the
 whole weights of the blocks in use.
+
+Under ``offload.level`` every block is handed over with FSDP2's ``CPUOffloadPolicy`` (:mod:`epl_memory.offload`):
+without ``zero.level`` each device keeps whole tensors (hybrid sharding of degree 1), and a tensor one device holds is
+sharded over that device alone, so that it lives in host memory too.
 
 A tensor is kept whole (and its gradient all-reduced by the data-parallel reducer, as without ZeRO) where a
 chunk cannot be proven right: a tensor held by one device, a tensor tied across pipeline stages, a tensor whose
@@ -40,7 +45,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from epl.plugin_api import ConfigError, EplError, TransformPhase, gradient_summed_over_shards, mark_data_sharded
+from epl.plugin_api import (
+    ConfigError,
+    EplError,
+    TransformPhase,
+    gradient_summed_over_shards,
+    mark_data_sharded,
+    reduce_at_last_micro_batch,
+)
 
 if TYPE_CHECKING:
     from epl.plugin_api import Communicator, ParallelContext
@@ -122,6 +134,9 @@ class ZeroSharding:
         precision = mixed_precision(context)
         home = torch.device("cpu") if offload else None
         policy = offload_policy(context)
+        # v0 shards only the optimizer state: gradients accumulate whole over micro-batches, reduced in the last
+        # (not under offload, whose gradients must leave the device)
+        accumulate_whole = sharding and context.config["zero.level"] == "v0" and not offload
         sum_mean = context.config["communication.gradients_reduce_method"] == "mean"
         sharded: list[nn.Module] = []
         # The modules the runner calls (the model, or a pipeline's stage roots) are sharded even when they hold no
@@ -152,6 +167,8 @@ class ZeroSharding:
             # one device (hybrid sharding of degree 1) in float64, so it is told only where the divisor differs
             if divisor != meshes[copies].size():
                 unit.set_gradient_divide_factor(divisor)  # type: ignore[operator]
+            if accumulate_whole:
+                reduce_at_last_micro_batch(unit)
             sharded.append(unit)
         _follow_new_parameters(model, before, copies_of, hybrid.chunk_communicators(communicators), context, home)
         if reshard and context.cluster.device.type != "cpu":  # a CPU has no streams to overlap on

@@ -109,6 +109,15 @@ def tensor_parallel_all_reduces(shape: ModelShape, layout: Layout) -> float:
 
 #: Gradient buckets per dtype (``communication.max_splits``'s default).
 GRADIENT_BUCKETS = 5
+#: The most bytes of gradients a bucket holds where :data:`GRADIENT_BUCKETS` would hold more
+#: (``communication.bucket_size_mb``'s default).
+BUCKET_BYTES = 25 * 2**20
+
+
+def gradient_buckets(shape: ModelShape, layout: Layout) -> int:
+    """Data parallelism's buckets on one device: :data:`GRADIENT_BUCKETS`, or as many as keep each within
+    :data:`BUCKET_BYTES` of float32 gradients (``epl_comm.buckets``; a cut by bytes may add one or two more)."""
+    return max(GRADIENT_BUCKETS, math.ceil(4 * weights_per_device(shape, layout) / BUCKET_BYTES))
 
 
 def zero_shards(layout: Layout) -> bool:
@@ -137,7 +146,7 @@ def zero_units(shape: ModelShape, layout: Layout) -> int:
 
 def collective_calls(shape: ModelShape, layout: Layout, workload: Workload) -> dict[str, float]:
     """Collective calls per step one device makes, by the kinds of :func:`payload_bytes`: each tensor-parallel
-    all-reduce; a send and a receive per micro-batch and boundary; :data:`GRADIENT_BUCKETS` gradient buckets, or
+    all-reduce; a send and a receive per micro-batch and boundary; :func:`gradient_buckets` gradient buckets, or
     under ZeRO a reduce-scatter per block (:func:`zero_units`) and micro-batch; ZeRO's all-gathers, one per block
     and micro-batch under v0 and v1, two under v2."""
     t, p, d, m = layout.tensor, layout.pipeline, layout.data, layout.micro_batches
@@ -157,7 +166,7 @@ def collective_calls(shape: ModelShape, layout: Layout, workload: Workload) -> d
         reductions, gathers = zero_collectives(layout, workload)
         data, parameters = float(reductions * zero_units(shape, layout)), float(gathers * zero_units(shape, layout))
     elif d > 1:
-        data = GRADIENT_BUCKETS
+        data = float(gradient_buckets(shape, layout))
     return {
         "tensor_parallel": tensor, "gathered_logits": logits, "pipeline": pipeline, "data_parallel": data,
         "zero_parameters": parameters,

@@ -61,6 +61,23 @@ def sharded_modules(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
+_WHOLE_UNTIL_LAST = "_epl_reduce_at_last_micro_batch"
+
+
+def reduce_at_last_micro_batch(module: nn.Module) -> None:
+    """Mark a sharded module (``fully_shard``'s) whose gradients accumulate whole over a step's micro-batches and
+    are reduced once, in the last one's backward (ZeRO v0: only the optimizer state is sharded)."""
+    setattr(module, _WHOLE_UNTIL_LAST, True)
+
+
+def sync_gradients(modules: list[nn.Module], last: bool) -> None:
+    """Before a micro-batch's backward: the marked ``modules`` reduce their gradients only when it is the ``last``
+    of the step (FSDP2's ``set_requires_gradient_sync``)."""
+    for module in modules:
+        if getattr(module, _WHOLE_UNTIL_LAST, False):
+            module.set_requires_gradient_sync(last, recurse=False)  # type: ignore[operator]
+
+
 @contextlib.contextmanager
 def gathered(model: nn.Module) -> Iterator[None]:
     """Every chunked parameter of ``model`` whole on every rank, for the ``with`` block (a collective).
