@@ -9,7 +9,8 @@ logits runs the parallel cross-entropy instead, with no gather). What else is se
 - pipeline: the rotary position embeddings (cos and sin, ``s x head_dim`` each) sent with the activations, and the
   loss, all-reduced once so that every stage returns it.
 
-ZeRO (v0-v2, FSDP2 per block) reduce-scatters each block's gradients in every micro-batch's backward and all-gathers
+ZeRO (v0-v2, FSDP2 per block) reduce-scatters each block's gradients in every micro-batch's backward (v0 once, in the
+last, its gradients accumulated whole) and all-gathers
 its weights for every micro-batch's forward (v0, v1) and again for its backward (v2): the decoder layers, and the
 embedding, the final norm and the head, each a block of its own.
 """

@@ -127,13 +127,21 @@ def zero_shards(layout: Layout) -> bool:
 
 def zero_collectives(layout: Layout, workload: Workload) -> tuple[int, int]:
     """How many times per step ZeRO reduce-scatters each block's gradients and gathers its weights. EPL (FSDP2)
-    reduces in every micro-batch's backward, and gathers for every micro-batch's forward under v0 and v1 (the
+    reduces in every micro-batch's backward (v0 on one stage: once, in the last; its gradients accumulate whole),
+    and gathers for every micro-batch's forward under v0 and v1 (the
     weights stay whole until its backward ends: ``reshard_after_forward=False``) and again for its backward under v2.
     ``Workload.zero_once_per_step`` (Megatron-LM's distributed optimizer) reduces once a step and, under v0 and v1,
     gathers once a step."""
     m = layout.micro_batches
     once = workload.zero_once_per_step
-    return (1 if once else m), (2 * m if layout.zero == "v2" else 1 if once else m)
+    reduced_once = once or zero_accumulates_whole(layout)
+    return (1 if reduced_once else m), (2 * m if layout.zero == "v2" else 1 if once else m)
+
+
+def zero_accumulates_whole(layout: Layout) -> bool:
+    """Whether ZeRO keeps each block's gradient whole over a step's micro-batches and reduces it once: v0 on one
+    stage (``epl_memory.zero``; a pipeline's runner reduces in every micro-batch)."""
+    return layout.zero == "v0" and layout.pipeline == 1 and layout.micro_batches > 1
 
 
 def zero_units(shape: ModelShape, layout: Layout) -> int:

@@ -65,6 +65,7 @@ from epl.planner.communication import (
     payload_bytes,
     updated_weights,
     weights_per_device,
+    zero_accumulates_whole,
     zero_collectives,
     zero_shards,
 )
@@ -236,6 +237,8 @@ def _memory(shape: ModelShape, layout: Layout, workload: Workload, device: Devic
         unit = largest_unit(shape, layout)
         gathered = weights if layout.zero in ("v0", "v1") else unit * (2 if workload.weights_prefetched else 1)
         reducing = gathered * e + 2 * unit * 4
+        if zero_accumulates_whole(layout):  # v0 over micro-batches: every block's gradient whole until the last
+            reducing += weights * 4
     elif d > 1:
         reducing = largest_tensor(shape, layout) * 4
     update_temporary = updated * 4 if workload.optimizer_states >= 2 else 0.0
