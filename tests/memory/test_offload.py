@@ -58,6 +58,10 @@ def offloaded_training(folder: str, force: bool = True) -> dict[str, Any]:
     if force:
         epl_memory.offload.offloads = lambda context: bool(context.config["offload.level"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("epl.memory").addHandler(handler)
     epl.init(epl.Config({"offload.level": "v0"}))
     engine = epl.parallelize(
         tower(), optimizer=lambda p: torch.optim.AdamW(p, lr=0.01), loss_fn=nn.MSELoss()
@@ -74,6 +78,7 @@ def offloaded_training(folder: str, force: bool = True) -> dict[str, Any]:
     built = epl.parallelize(meta, optimizer=lambda p: torch.optim.AdamW(p, lr=0.01), loss_fn=nn.MSELoss())
     built.step(*batches(device)[0])
     return {
+        "said": said,
         "meta homes": {str(p.to_local().device) for p in built.model.parameters()},
         "losses": losses,
         "state": state,
@@ -96,6 +101,7 @@ def test_offload_in_one_process_trains_as_without_it_and_saves(tmp_path: Path) -
         torch.testing.assert_close(result["state"][key], value, rtol=1e-12, atol=1e-12, msg=key)
         torch.testing.assert_close(result["loaded"][key], value, rtol=1e-12, atol=1e-12, msg=key)
     assert len(result["readable"]) == len(state)
+    assert any("torch.optim.AdamW(..., fused=True)" in line for line in result["said"]), result["said"]
 
 
 def test_offload_on_a_cpu_says_why_nothing_moves(caplog: pytest.LogCaptureFixture) -> None:

@@ -18,11 +18,18 @@ non-finite verdict need every gradient before any update, and EPL never applies 
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
+
+import torch
+
+from epl.plugin_api import WrapperPhase
 
 if TYPE_CHECKING:
     from epl.plugin_api import ParallelContext
 
+
+_log = logging.getLogger("epl.memory")
 
 #: What ``offload.level`` does in a job of one process without an accelerator.
 CPU_NOTE = (
@@ -36,3 +43,26 @@ def offloads(context: ParallelContext) -> bool:
     """Whether ``offload.level`` moves anything: set, and not a job of one process on the CPU (whose host memory is
     its device memory; several processes on the CPU go through the same FSDP2 path as on GPUs)."""
     return bool(context.config["offload.level"]) and not (context.plan.local and context.cluster.device.type == "cpu")
+
+
+#: torch optimizers with a fused CPU kernel, which steps the host chunks about 4x faster than the per-tensor loop
+#: (AdamW over 126M float32 parameters on 2 cores: 100 against 414 ms, DTensor chunks).
+FUSED_ON_CPU = ("Adam", "AdamW", "SGD", "Adagrad")
+
+
+class OffloadAdvice:
+    """Optimizer wrapper (``offload.level``): says once when the CPU's step could use torch's fused kernel."""
+
+    name = "offload_advice"
+    phase = WrapperPhase.OFFLOAD
+
+    def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
+        """Log the advice where it applies; return ``optimizer`` unchanged."""
+        kind = type(optimizer).__name__
+        if kind in FUSED_ON_CPU and not optimizer.defaults.get("fused"):
+            _log.warning(
+                "offload.level: the optimizer steps in host memory, on the CPU; torch.optim.%s(..., fused=True) "
+                "steps there about 4x faster than the per-tensor loop it runs now.",
+                kind,
+            )
+        return optimizer

@@ -84,10 +84,16 @@ def epl_config_keys() -> Sequence[ConfigKey]:
 
 @hookimpl
 def epl_optimizer_wrappers(context: ParallelContext) -> list[OptimizerWrapper] | None:
-    """Apply groups, as configured (ZeRO and offload need no wrapper: the optimizer steps the chunks it is given)."""
+    """Apply groups, and offload's advice on the CPU's step, as configured (ZeRO and offload need no other wrapper:
+    the optimizer steps the chunks it is given)."""
+    from epl_memory.offload import OffloadAdvice, offloads
+
+    wrappers: list[OptimizerWrapper] = []
     if context.config["optimizer.num_apply_group"] > 1:
-        return [ApplyGroups()]
-    return None
+        wrappers.append(ApplyGroups())
+    if offloads(context):
+        wrappers.append(OffloadAdvice())
+    return wrappers or None
 
 
 @hookimpl
