@@ -58,14 +58,12 @@ class BroadcastInitialWeights:
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """Broadcast ``model``'s tensors from the first copy of each; return it."""
-        from epl.plugin_api import broadcast_tensors, data_shards
+        from epl.plugin_api import data_shards
         from epl_comm.groups import groups_for
 
         groups = groups_for(context)
         tensors = [t for t in (*model.parameters(), *model.buffers()) if data_shards(t) is None]
-        for copies, members in context.copies_of_tensors(tensors).items():
-            if len(copies.devices) > 1:
-                broadcast_tensors(members, groups.communicators(copies)[0])
+        context.agree_with_first_copy(tensors, lambda copies: groups.communicators(copies)[0])
         return model
 
 

@@ -139,12 +139,13 @@ def _check_combinations(context: ParallelContext) -> None:
     from epl.plugin_api import ConfigError
 
     config = context.config
-    if not config["zero.level"]:
+    if not config["zero.level"] and not config["offload.level"]:
         for key in ("zero.param_dtype", "zero.reduce_dtype"):
             if config[key]:
                 raise ConfigError(
-                    f"Config key {key!r} = {config[key]!r} only applies to ZeRO: set zero.level too, or leave {key} "
-                    "unset (amp.level 'O1' lowers the precision of the operations without ZeRO)."
+                    f"Config key {key!r} = {config[key]!r} only applies to ZeRO and offload (FSDP2's mixed precision): "
+                    f"set zero.level or offload.level too, or leave {key} unset (amp.level 'O1' lowers the precision "
+                    "of the operations without them)."
                 )
 
 

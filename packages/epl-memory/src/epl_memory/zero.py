@@ -202,13 +202,7 @@ def _agree_before_sharding(params: Sequence[nn.Parameter], context: ParallelCont
     """Copy the first copy's values of ``params`` into every copy, as the weights' synchronisation does for the
     tensors kept whole (it comes later, and skips chunks). A model built on ``meta`` has no values yet: each device
     gets its chunks' values from the job's seed when the model is materialised, the same on every copy."""
-    from epl.plugin_api import broadcast_tensors
-
-    valued = [param for param in params if not param.is_meta]
-    communicators = context.copy_communicators()
-    for copies, members in context.copies_of_tensors(valued).items():
-        if len(copies.devices) > 1:
-            broadcast_tensors(members, communicators[copies.devices])
+    context.agree_with_first_copy([param for param in params if not param.is_meta])
 
 
 def _kept_whole(

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from epl.annotations.taskgraph import holders_of
-from epl.interfaces.collectives import Group, communicators_for
+from epl.interfaces.collectives import Group, broadcast_tensors, communicators_for
 from epl.placement.copies import Copies, copies_of, copies_of_shared, every_copy_group
 
 if TYPE_CHECKING:
@@ -129,6 +129,17 @@ class ParallelContext:
         if self._copy_communicators is None:
             self._copy_communicators = communicators_for(self.communicator, every_copy_group(self.plan))
         return self._copy_communicators
+
+    def agree_with_first_copy(
+        self, tensors: list[torch.Tensor], communicator_of: Callable[[Copies], Communicator] | None = None
+    ) -> None:
+        """Copy the first copy's values of ``tensors`` into every other copy: one broadcast per group of copies (and
+        dtype), over ``communicator_of(copies)`` (default: :meth:`copy_communicators`'). A collective of every copy.
+        """
+        for copies, members in self.copies_of_tensors(tensors).items():
+            if len(copies.devices) > 1:
+                communicator = communicator_of(copies) if communicator_of else self.copy_communicators()[copies.devices]
+                broadcast_tensors(members, communicator)
 
     def copies_of_tensors(self, tensors: list[torch.Tensor]) -> dict[Copies, list[torch.Tensor]]:
         """``tensors`` of this rank's model, grouped by their copies.
