@@ -104,7 +104,7 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
     """
     from epl.plugin_api import ConfigError
     from epl_memory.offload import CPU_NOTE, offloads
-    from epl_memory.zero import ZeroSharding
+    from epl_memory.zero import ZeroSharding, shards_over_copies
 
     config = context.config
     _check_combinations(context)
@@ -118,7 +118,7 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
     transforms: list[ModelTransform] = []
     if config["gradient_checkpoint.type"]:
         transforms.append(GradientCheckpointing())
-    if _zero(context) or offloads(context):
+    if shards_over_copies(context) or offloads(context):
         transforms.append(ZeroSharding())
     elif config["offload.level"]:
         _log.warning(CPU_NOTE)
@@ -127,11 +127,6 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
 
         transforms.append(Autocast())
     return transforms or None
-
-
-def _zero(context: ParallelContext) -> bool:
-    """Whether ZeRO shards this job's tensors (``zero.level`` set, several processes)."""
-    return bool(context.config["zero.level"]) and not context.plan.local
 
 
 def _check_combinations(context: ParallelContext) -> None:

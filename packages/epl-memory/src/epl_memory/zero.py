@@ -84,7 +84,7 @@ class ZeroSharding:
 
         refuse_unsupported(context)
         offload = bool(context.config["offload.level"])
-        sharding = bool(context.config["zero.level"]) and not context.plan.local
+        sharding = shards_over_copies(context)
         entries = stage_entries(model, context)
         units = find_units(model, entries)
         if entries:  # a pipeline's runner calls the stage roots, never the model itself
@@ -179,10 +179,15 @@ class ZeroSharding:
         return model
 
 
+def shards_over_copies(context: ParallelContext) -> bool:
+    """Whether ``zero.level`` shards this job's tensors (set, several processes: one process has nothing to share)."""
+    return bool(context.config["zero.level"]) and not context.plan.local
+
+
 def refuse_unsupported(context: ParallelContext) -> None:
     """One clear error for what ZeRO and offload on FSDP2 cannot do (yet)."""
     config = context.config
-    key = "zero.level" if config["zero.level"] and not context.plan.local else "offload.level"
+    key = "zero.level" if shards_over_copies(context) else "offload.level"
     setting = f"{key} {config[key]!r}"
     if context.split_backward:
         raise ConfigError(

@@ -70,12 +70,16 @@ def reduce_at_last_micro_batch(module: nn.Module) -> None:
     setattr(module, _WHOLE_UNTIL_LAST, True)
 
 
+def reducing_at_last_micro_batch(model: nn.Module) -> list[nn.Module]:
+    """The sharded modules of ``model`` marked by :func:`reduce_at_last_micro_batch`."""
+    return [module for module in sharded_modules(model) if getattr(module, _WHOLE_UNTIL_LAST, False)]
+
+
 def sync_gradients(modules: list[nn.Module], last: bool) -> None:
-    """Before a micro-batch's backward: the marked ``modules`` reduce their gradients only when it is the ``last``
-    of the step (FSDP2's ``set_requires_gradient_sync``)."""
+    """Before a micro-batch's backward: ``modules`` (:func:`reducing_at_last_micro_batch`'s) reduce their gradients
+    only when it is the ``last`` of the step (FSDP2's ``set_requires_gradient_sync``)."""
     for module in modules:
-        if getattr(module, _WHOLE_UNTIL_LAST, False):
-            module.set_requires_gradient_sync(last, recurse=False)  # type: ignore[operator]
+        module.set_requires_gradient_sync(last, recurse=False)  # type: ignore[operator]
 
 
 @contextlib.contextmanager
