@@ -43,6 +43,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import fnmatch
 import itertools
 import os
 import random
@@ -1004,11 +1005,13 @@ def _discard(old: Path, rank: int) -> None:
     """Delete ``rank``'s data files of the previous checkpoint ``old``; rank 0 then deletes EPL's other files and the
     folder. Ranks delete at the same time: a file another rank removed first is skipped. Whatever engine.save did
     not write is left where it is."""
-    if not old.is_dir():
-        return
-    for path in old.glob(f"__{rank}_*.distcp"):
+    try:  # rank 0 may have removed the whole folder already
+        mine = [entry.name for entry in os.scandir(old) if fnmatch.fnmatchcase(entry.name, f"__{rank}_*.distcp")]
+    except (FileNotFoundError, NotADirectoryError):
+        mine = []
+    for name in mine:
         with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+            (old / name).unlink()
     if rank == 0:
         left = folders.remove_own(old, folders.is_checkpoint_file)
         if left:
