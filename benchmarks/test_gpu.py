@@ -299,14 +299,17 @@ def offload_against_the_gpu() -> dict[str, Any]:
     bf16 and checkpointing on both), at one and at four micro-batches a step (where compute dominates)."""
     torch.set_num_threads(os.cpu_count() or 1)  # the CPU's optimizer step uses every core (run_ranks gives one)
     shape = dict(OFFLOAD_LLAMA, layers=2) if short_mode() else OFFLOAD_LLAMA
-    batch, sequence = (2, 512) if short_mode() else (8, 2048)
+    sequence = 512 if short_mode() else 2048
+    # (micro-batches, sequences a step): one step of 8 sequences whole or in 4, then 8 micro-batches of 8 (where the
+    # GPU's compute outweighs the CPU's step and the copies)
+    steps = ((1, 2), (2, 2)) if short_mode() else ((1, 8), (4, 8), (8, 64))
     calls = 2 if short_mode() else 3
-    tokens = _tokens(batch, sequence, shape["vocabulary"])
     parameters = sum(p.numel() for p in llama_on_meta(**shape).parameters())
     cases = []
-    for micro in (1, 4):
+    for micro, batch in steps:
+        tokens = _tokens(batch, sequence, shape["vocabulary"])
         gpu, offloaded = _on_the_gpu(shape, tokens, micro, calls), _offloaded(shape, tokens, micro, calls)
-        cases.append({"micro_batches": micro, "gpu": gpu, "offload": offloaded})
+        cases.append({"micro_batches": micro, "sequences": batch, "length": sequence, "gpu": gpu, "offload": offloaded})
     return {"parameters": parameters, "cases": cases}
 
 
@@ -321,15 +324,17 @@ def test_offload_against_the_model_on_the_gpu() -> None:
         ratio = offloaded["seconds"] / gpu["seconds"]
         rows.append(
             ResultRow(
-                f"Offload v0, Llama {got['parameters'] / 1e9:.2f}B, {micro} micro-batch{'es' if micro > 1 else ''}",
+                f"Offload v0, Llama {got['parameters'] / 1e9:.2f}B, {case['sequences']} sequences in {micro} "
+                f"micro-batch{'es' if micro > 1 else ''}",
                 "the model kept on the GPU",
                 time=(Ratio(ratio),),
                 memory=(Ratio(offloaded["peak"] / gpu["peak"], "step peak"),),
-                plot=f"offload v0, {micro} micro-batches",
+                plot=f"offload v0, {case['sequences']} sequences / {micro}",
             )
         )
         details.append(
-            f"{name}, AMP bf16 + checkpointing, {micro} micro-batches: step offload {ms(offloaded['seconds'] * 1e3)}, "
+            f"{name}, AMP bf16 + checkpointing, {case['sequences']} sequences of {case['length']} tokens in {micro} "
+            f"micro-batches: step offload {ms(offloaded['seconds'] * 1e3)}, "
             f"on the GPU {ms(gpu['seconds'] * 1e3)} (x{ratio:.2f}); the CPU's AdamW step alone "
             f"{ms(offloaded['cpu_step'] * 1e3)}; device memory held after parallelize "
             f"{mib(max(offloaded['held'], 0))}, "

@@ -89,6 +89,83 @@ def offloaded_training(folder: str, force: bool = True) -> dict[str, Any]:
     }
 
 
+def offloaded_micro_batches() -> dict[str, Any]:
+    """One process, offload v0 (forced onto the FSDP2 path), three micro-batches a step: the losses, the weights, and
+    where the gradients FSDP2 wrote were summed."""
+    import threading
+
+    import epl_memory.offload
+    from epl_memory.host_gradients import HostGradientSums
+
+    epl_memory.offload.offloads = lambda context: bool(context.config["offload.level"])
+    sums = []
+    add = HostGradientSums._sum
+
+    def counted(self: HostGradientSums) -> None:
+        worker = threading.current_thread().name.startswith("epl-host-gradients")  # not autograd's nor the main
+        sums.append((worker, sum(len(taken) > 1 for _, taken in self._taken.values())))
+        add(self)
+
+    HostGradientSums._sum = counted  # type: ignore[method-assign]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    epl.init(epl.Config({"offload.level": "v0", "pipeline.num_micro_batch": 3}))
+    engine = epl.parallelize(tower(), optimizer=lambda p: torch.optim.AdamW(p, lr=0.01), loss_fn=nn.MSELoss())
+    losses = [float(engine.step(x, y)) for x, y in batches(device)]
+    return {"losses": losses, "state": engine.state_dict(full=True)["model"], "sums": sums}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_micro_batches_sum_their_gradients_off_the_backward_as_one_batch() -> None:
+    """FSDP2 adds a second micro-batch's gradient on the CPU inside the backward, stalling the device; EPL takes the
+    earlier ones away first and sums them on a worker meanwhile (epl_memory.host_gradients). The step equals one
+    whole batch's."""
+    (result,) = run_ranks(offloaded_micro_batches, 1, timeout=150)
+    losses, state = plain_training()
+    assert result["losses"] == pytest.approx(losses, rel=1e-12, abs=1e-12)
+    for key, value in state.items():
+        torch.testing.assert_close(result["state"][key], value, rtol=1e-12, atol=1e-12, msg=key)
+    # each step: the first two micro-batches' gradients on EPL's worker, the last in the backward's own thread before
+    # the update; every one of the tower's 10 tensors summed each time after the first
+    assert result["sums"] == [(True, 0), (True, 10), (False, 10)] * 3, result["sums"]
+
+
+def test_host_sums_hide_no_gradient_and_forget_a_step_that_raised() -> None:
+    """The bookkeeping alone, on plain tensors: gradients are whole after a step's last backward and after any
+    backward the runner did not announce, and a step cut off after its first micro-batch leaves nothing behind."""
+    from epl_memory.host_gradients import HostGradientSums
+
+    model, reference = tower(), tower()
+    sums = HostGradientSums(list(model.parameters()), torch.device("cpu"))
+    sums.install(model, [model[1], model[2], model[3]])
+    (x, y), (x2, y2), _ = batches()
+
+    def backward(net: nn.Module, rows: slice, inputs: torch.Tensor = x, targets: torch.Tensor = y) -> None:
+        nn.functional.mse_loss(net(inputs[rows]), targets[rows]).backward()
+
+    for index, rows in enumerate((slice(0, 2), slice(2, 4), slice(4, 6))):  # a step of three micro-batches
+        sums._micro_batch(index, 3)
+        backward(model, rows)
+        backward(reference, rows)
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-14, atol=1e-14)
+    backward(model, slice(0, 6))  # a backward nobody announced adds to the gradients, as autograd does
+    backward(reference, slice(0, 6))
+    assert all(p.grad is not None for p in model.parameters())
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-14, atol=1e-14)
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    sums._micro_batch(0, 3)  # a step that raises after its first micro-batch's backward
+    backward(model, slice(0, 2), x2, y2)
+    for index, rows in enumerate((slice(0, 2), slice(2, 4), slice(4, 6))):  # the next step forgets it
+        sums._micro_batch(index, 3)
+        backward(model, rows)
+        backward(reference, rows)
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-14, atol=1e-14)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_offload_in_one_process_trains_as_without_it_and_saves(tmp_path: Path) -> None:
@@ -104,6 +181,7 @@ def test_offload_in_one_process_trains_as_without_it_and_saves(tmp_path: Path) -
     assert any("torch.optim.AdamW(..., fused=True)" in line for line in result["said"]), result["said"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="about a process without an accelerator")
 def test_offload_on_a_cpu_says_why_nothing_moves(caplog: pytest.LogCaptureFixture) -> None:
     def train(config: dict[str, str]) -> dict[str, torch.Tensor]:
         epl.init(epl.Config(config))

@@ -27,7 +27,12 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "pipeline.num_micro_batch": 2,
     },  # fmt: skip
     # offload on FSDP2: on these CPUs the host is the device, so this proves the layouts' arithmetic and bookkeeping
-    "offload, 4 replicas": {"offload.level": "v0"},
+    "offload, 2 stages x 2 replicas": {
+        "offload.level": "v0",
+        "pipeline.num_stages": 2,
+        "auto.auto_parallel": True,
+        "pipeline.num_micro_batch": 2,
+    },  # fmt: skip
     "offload with zero v1, split(2) x 2 replicas": {"offload.level": "v0", "zero.level": "v1"},
 }
 
@@ -101,7 +106,7 @@ def in_one_process() -> tuple[list[float], dict[str, torch.Tensor]]:
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, model.state_dict()
 
 

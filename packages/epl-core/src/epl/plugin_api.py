@@ -95,7 +95,14 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.runtime.loss import compute_loss
     from epl.runtime.nonfinite import NonFiniteCheck
     from epl.sharding.collectives import gradient_summed_over_shards
-    from epl.sharding.data_shards import data_shards, local_tensor, mark_data_sharded, reduce_at_last_micro_batch
+    from epl.sharding.data_shards import (
+        MicroBatchListener,
+        data_shards,
+        listen_to_micro_batches,
+        local_tensor,
+        mark_data_sharded,
+        reduce_at_last_micro_batch,
+    )
     from epl.sharding.dataflow import example_input, forked_rng, tensors_in
     from epl.sharding.meta import meta_copy
     from epl.sharding.norms import clip_grad_norm
@@ -131,6 +138,8 @@ _EXPORTS: dict[str, str] = {
     "mark_data_sharded": "epl.sharding.data_shards",
     "data_shards": "epl.sharding.data_shards",
     "reduce_at_last_micro_batch": "epl.sharding.data_shards",
+    "listen_to_micro_batches": "epl.sharding.data_shards",
+    "MicroBatchListener": "epl.sharding.data_shards",
     "split_batch": "epl.runtime.batch",
     "batch_size": "epl.runtime.batch",
     "to_device": "epl.runtime.batch",

@@ -12,8 +12,10 @@ over the host chunks, so its state lives in host memory and its step runs on the
   (FSDP2's hybrid sharding of shard degree 1), so data parallelism averages the gradients as before.
 - A job of one process gets a process group of its own over an in-process store (FSDP2 needs one; nothing listens).
 
-The optimizer's step runs after the whole backward, not overlapped with it: clipping's norm, AMP's unscaling and EPL's
-non-finite verdict need every gradient before any update, and EPL never applies a step it may skip.
+A step's micro-batches sum their gradients in host memory on a worker thread, off the backward
+(:mod:`epl_memory.host_gradients`). The optimizer's step runs after the whole backward, not overlapped with it:
+clipping's norm, AMP's unscaling and EPL's non-finite verdict need every gradient before any update, and EPL never
+applies a step it may skip.
 """
 
 from __future__ import annotations

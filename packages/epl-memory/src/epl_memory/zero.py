@@ -173,6 +173,8 @@ class ZeroSharding:
         _follow_new_parameters(model, before, copies_of, hybrid.chunk_communicators(communicators), context, home)
         if reshard and context.cluster.device.type != "cpu":  # a CPU has no streams to overlap on
             _prefetch(model, sharded)
+        if policy is not None:
+            _sum_host_gradients(model, sharded, context.cluster.device)
         for called in (*entries, model):
             called.forward = _explain_chunked_reads(called.forward)
         state.sharded = sharded[::-1]
@@ -470,6 +472,15 @@ def _explain_chunked_reads(forward: Callable[..., Any]) -> Callable[..., Any]:
             ) from exc
 
     return checked
+
+
+def _sum_host_gradients(model: nn.Module, sharded: Sequence[nn.Module], device: torch.device) -> None:
+    """Offload: sum the gradients of a step's micro-batches outside the backward (:mod:`epl_memory.host_gradients`)."""
+    from torch.distributed.tensor import DTensor
+
+    from epl_memory.host_gradients import HostGradientSums
+
+    HostGradientSums([p for p in model.parameters() if isinstance(p, DTensor)], device).install(model, sharded)
 
 
 def _prefetch(model: nn.Module, sharded: Sequence[nn.Module]) -> None:

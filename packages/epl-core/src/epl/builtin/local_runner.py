@@ -14,7 +14,7 @@ from epl.plugins.context import CarriesNonFiniteVerdict, GradientReducer, LossFn
 from epl.runtime.batch import call_model, micro_batches, to_device
 from epl.runtime.loss import compute_loss
 from epl.runtime.nonfinite import NonFiniteCheck, NonFiniteVerdict
-from epl.sharding.data_shards import reducing_at_last_micro_batch, sync_gradients
+from epl.sharding.data_shards import micro_batch_listeners
 from epl.sharding.norms import clip_grad_norm
 
 ForwardContext = Callable[[], contextlib.AbstractContextManager[Any]]
@@ -119,8 +119,8 @@ class LocalStepRunner:
         #: The reducer, when it can carry the non-finite verdict (plain data parallelism; see its docs).
         self._verdicts = gradient_reducer if isinstance(gradient_reducer, CarriesNonFiniteVerdict) else None
         self._grad_norm: torch.Tensor | None = None
-        #: Sharded modules that reduce their gradients only in a step's last micro-batch (ZeRO v0).
-        self._reduce_at_last = reducing_at_last_micro_batch(model) if num_micro_batch > 1 else []
+        #: What is told before each micro-batch (ZeRO v0 reduces in the last; offload sums gradients meanwhile).
+        self._listeners = micro_batch_listeners(model) if num_micro_batch > 1 else []
 
     @property
     def grad_norm(self) -> float | None:
@@ -165,7 +165,8 @@ class LocalStepRunner:
         losses = []
         pieces = list(micro_batches(inputs, targets, parts))
         for index, (micro_inputs, micro_targets) in enumerate(pieces):
-            sync_gradients(self._reduce_at_last, last=index == len(pieces) - 1)
+            for listener in self._listeners:
+                listener(index, len(pieces))
             loss = self.loss(micro_inputs, micro_targets)
             self.backward(loss / parts)
             losses.append(loss.detach())

@@ -123,8 +123,13 @@ def placed_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     own = like.to_local()  # type: ignore[attr-defined]
     if tuple(local.shape) != tuple(own.shape):
         raise EplError(f"A value of shape {list(local.shape)} where this rank holds {list(own.shape)}.")
+    local = local.to(dtype=own.dtype, device=local.device if own.is_meta else own.device)
+    if not local.is_meta and local.device.type != like.device_mesh.device_type:  # type: ignore[attr-defined]
+        # a chunk in host memory on a GPU's mesh (offload): from_local would move it to the GPU (as FSDP2 builds
+        # its host chunks: with the constructor, which keeps it where it is)
+        return DTensor(local, like._spec, requires_grad=False)  # type: ignore[attr-defined,call-arg]
     return DTensor.from_local(
-        local.to(dtype=own.dtype, device=local.device if own.is_meta else own.device),
+        local,
         like.device_mesh,  # type: ignore[attr-defined]
         like.placements,  # type: ignore[attr-defined]
         run_check=False,

@@ -9,7 +9,7 @@ are, and reads it through :func:`local_tensor`: this rank's chunk, a view, never
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -61,25 +61,34 @@ def sharded_modules(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
-_WHOLE_UNTIL_LAST = "_epl_reduce_at_last_micro_batch"
+#: The attribute holding a module's micro-batch listeners (:func:`listen_to_micro_batches`).
+_LISTENERS = "_epl_micro_batch_listeners"
+
+#: ``listener(index, count)``: micro-batch ``index`` (from 0) of a step's ``count`` is about to run.
+MicroBatchListener = Callable[[int, int], None]
+
+
+def listen_to_micro_batches(module: nn.Module, listener: MicroBatchListener) -> None:
+    """Call ``listener(index, count)`` before each micro-batch's forward in a step that the local step runner cuts
+    into ``count > 1`` micro-batches (``index`` 0 first). A step of one batch calls nothing, nor does a pipeline's
+    runner (each of its micro-batches' backwards is on its own), so a listener's default must be right alone."""
+    module.__dict__.setdefault(_LISTENERS, []).append(listener)
+
+
+def micro_batch_listeners(model: nn.Module) -> list[MicroBatchListener]:
+    """Every listener of ``model``'s modules (:func:`listen_to_micro_batches`), outermost module first."""
+    return [listener for module in model.modules() for listener in module.__dict__.get(_LISTENERS, ())]
 
 
 def reduce_at_last_micro_batch(module: nn.Module) -> None:
-    """Mark a sharded module (``fully_shard``'s) whose gradients accumulate whole over a step's micro-batches and
-    are reduced once, in the last one's backward (ZeRO v0: only the optimizer state is sharded)."""
-    setattr(module, _WHOLE_UNTIL_LAST, True)
+    """Have a sharded module (``fully_shard``'s) accumulate its gradients whole over a step's micro-batches and
+    reduce them once, in the last one's backward (ZeRO v0: only the optimizer state is sharded; FSDP2's
+    ``set_requires_gradient_sync``)."""
 
+    def reduce_if_last(index: int, count: int) -> None:
+        module.set_requires_gradient_sync(index == count - 1, recurse=False)  # type: ignore[operator]
 
-def reducing_at_last_micro_batch(model: nn.Module) -> list[nn.Module]:
-    """The sharded modules of ``model`` marked by :func:`reduce_at_last_micro_batch`."""
-    return [module for module in sharded_modules(model) if getattr(module, _WHOLE_UNTIL_LAST, False)]
-
-
-def sync_gradients(modules: list[nn.Module], last: bool) -> None:
-    """Before a micro-batch's backward: ``modules`` (:func:`reducing_at_last_micro_batch`'s) reduce their gradients
-    only when it is the ``last`` of the step (FSDP2's ``set_requires_gradient_sync``)."""
-    for module in modules:
-        module.set_requires_gradient_sync(last, recurse=False)  # type: ignore[operator]
+    listen_to_micro_batches(module, reduce_if_last)
 
 
 @contextlib.contextmanager
