@@ -1,9 +1,9 @@
 """Run every feature a subset of EPL's packages offers, in a virtual environment holding only that subset.
 
-    python tests/subsets/check_subset.py epl-core epl-comm     # nox -s "subsets(subset='comm')" runs it
+    python tests/subsets/check_subset.py epl-core epl-memory     # nox -s "subsets(subset='memory')" runs it
 
-Run by ``nox -t ci`` (the ``subsets`` session: a fresh environment per subset, the packages installed
-as a user would, not editable, with nothing else: no test tools, no numpy by hand). Each check
+Run by ``nox -t ci`` (the ``subsets(all)`` session: one environment, each subset's packages installed alone in
+turn, as a user would, not editable, with nothing else: no test tools, no numpy by hand). Each check
 trains a small model, saves a checkpoint, loads it into a fresh engine and compares, on one or
 two processes under the launchers the subset has; the packages outside the subset must be missing
 and a feature that needs one must say which to install. It prints one line per check and exits
