@@ -13,8 +13,9 @@ model's own loss on ``labels``), data parallel over every rank.
   (``reshard_after_forward=True`` against v2, ``False`` against v1), then ``to_empty`` and transformers' own
   ``_init_weights`` on the shards.
 
-**Measured per rank**: the peak resident memory (``VmHWM``, :mod:`benchmarks.resident`) over what the process held
-before building the model (torch, transformers and the process groups already there), through the build and two
+**Measured per rank**: the peak resident memory (``VmHWM``, :mod:`benchmarks.resident`, glibc giving freed blocks
+back at once on both sides, so that it follows what each allocates) over what the process held before building the
+model (torch, transformers and the process groups already there), through the build and two
 training steps; the largest of the ranks'. Then the median time of ``TIMED_STEPS`` more steps (a barrier before
 each). The two sides run one after the other at each world size, so the time ratio compares runs, not alternating
 rounds in one process (both sides in one process would hold both models).
@@ -46,6 +47,7 @@ import pytest
 from tests.helpers.distributed import run_ranks
 
 from benchmarks.harness import ROOT, Ratio, ResultRow, Section, ms, record, short_mode
+from benchmarks.resident import allocation_tracking_children
 from benchmarks.test_giant_models import llama, parameters_of
 
 pytestmark = pytest.mark.multiprocess
@@ -77,7 +79,8 @@ SECTION = Section(
     f"{FULL['intermediate_size']}, vocabulary {FULL['vocab_size']}, untied, float32: 380M parameters) built on the "
     f"meta device and trained two AdamW steps of {ROWS} x {SEQUENCE} tokens per rank, data parallel: EPL "
     "`zero.level` v2 over FSDP2 `fully_shard` per decoder layer and root (resharded after forward), and v1 over "
-    "the same without resharding; each side in fresh processes, the largest rank's peak. 8 ranks run the same "
+    "the same without resharding; each side in fresh processes, the largest rank's peak, glibc giving freed blocks "
+    "back at once (`MALLOC_MMAP_THRESHOLD_`, on both sides). 8 ranks run the same "
     "Llama with 8 layers (191M; 8 x the 380M model would not fit this 24 GiB machine, which other work shares). "
     "Time: the median of 3 more steps, EPL over FSDP2 (the sides run one after the other, not in alternating "
     "rounds). The bound: 16Ψ/N plus the largest block's weights and gradients whole. Targets: memory and time "
@@ -209,7 +212,8 @@ def measure(model: str, world: int, levels: tuple[str, ...], timed: int) -> dict
     out: dict[str, dict[str, Any]] = {}
     for level in levels:
         for side in ("epl", "fsdp2"):
-            ranks = run_ranks(train, world, side, level, shape, timed, timeout=2400)
+            with allocation_tracking_children():  # resident memory follows what each side allocates
+                ranks = run_ranks(train, world, side, level, shape, timed, timeout=2400)
             out[f"{side} {level}"] = {
                 "peak": max(r["peak"] for r in ranks),
                 "built": max(r["built"] for r in ranks),
