@@ -164,6 +164,11 @@ def test_host_sums_hide_no_gradient_and_forget_a_step_that_raised() -> None:
         backward(reference, rows)
     for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-14, atol=1e-14)
+    assert sums._worker is not None
+    copied = copy.deepcopy(model)  # an EMA's start: the copy has its own sums, and no worker
+    copied_sums = copied.__dict__["_epl_micro_batch_listeners"][0].__self__
+    assert copied_sums is not sums and copied_sums._worker is None
+    assert all(a is b for a, b in zip(copied_sums.params, copied.parameters(), strict=True))
 
 
 @pytest.mark.multiprocess

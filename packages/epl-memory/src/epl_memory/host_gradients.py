@@ -47,6 +47,12 @@ class HostGradientSums:
         self._worker: ThreadPoolExecutor | None = None
         self._summing: Future[None] | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy of the model (``copy.deepcopy``, an EMA's start) takes: the parameters, no sums, no worker."""
+        state = self.__dict__.copy()
+        state.update(_taken={}, _task=-1, _more=False, _worker=None, _summing=None)
+        return state
+
     def install(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
         """Watch each sharded block's backward (a forward hook registered after FSDP2's), and hear the local step
         runner's micro-batches."""
