@@ -49,6 +49,7 @@ from epl.plugin_api import (
     ConfigError,
     EplError,
     TransformPhase,
+    data_shards,
     gradient_summed_over_shards,
     mark_data_sharded,
     reduce_at_last_micro_batch,
@@ -476,11 +477,10 @@ def _explain_chunked_reads(forward: Callable[..., Any]) -> Callable[..., Any]:
 
 def _sum_host_gradients(model: nn.Module, sharded: Sequence[nn.Module], device: torch.device) -> None:
     """Offload: sum the gradients of a step's micro-batches outside the backward (:mod:`epl_memory.host_gradients`)."""
-    from torch.distributed.tensor import DTensor
-
     from epl_memory.host_gradients import HostGradientSums
 
-    HostGradientSums([p for p in model.parameters() if isinstance(p, DTensor)], device).install(model, sharded)
+    chunked = [p for p in model.parameters() if data_shards(p) is not None]  # marked by _follow_new_parameters
+    HostGradientSums(chunked, device).install(model, sharded)
 
 
 def _prefetch(model: nn.Module, sharded: Sequence[nn.Module]) -> None:
