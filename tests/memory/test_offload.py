@@ -51,12 +51,17 @@ def plain_training(device: str = "cpu") -> tuple[list[float], dict[str, torch.Te
     return losses, {key: value.cpu() for key, value in model.state_dict().items()}
 
 
-def offloaded_training(folder: str, force: bool = True) -> dict[str, Any]:
-    """One process, offload v0 (forced onto the FSDP2 path on a CPU), three steps, a save and a load."""
+def take_the_fsdp2_path() -> None:
+    """In this rank's process: offload goes through FSDP2 on a CPU too, where one process would change nothing."""
     import epl_memory.offload
 
+    epl_memory.offload.offloads = lambda context: bool(context.config["offload.level"])
+
+
+def offloaded_training(folder: str, force: bool = True) -> dict[str, Any]:
+    """One process, offload v0 (forced onto the FSDP2 path on a CPU), three steps, a save and a load."""
     if force:
-        epl_memory.offload.offloads = lambda context: bool(context.config["offload.level"])
+        take_the_fsdp2_path()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     said: list[str] = []
     handler = logging.Handler()
@@ -94,10 +99,9 @@ def offloaded_micro_batches() -> dict[str, Any]:
     where the gradients FSDP2 wrote were summed."""
     import threading
 
-    import epl_memory.offload
     from epl_memory.host_gradients import HostGradientSums
 
-    epl_memory.offload.offloads = lambda context: bool(context.config["offload.level"])
+    take_the_fsdp2_path()
     sums = []
     add = HostGradientSums._sum
 
@@ -133,6 +137,7 @@ def test_micro_batches_sum_their_gradients_off_the_backward_as_one_batch() -> No
 def test_host_sums_hide_no_gradient_and_forget_a_step_that_raised() -> None:
     """The bookkeeping alone, on plain tensors: gradients are whole after a step's last backward and after any
     backward the runner did not announce, and a step cut off after its first micro-batch leaves nothing behind."""
+    from epl.sharding.data_shards import micro_batch_listeners
     from epl_memory.host_gradients import HostGradientSums
 
     model, reference = tower(), tower()
@@ -166,7 +171,7 @@ def test_host_sums_hide_no_gradient_and_forget_a_step_that_raised() -> None:
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-14, atol=1e-14)
     assert sums._worker is not None
     copied = copy.deepcopy(model)  # an EMA's start: the copy has its own sums, and no worker
-    copied_sums = copied.__dict__["_epl_micro_batch_listeners"][0].__self__
+    copied_sums = micro_batch_listeners(copied)[0].__self__  # type: ignore[attr-defined]
     assert copied_sums is not sums and copied_sums._worker is None
     assert all(a is b for a, b in zip(copied_sums.params, copied.parameters(), strict=True))
 
