@@ -34,6 +34,21 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "pipeline.num_micro_batch": 2,
     },  # fmt: skip
     "offload with zero v1, split(2) x 2 replicas": {"offload.level": "v0", "zero.level": "v1"},
+    # a zero-bubble schedule's weight gradients come after its input gradients: reduced once, at the step's end
+    "zero v2, zero bubble, 2 stages x 2 replicas": {
+        "zero.level": "v2",
+        "pipeline.num_stages": 2,
+        "pipeline.strategy": "ZeroBubble",
+        "auto.auto_parallel": True,
+        "pipeline.num_micro_batch": 2,
+    },  # fmt: skip
+    "offload, zero bubble, 2 stages x 2 replicas": {
+        "offload.level": "v0",
+        "pipeline.num_stages": 2,
+        "pipeline.strategy": "ZeroBubble",
+        "auto.auto_parallel": True,
+        "pipeline.num_micro_batch": 2,
+    },  # fmt: skip
 }
 
 

@@ -99,9 +99,11 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
         MicroBatchListener,
         data_shards,
         listen_to_micro_batches,
+        listen_to_step_ends,
         local_tensor,
         mark_data_sharded,
         reduce_at_last_micro_batch,
+        step_end_listeners,
     )
     from epl.sharding.dataflow import example_input, forked_rng, tensors_in
     from epl.sharding.meta import meta_copy
@@ -140,6 +142,8 @@ _EXPORTS: dict[str, str] = {
     "reduce_at_last_micro_batch": "epl.sharding.data_shards",
     "listen_to_micro_batches": "epl.sharding.data_shards",
     "MicroBatchListener": "epl.sharding.data_shards",
+    "listen_to_step_ends": "epl.sharding.data_shards",
+    "step_end_listeners": "epl.sharding.data_shards",
     "split_batch": "epl.runtime.batch",
     "batch_size": "epl.runtime.batch",
     "to_device": "epl.runtime.batch",

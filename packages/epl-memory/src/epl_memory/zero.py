@@ -130,14 +130,16 @@ class ZeroSharding:
         # offload without zero.level: every copy keeps whole tensors (shards of one device), replicated over copies
         hybrid = HybridGroups.of(context, degree=None if sharding else 1)
         meshes: dict[Any, Any] = {}
-        # v2, and offload without zero.level: weights on the device only while a block uses them
-        reshard = context.config["zero.level"] == "v2" or not sharding
+        # v2, and offload without zero.level: weights on the device only while a block uses them; not under a
+        # zero-bubble schedule, whose stages keep them through a step (epl_memory.step_end_reduction)
+        split_backward = context.split_backward
+        reshard = (context.config["zero.level"] == "v2" or not sharding) and not split_backward
         precision = mixed_precision(context)
         home = torch.device("cpu") if offload else None
         policy = offload_policy(context)
         # v0 shards only the optimizer state: gradients accumulate whole over micro-batches, reduced in the last
         # (not under offload, whose gradients must leave the device)
-        accumulate_whole = sharding and context.config["zero.level"] == "v0" and not offload
+        accumulate_whole = sharding and context.config["zero.level"] == "v0" and not offload and not split_backward
         sum_mean = context.config["communication.gradients_reduce_method"] == "mean"
         sharded: list[nn.Module] = []
         # The modules the runner calls (the model, or a pipeline's stage roots) are sharded even when they hold no
@@ -174,7 +176,12 @@ class ZeroSharding:
         _follow_new_parameters(model, before, copies_of, hybrid.chunk_communicators(communicators), context, home)
         if reshard and context.cluster.device.type != "cpu":  # a CPU has no streams to overlap on
             _prefetch(model, sharded)
-        if policy is not None:
+        if split_backward:
+            from epl_memory.step_end_reduction import reduce_at_step_end
+
+            inner = {id(below) for unit in sharded for below in unit.modules() if below is not unit}
+            reduce_at_step_end([unit for unit in sharded if id(unit) not in inner])  # FSDP2's roots
+        elif policy is not None:  # (a zero-bubble stage's gradients reach the host once a step: nothing to sum)
             _sum_host_gradients(model, sharded, context.cluster.device)
         for called in (*entries, model):
             called.forward = _explain_chunked_reads(called.forward)
@@ -192,12 +199,6 @@ def refuse_unsupported(context: ParallelContext) -> None:
     config = context.config
     key = "zero.level" if shards_over_copies(context) else "offload.level"
     setting = f"{key} {config[key]!r}"
-    if context.split_backward:
-        raise ConfigError(
-            f"{setting} with a zero-bubble pipeline schedule (its backward is split into input and weight gradients, "
-            "which FSDP2's gradient reduction does not follow): use another pipeline.schedule (1F1B, GPipe, "
-            f"interleaved), or leave {key} unset."
-        )
     if not context.plan.local and context.communicator.process_group() is None:
         raise ConfigError(
             f"{setting} shards tensors with torch's FSDP2, which needs a torch.distributed process group; the "

@@ -30,6 +30,7 @@ from epl.plugin_api import (
     inside,
     micro_batches,
     split_batch,
+    step_end_listeners,
     step_or_skip,
     to_device,
 )
@@ -174,6 +175,9 @@ class PipelineStepRunner:
         self._in_flight: dict[tuple[int, int], _InFlight] = {}  # by (stage, micro-batch)
         self._losses: dict[int, torch.Tensor] = {}
         self._params = [p for p in model.parameters() if p.requires_grad]
+        #: What is told once the step's last action has run, before the gradients are reduced (ZeRO under a
+        #: zero-bubble schedule reduces its stages' gradients there; see ``listen_to_step_ends``).
+        self._step_ends = step_end_listeners(model)
         #: The actions of the last step with their start (after their inputs arrived) and end (``time.time``).
         self.last_timeline: list[Event] = []
         #: Most micro-batches whose activations this stage held at once, in the last step.
@@ -250,6 +254,8 @@ class PipelineStepRunner:
         for channels in self.channels.values():
             channels.flush()
         self.last_timeline = timeline
+        for listener in self._step_ends:
+            listener()
         clip = self.clip_gradients if self.max_grad_norm is not None else None
         self._grad_norm = None
         if self.gradient_reducer is not None:
@@ -501,7 +507,9 @@ class PipelineStepRunner:
             self._started = time.time()
         self._receive_ahead()
         if split:
-            input_grads, flight.pending = backward_input(flight.outputs, grads, flight.inputs, self._params)
+            # the parameters the forward used: under ZeRO, the gathered ones FSDP2 puts in the modules for the step
+            used = [p for p in self.model.parameters() if p.requires_grad]
+            input_grads, flight.pending = backward_input(flight.outputs, grads, flight.inputs, used)
             input_grads = input_grads or [None] * len(flight.inputs)
         else:
             if flight.outputs:

@@ -14,7 +14,7 @@ from epl.plugins.context import CarriesNonFiniteVerdict, GradientReducer, LossFn
 from epl.runtime.batch import call_model, micro_batches, to_device
 from epl.runtime.loss import compute_loss
 from epl.runtime.nonfinite import NonFiniteCheck, NonFiniteVerdict
-from epl.sharding.data_shards import micro_batch_listeners
+from epl.sharding.data_shards import micro_batch_listeners, step_end_listeners
 from epl.sharding.norms import clip_grad_norm
 
 ForwardContext = Callable[[], contextlib.AbstractContextManager[Any]]
@@ -121,6 +121,8 @@ class LocalStepRunner:
         self._grad_norm: torch.Tensor | None = None
         #: What is told before each micro-batch (ZeRO v0 reduces in the last; offload sums gradients meanwhile).
         self._listeners = micro_batch_listeners(model) if num_micro_batch > 1 else []
+        #: What is told once a step's last backward has run (see ``listen_to_step_ends``).
+        self._step_ends = step_end_listeners(model)
 
     @property
     def grad_norm(self) -> float | None:
@@ -197,6 +199,8 @@ class LocalStepRunner:
 
     def finish_gradients(self) -> None:
         """Reduce gradients over parameter copies (if any), clip them (if configured) and unscale them (AMP)."""
+        for listener in self._step_ends:
+            listener()
         clip = self.clip_gradients if self.max_grad_norm is not None else None
         if self.gradient_reducer is not None:
             self.gradient_reducer.finish(clip)

@@ -135,13 +135,23 @@ def zero_collectives(layout: Layout, workload: Workload) -> tuple[int, int]:
     m = layout.micro_batches
     once = workload.zero_once_per_step
     reduced_once = once or zero_accumulates_whole(layout)
+    if zero_holds_whole_stage(layout):
+        return 1, 1
     return (1 if reduced_once else m), (2 * m if layout.zero == "v2" else 1 if once else m)
 
 
 def zero_accumulates_whole(layout: Layout) -> bool:
     """Whether ZeRO keeps each block's gradient whole over a step's micro-batches and reduces it once: v0 on one
-    stage (``epl_memory.zero``; a pipeline's runner reduces in every micro-batch)."""
-    return layout.zero == "v0" and layout.pipeline == 1 and layout.micro_batches > 1
+    stage (``epl_memory.zero``; a pipeline's runner reduces in every micro-batch), and every level under a
+    zero-bubble schedule (:func:`zero_holds_whole_stage`)."""
+    return (layout.zero == "v0" and layout.pipeline == 1 and layout.micro_batches > 1) or zero_holds_whole_stage(layout)
+
+
+def zero_holds_whole_stage(layout: Layout) -> bool:
+    """Whether ZeRO keeps the stage's weights gathered and its gradients whole through a step, gathering and
+    reducing once: under a zero-bubble schedule, whose weight gradients come after the input gradients
+    (``epl_memory.step_end_reduction``)."""
+    return layout.zero in ("v0", "v1", "v2") and layout.schedule == "ZeroBubble"
 
 
 def zero_units(shape: ModelShape, layout: Layout) -> int:

@@ -12,8 +12,9 @@ optimizer states, plus the larger of the backward's working set (the activations
 recomputation or its backward, and what data parallelism holds to communicate: without ZeRO one tensor's fresh
 gradient, the largest, before it moves into its flat bucket; under ZeRO the weights gathered whole, every block's
 under v0/v1 and the largest block's under v2, and the largest block's gradients twice, unsharded and in the
-reduce-scatter's buffer) and the optimizer step's float32 temporary the size of what it updates (torch's foreach
-Adam). Checked against resident memory in tests/planner/test_measured_memory.py and, under ZeRO, in
+reduce-scatter's buffer; under a zero-bubble schedule the stage's weights and gradients whole, every level)
+and the optimizer step's float32 temporary the size of what it updates (torch's foreach Adam). Checked against
+resident memory in tests/planner/test_measured_memory.py and, under ZeRO, in
 benchmarks/test_zero_memory.py.
 
 **Time.** Model FLOPs are PaLM's (Chowdhery et al. 2022, appendix B): ``6·N + 12·L·h·s`` per token, N the
@@ -67,6 +68,7 @@ from epl.planner.communication import (
     weights_per_device,
     zero_accumulates_whole,
     zero_collectives,
+    zero_holds_whole_stage,
     zero_shards,
 )
 from epl.planner.devices import DeviceProfile
@@ -235,9 +237,10 @@ def _memory(shape: ModelShape, layout: Layout, workload: Workload, device: Devic
     reducing = 0.0
     if zero and d > 1:
         unit = largest_unit(shape, layout)
-        gathered = weights if layout.zero in ("v0", "v1") else unit * (2 if workload.weights_prefetched else 1)
+        whole_weights = layout.zero in ("v0", "v1") or zero_holds_whole_stage(layout)
+        gathered = weights if whole_weights else unit * (2 if workload.weights_prefetched else 1)
         reducing = gathered * e + 2 * unit * 4
-        if zero_accumulates_whole(layout):  # v0 over micro-batches: every block's gradient whole until the last
+        if zero_accumulates_whole(layout):  # v0 over micro-batches, zero bubble: every gradient whole until the last
             reducing += weights * 4
     elif d > 1:
         reducing = largest_tensor(shape, layout) * 4

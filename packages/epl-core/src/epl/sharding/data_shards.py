@@ -80,6 +80,22 @@ def micro_batch_listeners(model: nn.Module) -> list[MicroBatchListener]:
     return [listener for module in model.modules() for listener in module.__dict__.get(_LISTENERS, ())]
 
 
+#: The attribute holding a module's step-end listeners (:func:`listen_to_step_ends`).
+_STEP_END_LISTENERS = "_epl_step_end_listeners"
+
+
+def listen_to_step_ends(module: nn.Module, listener: Callable[[], None]) -> None:
+    """Call ``listener()`` when a training step's last backward on this rank has run, before its gradients are
+    reduced over copies, clipped and unscaled. Every step runner calls it: the local one and a pipeline's (after its
+    last action, so after a zero-bubble schedule's last weight gradient)."""
+    module.__dict__.setdefault(_STEP_END_LISTENERS, []).append(listener)
+
+
+def step_end_listeners(model: nn.Module) -> list[Callable[[], None]]:
+    """Every step-end listener of ``model``'s modules (:func:`listen_to_step_ends`), outermost module first."""
+    return [listener for module in model.modules() for listener in module.__dict__.get(_STEP_END_LISTENERS, ())]
+
+
 def reduce_at_last_micro_batch(module: nn.Module) -> None:
     """Have a sharded module (``fully_shard``'s) accumulate its gradients whole over a step's micro-batches and
     reduce them once, in the last one's backward (ZeRO v0: only the optimizer state is sharded; FSDP2's

@@ -1,0 +1,55 @@
+"""ZeRO under a zero-bubble pipeline schedule: each stage's gradients reduced once, when the step's backward ends.
+
+A zero-bubble schedule splits each micro-batch's backward in two: the input gradients (I) first, the weight
+gradients (W) later. FSDP2 reduce-scatters a block's gradients when the backward reaches the block's inputs, which
+under such a schedule is the I pass, before any weight gradient exists. So each sharded stage root keeps its
+blocks' weights gathered and their gradients whole through a step, and reduce-scatters them once the runner says
+its last action has run (:func:`epl.plugin_api.listen_to_step_ends`), as ``torch.distributed.pipelining`` does for
+its own FSDP stages (``PipelineStage.perform_reduce_grad``). A stage then holds its whole weights and gradients
+during a step, as ZeRO v1 with one micro-batch does.
+
+FSDP2 has no public call for "reduce now": the step end runs each parameter group's ``post_backward`` and the
+root's final callback, the private calls torch's pipelining makes. They are kept here alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from torch import nn
+
+from epl.plugin_api import listen_to_step_ends
+
+
+def reduce_at_step_end(roots: Sequence[nn.Module]) -> None:
+    """Have each of ``roots`` (sharded stage roots, ``fully_shard``'s) accumulate whole gradients over a step's
+    micro-batches and reduce-scatter them when the step's last backward has run."""
+    for root in roots:
+        _hold(root)
+        listen_to_step_ends(root, _reducer(root))
+
+
+def _hold(root: nn.Module) -> None:
+    """No reduction and no reshard in the backwards of the micro-batches (and none taken as a step's last)."""
+    root.set_requires_gradient_sync(False)  # type: ignore[operator]
+    root.set_reshard_after_backward(False)  # type: ignore[operator]
+    root.set_is_last_backward(False)  # type: ignore[operator]
+
+
+def _reducer(root: nn.Module) -> Callable[[], None]:
+    def reduce() -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        root.set_requires_gradient_sync(True)  # type: ignore[operator]
+        root.set_reshard_after_backward(True)  # type: ignore[operator]
+        root.set_is_last_backward(True)  # type: ignore[operator]
+        try:
+            state = fully_shard.state(root)  # type: ignore[attr-defined]
+            for each in state._state_ctx.all_states:
+                for group in each._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()  # waits for the reductions, frees their buffers
+        finally:
+            _hold(root)
+
+    return reduce
