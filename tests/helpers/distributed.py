@@ -1,11 +1,18 @@
 """Run a function on several real processes (one per rank) and collect what each returned.
 
-Each rank is a fresh ``spawn``ed Python process with the environment ``epl launch``
-and torchrun set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT) and ``OMP_NUM_THREADS=1``. Its stdout and stderr (Python and C
-level) go to a log file per rank. When any rank fails, or the ranks do not
-finish within ``timeout`` seconds, every rank is stopped and the error shows
-each rank's exit code, traceback and the end of its log.
+Each rank is a fresh process with the environment ``epl launch`` and torchrun set (RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and
+``OMP_NUM_THREADS=1``. Its stdout and stderr (Python and C level) go to a log file per
+rank. When any rank fails, or the ranks do not finish within ``timeout`` seconds, every
+rank is stopped and the error shows each rank's exit code, traceback and the end of its log.
+
+The processes are forked from a ``forkserver`` that has imported torch, transformers' common
+models and EPL once (:data:`PRELOADED`), not ``spawn``ed: a spawned rank spent about 4 s of
+CPU importing them, and the suite starts several hundred ranks on 2 cores. Each rank is still
+a new process that never ran anything (the server only imports), with the calling process's
+environment and working directory as of the call, as a spawned one would have. A call made
+while a glibc ``MALLOC_`` setting is in the environment spawns its ranks instead: glibc reads it
+only when a process starts (``benchmarks.resident.allocation_tracking_children``).
 """
 
 from __future__ import annotations
@@ -30,6 +37,23 @@ from epl.ports import free_port
 LOG_TAIL_LINES = 40
 #: Seconds between SIGTERM and SIGKILL when stopping ranks.
 GRACE_SECONDS = 5.0
+#: What the fork server imports once, so that each rank it forks starts with it (a name that fails to import is
+#: skipped by the server, and the rank imports it itself).
+PRELOADED = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "pytest",
+    "epl",
+    "epl.plugin_api",
+    "epl_comm.plugin",
+    "epl_memory.plugin",
+    "epl_pipeline.plugin",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+]
 
 
 class DistributedTestError(AssertionError):
@@ -73,9 +97,11 @@ def run_ranks(
     variables for every rank. Raises :class:`DistributedTestError` when a rank
     raises, exits non-zero, or the job exceeds ``timeout`` seconds.
     """
-    context = multiprocessing.get_context("spawn")
     # Sets of strings in the same order on every rank, as epl launch gives them (a forward looping over a set).
+    # Before the fork server starts: an interpreter reads it when it starts.
     os.environ.setdefault("PYTHONHASHSEED", "0")
+    context = _process_context()
+    caller = (dict(os.environ), os.getcwd())
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="epl-ranks-") as folder:
         workdir = Path(folder)
@@ -83,7 +109,7 @@ def run_ranks(
         for rank in range(world_size):
             process = context.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, port, str(workdir), args, dict(env or {})),
+                args=(fn, rank, world_size, port, str(workdir), args, dict(env or {}), caller),
                 name=f"rank{rank}",
             )
             process.start()
@@ -127,6 +153,16 @@ def init_gloo(timeout_seconds: float = 60.0) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
 
 
+def _process_context() -> multiprocessing.context.BaseContext:
+    """The fork server's context (started on first use, with :data:`PRELOADED`), or ``spawn`` while a glibc
+    setting that only a starting process reads is in the environment."""
+    if any(key.startswith("MALLOC_") for key in os.environ):
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)
+    return context
+
+
 def _rank_main(
     fn: Callable[..., Any],
     rank: int,
@@ -135,7 +171,12 @@ def _rank_main(
     workdir: str,
     args: tuple[Any, ...],
     env: dict[str, str],
+    caller: tuple[dict[str, str], str],
 ) -> None:
+    environment, directory = caller  # the caller's, as of the call (a forked rank has the server's)
+    os.environ.clear()
+    os.environ.update(environment)
+    os.chdir(directory)
     log = open(Path(workdir) / f"rank{rank}.log", "w", buffering=1)  # noqa: SIM115 - lives as long as the process
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
