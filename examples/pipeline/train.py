@@ -1,4 +1,4 @@
-"""The manual's two-stage pipeline example (DESIGN.md's contract script).
+"""The manual's two-stage pipeline example (the script the user-facing contract is written against).
 
 One process trains it locally (the 4 micro-batches are gradient accumulation);
 on 2 processes it is a 2-stage pipeline, on 4 a 2-stage pipeline x 2 replicas:

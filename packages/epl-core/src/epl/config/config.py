@@ -54,9 +54,6 @@ def _default_key_source() -> KeySource:
 #: Environment variables of EPL's own that look like config keys but are not.
 NON_KEY_ENV_VARS = frozenset({"EPL_CONFIG_FILE"})
 
-#: Where a value came from, lowest precedence first.
-SOURCES = ("default", "file", "env", "dict")
-
 
 class Config:
     """All EPL settings, validated against the keys the installed plugins declare.

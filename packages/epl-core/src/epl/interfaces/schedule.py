@@ -24,10 +24,6 @@ class ActionKind(enum.Enum):
     BACKWARD = "B"
     BACKWARD_INPUT = "I"
     BACKWARD_WEIGHT = "W"
-    SEND_ACTIVATION = "SEND_F"
-    RECV_ACTIVATION = "RECV_F"
-    SEND_GRADIENT = "SEND_B"
-    RECV_GRADIENT = "RECV_B"
 
 
 @dataclass(frozen=True)

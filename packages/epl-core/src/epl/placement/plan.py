@@ -1,6 +1,6 @@
 """The Plan: where every TaskGraph of every replica runs, computed without any process group.
 
-Placement rules (DESIGN.md):
+Placement rules:
 
 * A replica spans D devices: the sum of its TaskGraphs' ``device_count``, or,
   with ``cluster.colocate_split_and_replicate``, the common ``device_count`` of

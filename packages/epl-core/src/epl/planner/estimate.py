@@ -104,7 +104,7 @@ class Estimate:
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """The keys the issue and DESIGN.md name (``layout``, ``memory_per_device``, ``step_time_s``, ...)."""
+        """What ``epl plan --json`` writes for one layout (``layout``, ``memory_per_device``, ``step_time_s``, ...)."""
         return {
             "layout": self.layout.to_dict(),
             "memory_per_device": {

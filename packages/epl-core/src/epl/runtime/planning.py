@@ -19,11 +19,6 @@ from epl.runtime.env import Env, init
 from epl.runtime.parallelize import parallelize
 
 
-def plan_script(path: str, args: Sequence[str], request: PlanRequest) -> Plan:
-    """Run the script at ``path`` up to ``epl.parallelize`` and return the Plan it would run."""
-    return planned_script(path, args, request).plan
-
-
 def planned_script(path: str, args: Sequence[str], request: PlanRequest) -> PlanReady:
     """Run the script at ``path`` up to ``epl.parallelize``: the Plan, the model (on meta) and the config."""
     saved_argv, saved_path = sys.argv, list(sys.path)
