@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 import epl
 from epl.plugin_api import local_tensor
-from epl.runtime import checkpoint_files as files
+from epl.runtime.checkpoint import files
 from tests.checkpoints.test_layouts import engine_for, step, whole
 from tests.helpers.distributed import run_ranks
 

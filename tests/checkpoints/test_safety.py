@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import epl
-from epl.runtime import checkpoint_files as files
+from epl.runtime.checkpoint import files
 from tests.checkpoints.test_layouts import Net, engine_for, step
 from tests.helpers.distributed import run_ranks
 

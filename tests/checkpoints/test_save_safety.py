@@ -345,12 +345,12 @@ def test_a_save_only_rank_0_calls_is_named_as_a_collective_call(tmp_path: Path) 
 def test_a_rank_finding_the_previous_checkpoint_already_removed_goes_on(tmp_path: Path) -> None:
     """Rank 0 deletes the previous checkpoint's folder while the other ranks delete their own files of it: a rank
     that comes to it after rank 0 finds nothing to delete, and raises nothing (a race seen once in CI)."""
-    from epl.runtime.checkpoint import _discard
+    from epl.runtime.checkpoint.folders import discard
 
     old = tmp_path / "checkpoint.old"
-    _discard(old, 1)  # already gone
+    discard(old, 1)  # already gone
     old.mkdir()
     (old / "__1_0.distcp").write_bytes(b"x")
     (old / "notes.txt").write_text("mine")
-    _discard(old, 1)
+    discard(old, 1)
     assert sorted(p.name for p in old.iterdir()) == ["notes.txt"]

@@ -144,8 +144,8 @@ def standalone(folder: Path, engine: epl.Engine, mesh: Any) -> dict[str, Any]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from epl.runtime import checkpoint_files as files
-    from epl.runtime.checkpoint_chunks import Rectangles, local_value, to_read, to_write
+    from epl.runtime.checkpoint import files
+    from epl.runtime.checkpoint.chunks import Rectangles, local_value, to_read, to_write
     from epl.sharding.chunks import held
     from epl.sharding.data_shards import local_tensor
     from epl.sharding.parameters import shard_spec, sharded_parameter
@@ -239,17 +239,19 @@ def old_format(engine: epl.Engine, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     from epl.interfaces.shard_group import shard_sizes
-    from epl.runtime import checkpoint_files as files
-    from epl.runtime.checkpoint import _logical_items
+    from epl.runtime.checkpoint import files
+    from epl.runtime.checkpoint.keys import Piece, StateKey, is_state
+    from epl.runtime.checkpoint.save import logical_items
 
     split_dims = {"a.weight": 0, "a.bias": 0, "b.weight": 1}
     items = {}
-    for key, value in _logical_items(engine).items():
-        name = key.split("/")[1] if key.startswith("optim/") else ""
+    for key, value in logical_items(engine).items():
+        name = StateKey.parse(key).param if is_state(key) else ""
         if name in split_dims and value.dim():
             dim = split_dims[name]
             for index, piece in enumerate(value.split(shard_sizes(value.shape[dim], 2), dim=dim)):
-                items[f"{key}/shard{index}of2dim{dim}"] = piece.clone()
+                state = StateKey.parse(key)
+                items[StateKey(state.param, state.state, Piece(index, 2, dim)).format()] = piece.clone()
         elif key == "engine/meta":
             meta = files.decode_json(value)
             items[key] = files.encode_json({**meta, "format": "epl-checkpoint/2"})
@@ -343,7 +345,7 @@ def test_sharded_tensors_save_and_load_under_any_layout(tmp_path: Path) -> None:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         import torch.distributed.checkpoint as dcp
 
-        from epl.runtime import checkpoint_files as files
+        from epl.runtime.checkpoint import files
 
         reader = files.safe_reader(tmp_path / "standalone")
         whole = {"fused": torch.empty(9, 4, dtype=F64), "hybrid": torch.empty(7, 3, dtype=F64)}

@@ -12,12 +12,12 @@ import torch
 from epl.errors import EplError
 from epl.pretrained.conversion import conversions
 from epl.pretrained.pieces import _ITEMSIZE, INDEX, SINGLE, Piece, local_tensors, read
-from epl.runtime.checkpoint import _agree, _alone
-from epl.runtime.checkpoint_files import unreadable_file_error
+from epl.runtime.checkpoint.files import unreadable_file_error
+from epl.runtime.checkpoint.meeting import agree, alone
 from epl.sharding.chunks import placed_like
 
 if TYPE_CHECKING:
-    from epl.runtime.checkpoint import CheckpointedEngine
+    from epl.runtime.checkpoint.common import CheckpointedEngine
 
 
 def checkpoint_files(folder: Path) -> dict[str, Path]:
@@ -97,8 +97,8 @@ def load_pretrained(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
 
     A file that cannot be read (a damaged index, a truncated or corrupt safetensors file, a shard the index names
     and the folder lacks) is one :class:`EplError` on every rank, naming the file: the ranks agree on the outcome
-    of what each read alone (:func:`epl.runtime.checkpoint._agree`) before anything is applied, so after the error
-    every rank holds the weights it had, and can load another folder.
+    of what each read alone (:func:`epl.runtime.checkpoint.meeting.agree`) before anything is applied, so after the
+    error every rank holds the weights it had, and can load another folder.
     """
     folder = Path(path)
     problem: str | None = None
@@ -106,7 +106,7 @@ def load_pretrained(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
         files = checkpoint_files(folder)
     except Exception as error:  # noqa: BLE001 - every rank's outcome is agreed: an error on every rank
         files, problem = {}, _problem(folder, error)
-    _agree(engine, problem)
+    agree(engine, problem)
     local = list(local_tensors(engine))
     tied = _tied_names(engine)
     # Each name of this rank's and the names tied to it: a checkpoint holds one name of a tied tensor.
@@ -126,7 +126,7 @@ def load_pretrained(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
             f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}. Load the checkpoint of this "
             "model's class and config, or pass strict=False to load the tensors that match."
         )
-    _agree(engine, problem)
+    agree(engine, problem)
     reader = _Reader(files)
     values: dict[str, torch.Tensor] = {}
     try:
@@ -154,10 +154,12 @@ def load_pretrained(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
         problem = _problem(folder, error)
     finally:
         reader.close()
-    _agree(engine, problem)  # only now is anything applied: after a refusal no rank holds half a load
+    agree(engine, problem)  # only now is anything applied: after a refusal no rank holds half a load
     current = engine.state_dict()["model"]
     current.update(values)
-    engine.load_state_dict({"version": 1, "model": current, "optimizer": None, "global_step": engine.global_step})
+    engine.load_state_dict(
+        {"version": engine.STATE_VERSION, "model": current, "optimizer": None, "global_step": engine.global_step}
+    )
     return reader.bytes_read
 
 
@@ -226,6 +228,6 @@ def _held_by_no_rank(engine: CheckpointedEngine, saved: list[str], mine: set[str
     """The checkpoint's names (``saved``, the same list on every rank) that no rank's model holds (a pipeline
     rank holds its stage's names only): one all-reduce of a flag per name."""
     held = torch.tensor([name in mine for name in saved], dtype=torch.int64)
-    if not _alone(engine) and held.numel():
+    if not alone(engine) and held.numel():
         engine.context.communicator.all_reduce(held).wait()
     return [name for name, count in zip(saved, held.tolist(), strict=True) if not count]

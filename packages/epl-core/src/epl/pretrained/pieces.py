@@ -10,7 +10,7 @@ import torch
 from epl.sharding.chunks import Held, held
 
 if TYPE_CHECKING:
-    from epl.runtime.checkpoint import CheckpointedEngine
+    from epl.runtime.checkpoint.common import CheckpointedEngine
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -40,12 +40,12 @@ import torch
 from epl.errors import EplError
 from epl.pretrained.pieces import _ITEMSIZE, DTYPES, INDEX, SINGLE, Piece, local_tensors
 from epl.runtime import agreement
-from epl.runtime.checkpoint import _alone, _meet
-from epl.runtime.checkpoint_folders import foreign_entries, remove_own
+from epl.runtime.checkpoint import meeting
+from epl.runtime.checkpoint.folders import foreign_entries, remove_own
 from epl.sharding.data_shards import local_tensor
 
 if TYPE_CHECKING:
-    from epl.runtime.checkpoint import CheckpointedEngine
+    from epl.runtime.checkpoint.common import CheckpointedEngine
 
 _PIECES = ".epl-pieces-{rank}.json"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -75,18 +75,18 @@ def save_pretrained(
     target = Path(path)
     partial = target.with_name(target.name + ".partial")
     limit = _bytes(max_shard_size)
-    _meet(engine, "engine.save_pretrained", lambda: _target_problem(target, partial))
+    meeting.meet(engine, "engine.save_pretrained", lambda: _target_problem(target, partial))
     try:
         _write(engine, target, partial, limit)
     except EplError:
-        if _alone(engine) or engine.context.cluster.rank == 0:  # every rank has stopped writing (agreed)
+        if meeting.alone(engine) or engine.context.cluster.rank == 0:  # every rank has stopped writing (agreed)
             remove_own(partial, _is_scratch)
         raise
 
 
 def _write(engine: CheckpointedEngine, target: Path, partial: Path, limit: int) -> None:
     """The phases of a save, each agreed by every rank before the next (a failure is raised on every rank)."""
-    alone = _alone(engine)
+    alone = meeting.alone(engine)
     rank = 0 if alone else engine.context.cluster.rank
     world = 1 if alone else engine.context.cluster.world_size
     local = list(local_tensors(engine))
@@ -131,7 +131,7 @@ def _write(engine: CheckpointedEngine, target: Path, partial: Path, limit: int) 
 def _phase(engine: CheckpointedEngine, target: Path, action: Callable[[], None], *, only_rank_0: bool = False) -> None:
     """Run ``action`` (on rank 0 only, or on every rank), then agree with every rank: an error on any rank is
     raised on every rank, naming it (:func:`epl.runtime.agreement.agree`, one all-reduce when none failed)."""
-    alone, rank = _alone(engine), engine.context.cluster.rank
+    alone, rank = meeting.alone(engine), engine.context.cluster.rank
     problem = None
     if not only_rank_0 or rank == 0 or alone:
         try:

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -38,6 +38,9 @@ class Engine:
     the replica's mean loss. ``num_replicas`` and ``replica_index`` tell a script
     which share of the data is its own.
     """
+
+    #: Version of the layout of ``Engine.state_dict`` (what :meth:`load_state_dict` reads).
+    STATE_VERSION: ClassVar[int] = STATE_VERSION
 
     def __init__(self, context: ParallelContext, runner: StepRunner) -> None:
         self.context = context

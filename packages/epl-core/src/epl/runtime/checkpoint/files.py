@@ -148,7 +148,7 @@ def safe_reader(folder: Path) -> Any:
 
     A placeholder that one stored rectangle covers keeps what was read (a copy when it is a small part of the stored
     rectangle, so the rest is freed); one that several stored rectangles cover (saved under another layout) is
-    assembled in a tensor of its own. Placeholders of :class:`epl.runtime.checkpoint_chunks.Rectangles` give
+    assembled in a tensor of its own. Placeholders of :class:`epl.runtime.checkpoint.chunks.Rectangles` give
     ``Rectangles`` of what was read. A placeholder the checkpoint does not cover whole is refused.
     """
     from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -239,7 +239,7 @@ class _Received:
 
     def results(self, placeholders: dict[str, Any], folder: Path) -> dict[str, torch.Tensor]:
         """What was read for each of ``placeholders`` (by key); a placeholder read in part is refused."""
-        from epl.runtime.checkpoint_chunks import Rectangles
+        from epl.runtime.checkpoint.chunks import Rectangles
 
         results: dict[str, torch.Tensor] = {}
         for fqn, placeholder in placeholders.items():

@@ -1,4 +1,5 @@
-"""What ``engine.save`` may replace or delete: only a checkpoint of its own and its own files, known by name.
+"""The partial/commit/rename protocol of ``engine.save``, and what it may replace or delete: only a checkpoint of
+its own and its own files, known by name.
 
 ``engine.save(path)`` writes ``<path>.partial``, moves a previous checkpoint at ``path`` to ``<path>.old``, renames
 ``<path>.partial`` to ``path`` and deletes ``<path>.old``. Each of these folders is deleted or replaced only when it
@@ -12,16 +13,22 @@ holds nothing but what ``engine.save`` writes:
 ``.metadata`` and EPL's checksums among them: a checkpoint written by ``dcp.save`` by hand is not replaced).
 Anything else in any of the three folders (a user's file, a subfolder, a link) is named by :func:`save_problem`
 before anything is moved or deleted, and the deletions (:func:`remove_own`) skip whatever is not EPL's, so even a
-file put there while a save runs is never deleted.
+file put there while a save runs is never deleted. :func:`replace` commits ``<path>.partial`` in ``path``'s place,
+:func:`discard` deletes the previous checkpoint, and :func:`readable` finds the checkpoint to load (the previous one
+when a save was cut off between its two renames).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+
+from epl.errors import EplError
 
 _CHECKPOINT_FILE = re.compile(r"(__\d+)?\.metadata(\.tmp)?|__\d+_\d+\.distcp|\.checksums-\d+\.json")
 #: How many foreign entries an error names.
@@ -120,3 +127,48 @@ def save_problem(target: Path) -> str | None:
 def _few(names: list[str]) -> str:
     shown = ", ".join(names[:_NAMED])
     return shown + (f" and {len(names) - _NAMED} more" if len(names) > _NAMED else "")
+
+
+def replace(partial: Path, target: Path, *, keep_old: bool = False) -> None:
+    """Put ``partial`` in ``target``'s place; the old checkpoint is removed only once the new one is there (or
+    left at ``<target>.old`` with ``keep_old``, for :func:`discard`). Only EPL's own files are ever deleted
+    (:func:`save_problem` checked the folders before the save began)."""
+    old = target.with_name(target.name + ".old")
+    if target.exists():
+        if not target.is_dir():
+            raise EplError(f"{target} exists and is not a checkpoint directory; choose another path.")
+        left = remove_own(old, is_checkpoint_file)
+        if left:
+            raise EplError(f"{old} holds {left}, which engine.save did not write; move them out and save again.")
+        os.replace(target, old)
+    # else: a save cut off between its two renames left the previous checkpoint at <target>.old: kept until now
+    os.replace(partial, target)
+    if not keep_old:
+        remove_own(old, is_checkpoint_file)
+
+
+def discard(old: Path, rank: int) -> None:
+    """Delete ``rank``'s data files of the previous checkpoint ``old``; rank 0 then deletes EPL's other files and the
+    folder. Ranks delete at the same time: a file another rank removed first is skipped. Whatever engine.save did
+    not write is left where it is."""
+    try:  # rank 0 may have removed the whole folder already
+        mine = [entry.name for entry in os.scandir(old) if fnmatch.fnmatchcase(entry.name, f"__{rank}_*.distcp")]
+    except (FileNotFoundError, NotADirectoryError):
+        mine = []
+    for name in mine:
+        with contextlib.suppress(FileNotFoundError):
+            (old / name).unlink()
+    if rank == 0:
+        left = remove_own(old, is_checkpoint_file)
+        if left:
+            warnings.warn(f"{old} kept: it holds {left}, which engine.save did not write.", stacklevel=2)
+
+
+def readable(target: Path) -> Path:
+    """``target``, or the previous checkpoint when a save was cut off between its two renames."""
+    if (target / ".metadata").exists():
+        return target
+    old = target.with_name(target.name + ".old")
+    if (old / ".metadata").exists():
+        return old
+    raise EplError(f"No EPL checkpoint at {target}: write one with engine.save(path) first.")

@@ -95,7 +95,7 @@ def to_write(held: Held, local: torch.Tensor) -> torch.Tensor:
 
 
 def to_read(held: Held | None, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """A placeholder DCP reads into (never written: :func:`epl.runtime.checkpoint_files.safe_reader` keeps what it
+    """A placeholder DCP reads into (never written: :func:`epl.runtime.checkpoint.files.safe_reader` keeps what it
     reads instead): the whole tensor of ``shape`` (``held`` None or whole), else this rank's rectangles."""
     if held is None or held.whole:
         return torch.empty(tuple(shape), dtype=dtype)
