@@ -33,7 +33,7 @@ PLUGINS = {
 #: epl-core's layers, bottom first: a module may import from its own layer (without forming a cycle) and
 #: from the layers below it, never from one above. Each entry: the layer's name and its module prefixes.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundation", ["epl.errors", "epl.ports", "epl.lazy"]),
+    ("foundation", ["epl.errors", "epl.ports", "epl.lazy", "epl.torch_private"]),
     ("interfaces", ["epl.interfaces"]),
     ("parallel layers", ["epl.nn", "epl.sharding", "epl.materialize", "epl.context", "epl.compiling"]),
     ("config", ["epl.config"]),

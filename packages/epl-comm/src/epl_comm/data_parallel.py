@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from epl.plugin_api import Communicator, CompletedWork, NonFiniteVerdict, ReduceOp, Work
+from epl.plugin_api import Communicator, CompletedWork, NonFiniteVerdict, ReduceOp, Work, amp_unscale_
 from epl_comm.buckets import plan_buckets
 from epl_comm.step_check import StepCheck
 
@@ -259,7 +259,7 @@ class DataParallelReducer:
         copies = self.policy.copies if self.policy.mean else 1
         if copies & (copies - 1) == 0:
             scale = torch.full((1,), 1.0 / copies, dtype=torch.float32, device=buffer.device)
-            torch._amp_foreach_non_finite_check_and_unscale_([buffer], self._found, scale)
+            amp_unscale_([buffer], self._found, scale)
             return
         buffer.div_(copies)
         self._found += (~torch.isfinite(buffer.sum())).to(self._found.dtype)

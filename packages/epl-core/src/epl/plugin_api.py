@@ -109,6 +109,16 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.sharding.meta import meta_copy
     from epl.sharding.norms import clip_grad_norm
     from epl.sharding.parameters import ShardSpec, set_shard_spec, shard_spec
+    from epl.torch_private import (
+        amp_unscale_,
+        current_graph_task_id,
+        engine_run_backward,
+        functorch_transforms_active,
+        has_torch_function,
+        queue_backward_callback,
+        reduce_sharded_gradients_now,
+        tree_leaves,
+    )
 
 #: Public name -> the module of epl-core it lives in.
 _EXPORTS: dict[str, str] = {
@@ -193,6 +203,15 @@ _EXPORTS: dict[str, str] = {
     "ShardSpec": "epl.sharding.parameters",
     "shard_spec": "epl.sharding.parameters",
     "set_shard_spec": "epl.sharding.parameters",
+    # private torch APIs, in one place (epl.torch_private)
+    "amp_unscale_": "epl.torch_private",
+    "current_graph_task_id": "epl.torch_private",
+    "engine_run_backward": "epl.torch_private",
+    "functorch_transforms_active": "epl.torch_private",
+    "has_torch_function": "epl.torch_private",
+    "queue_backward_callback": "epl.torch_private",
+    "reduce_sharded_gradients_now": "epl.torch_private",
+    "tree_leaves": "epl.torch_private",
     # memory estimates
     "MemoryEstimate": "epl.placement.memory_estimate",
     "EstimatedTensor": "epl.placement.memory_estimate",

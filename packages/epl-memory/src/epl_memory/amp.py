@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from epl.plugin_api import Communicator, ReduceOp, TransformPhase, local_tensor
+from epl.plugin_api import Communicator, ReduceOp, TransformPhase, amp_unscale_, local_tensor
 
 if TYPE_CHECKING:
     from epl.plugin_api import Config, ParallelContext
@@ -163,7 +163,7 @@ class AmpLossScaler:
         inverse = torch.tensor(1.0 / self._scale, dtype=torch.float32)  # computed in float64, as GradScaler does
         for (device, _), grads in groups.items():
             found = torch.zeros((), dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse.to(device))
+            amp_unscale_(grads, found, inverse.to(device))
             self._found.append(found)
 
     def update(self, params: Iterable[nn.Parameter]) -> bool:

@@ -26,9 +26,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
-from epl.plugin_api import listen_to_micro_batches, local_tensor
+from epl.plugin_api import (
+    current_graph_task_id,
+    listen_to_micro_batches,
+    local_tensor,
+    queue_backward_callback,
+    tree_leaves,
+)
 
 
 class HostGradientSums:
@@ -76,7 +81,7 @@ class HostGradientSums:
 
     def _backward_reaches_block(self, grad: Any) -> None:
         """The first time in a backward: take the gradients there are, and have the backward end in :meth:`_end`."""
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         if task == self._task:
             return
         if self._task != -1:  # the backward before this one raised
@@ -84,7 +89,7 @@ class HostGradientSums:
         self._task = task
         self._wait()  # the worker's lists are the main thread's again
         self._take()
-        torch.autograd.Variable._execution_engine.queue_callback(self._end)
+        queue_backward_callback(self._end)
 
     def _end(self) -> None:
         """End of a backward: take what it wrote; sum on the worker when more micro-batches follow, else give the

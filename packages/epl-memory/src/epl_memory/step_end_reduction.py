@@ -8,8 +8,8 @@ its last action has run (:func:`epl.plugin_api.listen_to_step_ends`), as ``torch
 its own FSDP stages (``PipelineStage.perform_reduce_grad``). A stage then holds its whole weights and gradients
 during a step, as ZeRO v1 with one micro-batch does.
 
-FSDP2 has no public call for "reduce now": the step end runs each parameter group's ``post_backward`` and the
-root's final callback, the private calls torch's pipelining makes. They are kept here alone.
+FSDP2 has no public call for "reduce now": the step end makes the private calls torch's pipelining makes
+(:func:`epl.plugin_api.reduce_sharded_gradients_now`, with EPL's other private torch calls in ``epl.torch_private``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-from epl.plugin_api import listen_to_step_ends
+from epl.plugin_api import listen_to_step_ends, reduce_sharded_gradients_now
 
 
 def reduce_at_step_end(roots: Sequence[nn.Module]) -> None:
@@ -38,17 +38,11 @@ def _hold(root: nn.Module) -> None:
 
 def _reducer(root: nn.Module) -> Callable[[], None]:
     def reduce() -> None:
-        from torch.distributed.fsdp import fully_shard
-
         root.set_requires_gradient_sync(True)  # type: ignore[operator]
         root.set_reshard_after_backward(True)  # type: ignore[operator]
         root.set_is_last_backward(True)  # type: ignore[operator]
         try:
-            state = fully_shard.state(root)  # type: ignore[attr-defined]
-            for each in state._state_ctx.all_states:
-                for group in each._fsdp_param_groups:
-                    group.post_backward()
-            state._root_post_backward_final_callback()  # waits for the reductions, frees their buffers
+            reduce_sharded_gradients_now(root)
         finally:
             _hold(root)
 

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-try:  # what torch.autograd.backward and torch.autograd.grad call once they have checked their arguments
-    from torch.autograd.graph import _engine_run_backward
-except ImportError:  # pragma: no cover - another torch: the public functions only
-    _engine_run_backward = None
+from epl.plugin_api import engine_run_backward, functorch_transforms_active, has_torch_function
 
+#: What torch.autograd.backward and torch.autograd.grad call once they have checked their arguments (None: another
+#: torch, the public functions only).
+_engine_run_backward = engine_run_backward()
 #: The class of the graph node that accumulates a leaf's gradient into its ``.grad``.
 _ACCUMULATE_GRAD = type(get_gradient_edge(torch.zeros((), requires_grad=True)).node)
 
@@ -256,7 +256,7 @@ def _input_gradients(
 ) -> tuple[torch.Tensor | None, ...]:
     """The gradients of ``inputs``, then those arriving at ``edges``, keeping the graph (``torch.autograd.grad``
     with ``retain_graph=True, allow_unused=True``)."""
-    seeds = _seeds(outputs, grads) if not torch._C._has_torch_function(tuple(inputs)) else None
+    seeds = _seeds(outputs, grads) if not has_torch_function(tuple(inputs)) else None
     if seeds is None:
         return torch.autograd.grad(list(outputs), [*inputs, *edges], list(grads), retain_graph=True, allow_unused=True)
     assert _engine_run_backward is not None
@@ -270,7 +270,7 @@ def _accumulate(
 ) -> None:
     """``torch.autograd.backward(edges, seeds, inputs=targets)``, from gradients the engine found at ``edges``
     (so of their shapes)."""
-    if _engine_run_backward is None or torch._C._are_functorch_transforms_active():
+    if _engine_run_backward is None or functorch_transforms_active():
         torch.autograd.backward(edges, seeds, inputs=targets)
         return
     _engine_run_backward(
@@ -282,9 +282,9 @@ def _seeds(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
     """The gradients to start a backward from ``outputs`` with, as the public functions would make them (a
     scalar's None is ones), or None when the public functions must run: a tensor subclass, a functorch
     transform, no engine function, or a gradient they would refuse or make otherwise (they say why)."""
-    if _engine_run_backward is None or torch._C._are_functorch_transforms_active():
+    if _engine_run_backward is None or functorch_transforms_active():
         return None
-    if len(outputs) != len(grads) or torch._C._has_torch_function(tuple(outputs)):
+    if len(outputs) != len(grads) or has_torch_function(tuple(outputs)):
         return None
     seeds = []
     for output, grad in zip(outputs, grads, strict=True):

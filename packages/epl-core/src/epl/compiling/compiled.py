@@ -72,16 +72,16 @@ class _NamedBackend:
 
 def _backend(name: str, mode: str) -> Callable[..., Any]:
     """The backend ``compile.backend`` names, with ``compile.mode`` for inductor; a clear error otherwise."""
-    import torch._dynamo
+    from epl.torch_private import compile_backend, compile_backends, inductor_backend
 
-    known = torch._dynamo.list_backends(exclude_tags=())
+    known = compile_backends()
     if name not in known:
         raise ConfigError(f"compile.backend {name!r} is not a torch.compile backend; use one of {', '.join(known)}.")
     if name == "inductor":
-        return torch._TorchCompileInductorWrapper(mode or None, None, None)  # what torch.compile(mode=...) builds
+        return inductor_backend(mode or None)  # type: ignore[no-any-return]
     if mode:
         raise ConfigError(f"compile.mode {mode!r} applies to the inductor backend only, not {name!r}; remove it.")
-    return torch._dynamo.lookup_backend(name)  # type: ignore[no-any-return]
+    return compile_backend(name)  # type: ignore[no-any-return]
 
 
 def compile_blocks(modules: Sequence[tuple[str, nn.Module]], backend: str, mode: str = "") -> CompileReport:

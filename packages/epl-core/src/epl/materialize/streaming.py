@@ -24,12 +24,12 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from epl.materialize.heap import FreedMemory
 from epl.materialize.initialize import hf_owners, initialize_unit
 from epl.materialize.swap import swap_values, to_meta
 from epl.materialize.units import InitUnit, has_meta_tensors, init_units, named_tensors, unit_of_tensors
+from epl.torch_private import no_torch_function, tree_flatten
 
 Item = TypeVar("Item")
 _ACTIVE: ContextVar[StreamedInit | None] = ContextVar("epl_streamed_init", default=None)
@@ -117,7 +117,7 @@ class _Live:
         modes (and through :class:`_OnTouch`, which would give each tensor alone, initialising its unit once per
         tensor). A unit's values go to all of its tensors still on meta, not only those asked for.
         """
-        with torch._C.DisableTorchFunction():
+        with no_torch_function():
             wanted = [t for t in tensors if self._waiting(t)]
             for unit, _ in self.stream.by_unit(wanted, lambda tensor: tensor):
                 values = self.stream.values(unit)
@@ -133,7 +133,7 @@ class _Live:
 
     def release(self, tensors: list[torch.Tensor]) -> None:
         """Take the values of ``tensors`` back (out of sight of the example run's modes, as :meth:`give`)."""
-        with torch._C.DisableTorchFunction():
+        with no_torch_function():
             for tensor in tensors:
                 self.live.discard(id(tensor))
                 nbytes = tensor.nbytes

@@ -29,6 +29,7 @@ from torch import nn
 from epl.interfaces.communicator import Communicator
 from epl.interfaces.nonfinite_verdict import NonFiniteVerdict
 from epl.sharding.data_shards import local_tensor
+from epl.torch_private import foreach_norm
 
 __all__ = ["NonFiniteCheck", "NonFiniteVerdict", "StepOutcome", "nonfinite_gradients"]
 
@@ -205,7 +206,7 @@ def nonfinite_gradients(params: Iterable[nn.Parameter], device: torch.device) ->
             wide = dtype if dtype in (torch.float32, torch.float64) else torch.float32
             partial = torch.stack([grad.sum(dtype=wide) for grad in grads])
         else:
-            partial = torch.stack(torch._foreach_norm(grads, float("inf")))  # the largest |value|: NaN and Inf kept
+            partial = torch.stack(foreach_norm(grads, float("inf")))  # the largest |value|: NaN and Inf kept
         found = found | (~torch.isfinite(partial)).any().to(device)
     return found.to(torch.float32)
 

@@ -23,6 +23,7 @@ import torch
 from epl.errors import EplError
 from epl.sharding.data_shards import is_dtensor
 from epl.sharding.parameters import ShardSpec, gather_split, shard_spec
+from epl.torch_private import dtensor_like
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def placed_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if not local.is_meta and local.device.type != like.device_mesh.device_type:  # type: ignore[attr-defined]
         # a chunk in host memory on a GPU's mesh (offload): from_local would move it to the GPU (as FSDP2 builds
         # its host chunks: with the constructor, which keeps it where it is)
-        return DTensor(local, like._spec, requires_grad=False)  # type: ignore[attr-defined,call-arg]
+        return dtensor_like(local, like)
     return DTensor.from_local(
         local,
         like.device_mesh,  # type: ignore[attr-defined]

@@ -22,6 +22,7 @@ from torch import nn
 from epl.interfaces.communicator import Communicator, ReduceOp
 from epl.sharding.data_shards import data_shards, local_tensor
 from epl.sharding.parameters import shard_spec
+from epl.torch_private import foreach_mul_, foreach_norm
 
 #: Added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does.
 EPSILON = 1e-6
@@ -133,7 +134,7 @@ def clip_grad_norm(
         else:
             dense.setdefault((grad.device, grad.dtype), []).append(grad)
     for (device, dtype), grads in dense.items():
-        torch._foreach_mul_(grads, coefficient.to(device, dtype))
+        foreach_mul_(grads, coefficient.to(device, dtype))
     return norm
 
 
@@ -147,6 +148,6 @@ def _sum_of_squares(grads: list[torch.Tensor], device: torch.device | None) -> t
         else:
             dense.setdefault((grad.device, grad.dtype), []).append(grad)
     for group in dense.values():
-        norms = torch.stack([n.to(device=device, dtype=torch.float64) for n in torch._foreach_norm(group, 2.0)])
+        norms = torch.stack([n.to(device=device, dtype=torch.float64) for n in foreach_norm(group, 2.0)])
         total = total + norms.square().sum()
     return total

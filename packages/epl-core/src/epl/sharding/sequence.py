@@ -181,10 +181,9 @@ def _leave_region(group: ShardGroup) -> Any:
 
 def _other_saved_tensor_hooks() -> bool:
     """Whether saved-tensor hooks are active already (checkpointing's or offloading's: they own what is saved)."""
-    try:
-        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-    except (AttributeError, TypeError):  # a torch without it: keep the gathered input whole
-        return True
+    from epl.torch_private import saved_tensor_hooks_active
+
+    return saved_tensor_hooks_active()  # (True where torch cannot say: the gathered input is then kept whole)
 
 
 class SavedAsShare:

@@ -151,11 +151,12 @@ def safe_reader(folder: Path) -> Any:
     assembled in a tensor of its own. Placeholders of :class:`epl.runtime.checkpoint.chunks.Rectangles` give
     ``Rectangles`` of what was read. A placeholder the checkpoint does not cover whole is refused.
     """
-    from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
     from torch.distributed.checkpoint.planner import LoadItemType
     from torch.futures import Future
+
+    from epl.torch_private import narrow_by_index
 
     class SafeFileSystemReader(FileSystemReader):
         """DCP's file reader, its metadata read without pickle's code execution (once per reader), its tensors
@@ -201,7 +202,7 @@ def safe_reader(folder: Path) -> Any:
             if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:
                 raise EplError(f"{item.dest_index.fqn} is not a plain tensor: the checkpoint was not written by EPL.")
             tensor = torch.load(self._slice_file(stream, info), map_location="cpu", weights_only=True)
-            tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+            tensor = narrow_by_index(tensor, item.storage_offsets, item.lengths)
             wanted = planner.resolve_tensor(item)
             if tensor.shape != wanted.shape or tensor.dtype != wanted.dtype:
                 raise EplError(
@@ -222,8 +223,9 @@ class _Received:
 
     def add(self, item: Any, tensor: torch.Tensor, planner: Any) -> None:
         """Keep ``tensor``, read for the read item ``item`` (a part of one placeholder rectangle, or all of it)."""
-        from torch.distributed._shard._utils import narrow_tensor_by_index
         from torch.distributed.checkpoint.utils import find_state_dict_object
+
+        from epl.torch_private import narrow_by_index
 
         index = item.dest_index
         key = (index.fqn, tuple(index.offset) if index.offset is not None else ())
@@ -235,7 +237,7 @@ class _Received:
             return
         if key not in self.values:
             self.values[key] = torch.empty(tuple(target.shape), dtype=tensor.dtype)
-        narrow_tensor_by_index(self.values[key], item.dest_offsets, item.lengths).copy_(tensor)
+        narrow_by_index(self.values[key], item.dest_offsets, item.lengths).copy_(tensor)
 
     def results(self, placeholders: dict[str, Any], folder: Path) -> dict[str, torch.Tensor]:
         """What was read for each of ``placeholders`` (by key); a placeholder read in part is refused."""
