@@ -71,6 +71,21 @@ def _run(command: list[str], cwd: Path, timeout: float = 150, **env: str) -> str
     return output
 
 
+#: What the original Accelerate script's rank 1 printed as it aborted at exit, after training and writing its results
+#: (once in three full runs of the suite on 2026-11-28; accelerate 1.15, torch 2.13, gloo): the baseline's own exit.
+_BASELINE_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _run_baseline(command: list[str], cwd: Path, **env: str) -> str:
+    """``_run`` for a framework's original script (the baseline, not EPL): run again once when it aborted at exit."""
+    try:
+        return _run(command, cwd, **env)
+    except AssertionError as failure:
+        if _BASELINE_EXIT_ABORT not in str(failure):
+            raise
+        return _run(command, cwd, **env)
+
+
 def _torchrun(script: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(script), *args]
 
@@ -141,7 +156,7 @@ def test_accelerate_port_trains_as_accelerate(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     original = MIGRATION / "accelerate" / "train_accelerate.py"
-    _run(_torchrun(original, "--metrics-out", "accelerate.json"), tmp_path, ACCELERATE_USE_CPU="true")
+    _run_baseline(_torchrun(original, "--metrics-out", "accelerate.json"), tmp_path, ACCELERATE_USE_CPU="true")
     _run(_epl_launch(MIGRATION / "accelerate" / "train_epl.py", "--metrics-out", "epl.json"), tmp_path)
     accelerate = _metrics(tmp_path / "accelerate.json")
     assert len(accelerate["loss"]) == 16  # 2 processes, each a half of every global batch

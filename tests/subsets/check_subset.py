@@ -6,8 +6,9 @@ Run by ``nox -t ci`` (the ``subsets(all)`` session: one environment, each subset
 turn, as a user would, not editable, with nothing else: no test tools, no numpy by hand). Each check
 trains a small model, saves a checkpoint, loads it into a fresh engine and compares, on one or
 two processes under the launchers the subset has; the packages outside the subset must be missing
-and a feature that needs one must say which to install. It prints one line per check and exits
-non-zero at the first that fails. Not a pytest module: it must run without pytest installed.
+and a feature that needs one must say which to install. The checks run two at a time (each is a fresh process
+that spends most of its time importing torch); it prints one line per check, in order, and exits non-zero at the
+first that fails. Not a pytest module: it must run without pytest installed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 #: The module each package installs.
@@ -30,6 +33,11 @@ MODULES = {
 }
 #: Seconds any one command may take.
 TIMEOUT = 300
+#: Checks running at once (the machines CI runs on have 2 cores).
+AT_ONCE = 2
+_POOL = ThreadPoolExecutor(AT_ONCE)
+#: The checks started, in order, each as the call that waits for it and judges it.
+_STARTED: list[Callable[[], None]] = []
 
 #: Trains 3 steps, saves, loads into a fresh engine; every rank checks its tensors came back equal.
 TRAIN_SAVE_LOAD = textwrap.dedent(
@@ -109,6 +117,8 @@ def main() -> int:
         run("checkpointing + AMP in one process: train, save, load", train(python, "memory", config=memory))
     else:
         fails("AMP without epl-memory", train(python, "amp", config={"amp.level": "O1"}), "epl-memory")
+    for judge in _STARTED:
+        judge()
     return 0
 
 
@@ -127,19 +137,29 @@ def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 def run(what: str, command: list[str]) -> None:
-    """Run one check; it must succeed."""
-    done = _run(command)
-    if done.returncode != 0:
-        raise SystemExit(f"FAILED {what}: {' '.join(command)}\n{done.stdout}\n{done.stderr}")
-    print(f"ok   {what}")
+    """Start one check; it must succeed (judged in order at the end of ``main``)."""
+    started: Future[subprocess.CompletedProcess[str]] = _POOL.submit(_run, command)
+
+    def judge() -> None:
+        done = started.result()
+        if done.returncode != 0:
+            raise SystemExit(f"FAILED {what}: {' '.join(command)}\n{done.stdout}\n{done.stderr}")
+        print(f"ok   {what}", flush=True)
+
+    _STARTED.append(judge)
 
 
 def fails(what: str, command: list[str], names: str) -> None:
-    """Run one check; it must fail with an error that names ``names`` (what to install)."""
-    done = _run(command)
-    if done.returncode == 0 or names not in done.stdout + done.stderr:
-        raise SystemExit(f"FAILED {what}: expected a failure naming {names!r}:\n{done.stdout}\n{done.stderr}")
-    print(f"ok   {what}: the error names {names}")
+    """Start one check; it must fail with an error that names ``names`` (what to install)."""
+    started: Future[subprocess.CompletedProcess[str]] = _POOL.submit(_run, command)
+
+    def judge() -> None:
+        done = started.result()
+        if done.returncode == 0 or names not in done.stdout + done.stderr:
+            raise SystemExit(f"FAILED {what}: expected a failure naming {names!r}:\n{done.stdout}\n{done.stderr}")
+        print(f"ok   {what}: the error names {names}", flush=True)
+
+    _STARTED.append(judge)
 
 
 if __name__ == "__main__":
