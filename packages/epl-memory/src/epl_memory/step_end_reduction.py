@@ -25,25 +25,24 @@ def reduce_at_step_end(roots: Sequence[nn.Module]) -> None:
     """Have each of ``roots`` (sharded stage roots, ``fully_shard``'s) accumulate whole gradients over a step's
     micro-batches and reduce-scatter them when the step's last backward has run."""
     for root in roots:
-        _hold(root)
+        _reducing(root, False)
         listen_to_step_ends(root, _reducer(root))
 
 
-def _hold(root: nn.Module) -> None:
-    """No reduction and no reshard in the backwards of the micro-batches (and none taken as a step's last)."""
-    root.set_requires_gradient_sync(False)  # type: ignore[operator]
-    root.set_reshard_after_backward(False)  # type: ignore[operator]
-    root.set_is_last_backward(False)  # type: ignore[operator]
+def _reducing(root: nn.Module, reducing: bool) -> None:
+    """Whether ``root``'s backwards reduce and reshard (and count as a step's last): not in the micro-batches, only
+    at the step's end."""
+    root.set_requires_gradient_sync(reducing)  # type: ignore[operator]
+    root.set_reshard_after_backward(reducing)  # type: ignore[operator]
+    root.set_is_last_backward(reducing)  # type: ignore[operator]
 
 
 def _reducer(root: nn.Module) -> Callable[[], None]:
     def reduce() -> None:
-        root.set_requires_gradient_sync(True)  # type: ignore[operator]
-        root.set_reshard_after_backward(True)  # type: ignore[operator]
-        root.set_is_last_backward(True)  # type: ignore[operator]
+        _reducing(root, True)
         try:
             reduce_sharded_gradients_now(root)
         finally:
-            _hold(root)
+            _reducing(root, False)
 
     return reduce

@@ -78,10 +78,10 @@ def _backend(name: str, mode: str) -> Callable[..., Any]:
     if name not in known:
         raise ConfigError(f"compile.backend {name!r} is not a torch.compile backend; use one of {', '.join(known)}.")
     if name == "inductor":
-        return inductor_backend(mode or None)  # type: ignore[no-any-return]
+        return inductor_backend(mode or None)
     if mode:
         raise ConfigError(f"compile.mode {mode!r} applies to the inductor backend only, not {name!r}; remove it.")
-    return compile_backend(name)  # type: ignore[no-any-return]
+    return compile_backend(name)
 
 
 def compile_blocks(modules: Sequence[tuple[str, nn.Module]], backend: str, mode: str = "") -> CompileReport:

@@ -32,6 +32,7 @@ from epl.sharding import collectives as C
 from epl.sharding.dataflow import Dataflow, ModuleCall, Op, Span, tensors_in
 from epl.sharding.linear import RowParallelLinear
 from epl.sharding.parameters import is_sharded
+from epl.torch_private import saved_tensor_hooks_active
 
 SEQUENCE_DIM = 1  # [batch, sequence, hidden]
 BATCH_SPLIT_REFUSED = (
@@ -153,7 +154,9 @@ def _enter_region(group: ShardGroup) -> Any:
         def gather(x: torch.Tensor) -> torch.Tensor:
             whole = C.gather_rows(x, group, SEQUENCE_DIM)
             group.sequence_entry = weakref.ref(whole)
-            if torch.is_grad_enabled() and not _other_saved_tensor_hooks():
+            # saved-tensor hooks active already (checkpointing's, offloading's) own what is saved; True where torch
+            # cannot say, and the gathered input is then kept whole
+            if torch.is_grad_enabled() and not saved_tensor_hooks_active():
                 saving.append(torch.autograd.graph.saved_tensors_hooks(*SavedAsShare(group, x, whole).hooks()))
                 saving[-1].__enter__()
             return whole
@@ -177,13 +180,6 @@ def _leave_region(group: ShardGroup) -> Any:
             entered.__exit__(None, None, None)
 
     return hook
-
-
-def _other_saved_tensor_hooks() -> bool:
-    """Whether saved-tensor hooks are active already (checkpointing's or offloading's: they own what is saved)."""
-    from epl.torch_private import saved_tensor_hooks_active
-
-    return saved_tensor_hooks_active()  # (True where torch cannot say: the gathered input is then kept whole)
 
 
 class SavedAsShare:
