@@ -46,8 +46,12 @@ def test_zero_levels_chunk_every_tensor_and_differ_in_the_step() -> None:
         # bf16 training: each chunk is the float32 master (4 bytes), where a replica holds 2 + 4 a weight
         assert held[level].parameters == pytest.approx(held["none"].parameters * 4 / 6 / 8)
     assert held["v0"].peak - held["v1"].peak == pytest.approx(LLAMA_8B.parameters * 4, rel=0.01)
-    # v1 holds every bf16 weight whole at the start of backward, v2 the largest block's (the embedding or head)
-    assert held["v1"].peak - held["v2"].peak == pytest.approx((LLAMA_8B.parameters - 128256 * 4096) * 2, rel=0.01)
+    # v1 holds every bf16 weight whole at the start of backward, v2 the largest block's (the embedding or head); and
+    # each reduces its largest unit's gradient twice then: v1 a layer's (the root holds the embedding and head, reduced
+    # as the backward ends), v2 the head's
+    embedding, layer = 128256 * 4096, LLAMA_8B.layer_parameters()
+    expected = (LLAMA_8B.parameters - embedding) * 2 + 2 * (layer - embedding) * 4
+    assert held["v1"].peak - held["v2"].peak == pytest.approx(expected, rel=0.01)
     assert not held["none"].fits and held["v2"].fits  # 8B with Adam replicated needs ~130 GiB
 
 

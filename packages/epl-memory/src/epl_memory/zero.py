@@ -87,7 +87,9 @@ class ZeroSharding:
         offload = bool(context.config["offload.level"])
         sharding = shards_over_copies(context)
         entries = stage_entries(model, context)
-        units = find_units(model, entries)
+        # v0/v1 keep the blocks' weights whole through the backward: the embedding and head go to the root. Not in a
+        # pipeline, whose runner may call modules below the stage roots it finds (never the roots themselves).
+        units = find_units(model, entries, loose=context.config["zero.level"] == "v2" or not sharding or bool(entries))
         if entries:  # a pipeline's runner calls the stage roots, never the model itself
             units = [unit for unit in units if unit is not model]
         names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}

@@ -50,10 +50,23 @@ def weights_per_device(shape: ModelShape, layout: Layout) -> float:
 
 
 def largest_unit(shape: ModelShape, layout: Layout) -> float:
-    """Weights on one device of the largest block ZeRO gathers at once (:func:`zero_units`): a decoder layer, or the
-    embedding or the head, divided over the tensor devices (a layer's norms whole)."""
+    """Weights on one device of the largest block ZeRO gathers at once (:func:`zero_units`): a decoder layer, or
+    the embedding or the head, divided over the tensor devices (a layer's norms whole); not the embedding and
+    head where the root holds them (:func:`zero_root_holds_ends`)."""
     layer = (shape.layer_parameters() - 2 * shape.hidden) / layout.tensor + 2 * shape.hidden
-    return max(layer, shape.vocab * shape.hidden / layout.tensor)
+    return layer if zero_root_holds_ends(layout) else max(layer, shape.vocab * shape.hidden / layout.tensor)
+
+
+def zero_root_holds_ends(layout: Layout) -> bool:
+    """Whether ZeRO leaves the embedding, the final norm and the head to the model's root unit, reduced as the
+    backward ends (``epl_memory.blocks.find_units`` without ``loose``): v0 and v1 on one stage."""
+    return layout.zero in ("v0", "v1") and layout.pipeline == 1
+
+
+def root_unit(shape: ModelShape, layout: Layout) -> float:
+    """Weights on one device of the root unit under :func:`zero_root_holds_ends`: the embedding, the final norm and
+    the head (one matrix when tied)."""
+    return shape.vocab * shape.hidden / layout.tensor * (1 if shape.tied else 2) + shape.hidden
 
 
 def largest_tensor(shape: ModelShape, layout: Layout) -> float:
@@ -156,9 +169,12 @@ def zero_holds_whole_stage(layout: Layout) -> bool:
 
 def zero_units(shape: ModelShape, layout: Layout) -> int:
     """Blocks ZeRO gathers and reduces one at a time on a device of the first (or last) stage: its decoder layers,
-    and the embedding, the final norm and the head, each a unit of its own (``epl_memory.blocks.find_units``; a
-    tied embedding and head are one matrix, gathered with the model's root)."""
+    and (``epl_memory.blocks.find_units``) under v2 the embedding, the final norm and the head, each a unit of its
+    own (a tied embedding and head are one matrix, gathered with the model's root); under v0 and v1 on one stage
+    the root, which holds them (:func:`zero_root_holds_ends`)."""
     blocks = math.ceil(shape.layers / layout.pipeline)
+    if zero_root_holds_ends(layout):
+        return blocks + 1
     return blocks + ((2 if shape.tied else 3) if layout.pipeline == 1 else 1)
 
 

@@ -12,8 +12,10 @@ optimizer states, plus the larger of the backward's working set (the activations
 recomputation or its backward, and what data parallelism holds to communicate: without ZeRO one tensor's fresh
 gradient, the largest, before it moves into its flat bucket; under ZeRO the weights gathered whole, every block's
 under v0/v1 and the largest block's under v2, and the largest block's gradients twice, unsharded and in the
-reduce-scatter's buffer; under a zero-bubble schedule the stage's weights and gradients whole, every level)
-and the optimizer step's float32 temporary the size of what it updates (torch's foreach Adam). Checked against
+reduce-scatter's buffer; under a zero-bubble schedule the stage's weights and gradients whole, every level), the
+end of the backward under v0/v1 on one stage (the whole weights and the root's embedding and head gradients twice,
+the activations gone) and the optimizer step's float32 temporary the size of what it updates (torch's foreach
+Adam). Checked against
 resident memory in tests/planner/test_measured_memory.py and, under ZeRO, in
 benchmarks/test_zero_memory.py.
 
@@ -64,11 +66,13 @@ from epl.planner.communication import (
     largest_tensor,
     largest_unit,
     payload_bytes,
+    root_unit,
     updated_weights,
     weights_per_device,
     zero_accumulates_whole,
     zero_collectives,
     zero_holds_whole_stage,
+    zero_root_holds_ends,
     zero_shards,
 )
 from epl.planner.devices import DeviceProfile
@@ -234,7 +238,9 @@ def _memory(shape: ModelShape, layout: Layout, workload: Workload, device: Devic
     # released as this one's is made), float32, of the largest block. The optimizer's step makes a float32 temporary
     # the size of what it updates (torch's foreach Adam: the square roots' denominators), after backward freed the
     # activations.
-    reducing = 0.0
+    # Under v0 and v1 on one stage the embedding and head are the root's, reduced as the backward ends: the whole
+    # weights and the root's gradients and buffer, the activations gone.
+    reducing = end_of_backward = 0.0
     if zero and d > 1:
         unit = largest_unit(shape, layout)
         whole_weights = layout.zero in ("v0", "v1") or zero_holds_whole_stage(layout)
@@ -242,10 +248,12 @@ def _memory(shape: ModelShape, layout: Layout, workload: Workload, device: Devic
         reducing = gathered * e + 2 * unit * 4
         if zero_accumulates_whole(layout):  # v0 over micro-batches, zero bubble: every gradient whole until the last
             reducing += weights * 4
+        if zero_root_holds_ends(layout):
+            end_of_backward = gathered * e + 2 * root_unit(shape, layout) * 4
     elif d > 1:
         reducing = largest_tensor(shape, layout) * 4
     update_temporary = updated * 4 if workload.optimizer_states >= 2 else 0.0
-    working = max(activations + whole_block + reducing, update_temporary)
+    working = max(activations + whole_block + reducing, end_of_backward, update_temporary)
     peak = parameter_bytes + gradient_bytes + optimizer_bytes + working
     return _Memory(parameter_bytes, gradient_bytes, optimizer_bytes, activations, peak)
 
