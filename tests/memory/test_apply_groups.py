@@ -20,6 +20,8 @@ def train(groups: int) -> tuple[list[float], dict[str, torch.Tensor], int]:
     engine = epl.parallelize(
         build(), optimizer=lambda p: torch.optim.AdamW(p, lr=0.01, foreach=True), loss_fn=nn.MSELoss()
     )
+    # an LR scheduler rebinds optimizer.step's method to the optimizer: grouped steps are bound methods too
+    engine.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: 1.0 / (1 + step))
     generator = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(3):

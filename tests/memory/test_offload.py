@@ -239,21 +239,22 @@ def test_a_transformers_model_is_fetched_a_block_at_a_time() -> None:
     assert units == [model, body.embed_tokens, *body.layers, body.norm, model.lm_head]
 
 
-def on_one_gpu() -> dict[str, Any]:
-    """offload v0 on one GPU: what the device holds after parallelize and at a step's peak, against the weights."""
+def on_one_gpu(overlap: bool = False) -> dict[str, Any]:
+    """offload v0 on one GPU: what the device holds after parallelize and at a step's peak, against the weights
+    (``overlap``: with ``offload.overlap_step``)."""
     width, depth = 1024, 8
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).cuda()
     reference = copy.deepcopy(model)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    epl.init(epl.Config({"offload.level": "v0"}))
+    epl.init(epl.Config({"offload.level": "v0", "offload.overlap_step": overlap}))
     before = torch.cuda.memory_allocated()
     engine = epl.parallelize(model, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), loss_fn=nn.MSELoss())
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - before
     x = torch.randn(64, width, device="cuda")
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    for _ in range(2):
+    for _ in range(3):
         engine.step(x, x)
         reference_optimizer.zero_grad()
         nn.functional.mse_loss(reference(x), x).backward()
@@ -267,8 +268,71 @@ def on_one_gpu() -> dict[str, Any]:
 @pytest.mark.gpu
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (offload moves weights to host memory)")
-def test_offload_keeps_weights_off_the_gpu_between_uses() -> None:
-    (result,) = run_ranks(on_one_gpu, 1, timeout=300)
+@pytest.mark.parametrize("overlap", [False, True], ids=["whole step", "overlap_step"])
+def test_offload_keeps_weights_off_the_gpu_between_uses(overlap: bool) -> None:
+    (result,) = run_ranks(on_one_gpu, 1, overlap, timeout=300)
     print(f"offload on one GPU: {result}")
     assert result["held"] < result["weights"] / 10, result  # the weights left the device
     assert result["gap"] < 1e-5, result  # the CPU's AdamW against the GPU's, in float32
+
+
+def tiny_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)  # fmt: skip
+    return LlamaForCausalLM(config).double()
+
+
+def overlapped_or_not(overlap: bool) -> dict[str, Any]:
+    """Offload v0 over 2 processes (each a copy), ZeRO v1, clipping, an LR schedule and 2 micro-batches a step: the
+    losses, what ``engine.parameters()`` reads after each step, the final state, and which threads stepped."""
+    import threading
+
+    from epl_memory.overlapped_step import OverlappedHostStep
+
+    threads: list[str] = []
+    update = OverlappedHostStep._update
+
+    def recorded(self: OverlappedHostStep, groups: Any) -> None:
+        threads.append(threading.current_thread().name.split("_")[0])
+        update(self, groups)
+
+    OverlappedHostStep._update = recorded  # type: ignore[method-assign]
+    config = {"offload.level": "v0", "zero.level": "v1", "offload.overlap_step": overlap,
+              "pipeline.num_micro_batch": 2, "optimizer.max_grad_norm": 0.5}  # fmt: skip
+    epl.init(epl.Config(config))
+    engine = epl.parallelize(tiny_llama(), optimizer=lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1))
+    engine.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: 1.0 / (1 + step))
+    generator = torch.Generator().manual_seed(5 + engine.replica_index)
+    losses, reads = [], []
+    for _ in range(4):
+        ids = torch.randint(0, 64, (4, 12), generator=generator)
+        losses.append(float(engine.step({"input_ids": ids, "labels": ids})))
+        reads.append([p.clone() for p in engine.parameters()])
+    evaluation = float(engine.evaluate({"input_ids": ids, "labels": ids}))
+    return {"losses": losses, "reads": reads, "evaluation": evaluation, "threads": threads,
+            "state": engine.state_dict(full=True)["model"]}  # fmt: skip
+
+
+def overlap_against_whole_steps() -> dict[str, Any]:
+    return {"overlapped": overlapped_or_not(True), "whole": overlapped_or_not(False)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_step_overlapped_with_the_next_forward_equals_the_whole_step() -> None:
+    """``offload.overlap_step``: the CPU's update runs on a worker while the next forward waits block by block; the
+    losses, every read between steps and the final weights are bit for bit those of the whole step."""
+    for result in run_ranks(overlap_against_whole_steps, 2, timeout=150):
+        overlapped, whole = result["overlapped"], result["whole"]
+        assert overlapped["threads"] == ["epl-host-step"] * 4, overlapped["threads"]
+        assert whole["threads"] == []
+        assert repr(overlapped["losses"]) == repr(whole["losses"])
+        assert overlapped["evaluation"] == whole["evaluation"]
+        for got, expected in zip(overlapped["reads"], whole["reads"], strict=True):
+            for a, b in zip(got, expected, strict=True):
+                assert torch.equal(a, b)
+        for key, value in whole["state"].items():
+            assert torch.equal(overlapped["state"][key], value), key

@@ -98,11 +98,13 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.sharding.data_shards import (
         MicroBatchListener,
         data_shards,
+        defer_reads_until_settled,
         listen_to_micro_batches,
         listen_to_step_ends,
         local_tensor,
         mark_data_sharded,
         reduce_at_last_micro_batch,
+        settle_pending_update,
         step_end_listeners,
     )
     from epl.sharding.dataflow import example_input, forked_rng, tensors_in
@@ -153,6 +155,8 @@ _EXPORTS: dict[str, str] = {
     "listen_to_micro_batches": "epl.sharding.data_shards",
     "MicroBatchListener": "epl.sharding.data_shards",
     "listen_to_step_ends": "epl.sharding.data_shards",
+    "defer_reads_until_settled": "epl.sharding.data_shards",
+    "settle_pending_update": "epl.sharding.data_shards",
     "step_end_listeners": "epl.sharding.data_shards",
     "split_batch": "epl.runtime.batch",
     "batch_size": "epl.runtime.batch",

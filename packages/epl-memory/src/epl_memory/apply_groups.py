@@ -8,7 +8,6 @@ its own, and each group's ``step`` touches only the group's parameters.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 from torch import nn
 
 from epl.plugin_api import ConfigError
+from epl_memory.optimizer_methods import replace_method
 
 #: Optimizers whose update couples parameters (a step over a group differs from the whole step).
 COUPLED = (torch.optim.LBFGS,)
@@ -47,7 +47,6 @@ def apply_in_groups(optimizer: torch.optim.Optimizer, groups: int) -> torch.opti
     parts = [{id(p) for p in part} for part in balanced_partition(params, min(groups, max(len(params), 1)))]
     whole_step = optimizer.step
 
-    @functools.wraps(whole_step)
     def step(closure: Callable[[], float] | None = None) -> Any:
         if closure is not None:
             raise ConfigError("optimizer.num_apply_group does not support a closure in step(); leave it at 1.")
@@ -62,5 +61,5 @@ def apply_in_groups(optimizer: torch.optim.Optimizer, groups: int) -> torch.opti
                 group["params"] = params_of_group
         return None
 
-    optimizer.step = step  # type: ignore[method-assign]
+    replace_method(optimizer, "step", step)
     return optimizer

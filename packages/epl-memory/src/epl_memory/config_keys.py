@@ -75,6 +75,14 @@ KEYS: tuple[ConfigKey, ...] = (
         doc="Offload level: 'v0' keeps weights, gradients and optimizer state in host memory (FSDP2's CPU offload; the "
         "optimizer steps on the CPU); '' disables offload.",
     ),
+    ConfigKey(
+        name="offload.overlap_step",
+        types=(bool,),
+        default=False,
+        doc="Under offload.level: the CPU's optimizer step runs while the next step's forward runs, each block "
+        "waiting for its own update (the same arithmetic). Between steps read the model through engine.model, not "
+        "a reference kept from before epl.parallelize (docs/zero.md).",
+    ),
     # 6.5 Memory-efficient AMP
     ConfigKey(
         name="amp.level",

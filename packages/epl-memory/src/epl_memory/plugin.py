@@ -74,6 +74,24 @@ class ApplyGroups:
         return optimizer
 
 
+class OverlapStep:
+    """Optimizer wrapper (``offload.overlap_step``): the CPU's step runs during the next forward, block by block."""
+
+    name = "overlap_step"
+    phase = WrapperPhase.OFFLOAD
+
+    def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
+        """Defer the optimizer's step to a worker (:mod:`epl_memory.overlapped_step`); return ``optimizer``."""
+        from epl_memory.overlapped_step import overlap_host_step
+        from epl_memory.zero import ZeroState
+
+        units = context.state(ZeroState).sharded
+        inner = {id(below) for unit in units for below in unit.modules() if below is not unit}
+        roots = [unit for unit in units if id(unit) not in inner]
+        overlap_host_step(context.model, optimizer, units, roots)
+        return optimizer
+
+
 @hookimpl
 def epl_config_keys() -> Sequence[ConfigKey]:
     """This package's keys: gradient checkpointing, ZeRO, offload, AMP and apply groups."""
@@ -93,6 +111,8 @@ def epl_optimizer_wrappers(context: ParallelContext) -> list[OptimizerWrapper] |
         wrappers.append(ApplyGroups())
     if offloads(context):
         wrappers.append(OffloadAdvice())
+        if context.config["offload.overlap_step"]:
+            wrappers.append(OverlapStep())
     return wrappers or None
 
 

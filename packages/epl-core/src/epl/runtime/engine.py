@@ -16,6 +16,7 @@ from epl.plugins.context import LossScaler, ParallelContext, StepRunner
 from epl.runtime.batch import call_model, samples_and_tokens, tensors_in, to_device
 from epl.runtime.memory import MemoryReport
 from epl.runtime.nonfinite import NonFiniteCheck, StepOutcome
+from epl.sharding.data_shards import settle_pending_update
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -201,7 +202,8 @@ class Engine:
     @property
     def lr(self) -> float | None:
         """The learning rate of the optimizer's first parameter group now (None without an optimizer)."""
-        return None if self.optimizer is None else float(self.optimizer.param_groups[0]["lr"])
+        optimizer = self.context.optimizer  # (the LR is the main thread's: nothing to wait for)
+        return None if optimizer is None else float(optimizer.param_groups[0]["lr"])
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
@@ -258,12 +260,16 @@ class Engine:
     # -- what this rank holds ----------------------------------------------------------
     @property
     def model(self) -> nn.Module:
-        """This rank's model, after every transform."""
+        """This rank's model, after every transform (an optimizer step still running off the main thread,
+        ``offload.overlap_step``, has finished when it is handed out)."""
+        settle_pending_update(self.context.model)
         return self.context.model
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
-        """This rank's optimizer, after every wrapper (use it for LR schedulers)."""
+        """This rank's optimizer, after every wrapper (use it for LR schedulers); its step, if still running off the
+        main thread, has finished."""
+        settle_pending_update(self.context.model)
         return self.context.optimizer
 
     @property

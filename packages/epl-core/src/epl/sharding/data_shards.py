@@ -96,6 +96,24 @@ def step_end_listeners(model: nn.Module) -> list[Callable[[], None]]:
     return [listener for module in model.modules() for listener in module.__dict__.get(_STEP_END_LISTENERS, ())]
 
 
+#: The attribute holding the function that completes a module's pending update (:func:`defer_reads_until_settled`).
+_SETTLE = "_epl_settle_pending_update"
+
+
+def defer_reads_until_settled(model: nn.Module, settle: Callable[[], None]) -> None:
+    """Say that the parameters of ``model`` (the model the engine holds) may be in the middle of an update between
+    steps (an optimizer step still running off the main thread), and that ``settle()`` waits for it. The engine
+    calls it before it hands out the model, the optimizer, parameters or state (:func:`settle_pending_update`)."""
+    model.__dict__[_SETTLE] = settle
+
+
+def settle_pending_update(model: nn.Module) -> None:
+    """Wait for the pending update :func:`defer_reads_until_settled` announced on ``model``, if any."""
+    settle = model.__dict__.get(_SETTLE)
+    if settle is not None:
+        settle()
+
+
 def reduce_at_last_micro_batch(module: nn.Module) -> None:
     """Have a sharded module (``fully_shard``'s) accumulate its gradients whole over a step's micro-batches and
     reduce them once, in the last one's backward (ZeRO v0: only the optimizer state is sharded; FSDP2's
