@@ -268,7 +268,7 @@ def test_every_hook_is_documented_and_exercised() -> None:
     from epl.plugins import hookspecs
 
     hooks = [name for name in dir(hookspecs) if name.startswith("epl_")]
-    assert len(hooks) == 13
+    assert len(hooks) == 14
     source = Path(__file__).read_text()
     for name in hooks:
         assert (getattr(hookspecs, name).__doc__ or "").strip(), f"{name} has no docstring"
@@ -470,3 +470,27 @@ def test_memory_estimate_adjustments_apply_in_turn() -> None:
     manager.register(Junk(), name="junk")
     with pytest.raises(epl.PluginError, match="Plugin 'junk' returned .* from epl_adjust_memory_estimate"):
         epl.plan(nn.Linear(3, 2), world_size=2)
+
+
+def test_a_plugin_describes_its_keys_as_typed_facts_once() -> None:
+    """epl_config_facts: each record type comes from one plugin; two plugins describing one type is an error."""
+    from dataclasses import dataclass
+
+    from epl.plugins.manager import EplPluginManager
+
+    @dataclass(frozen=True)
+    class Tuning:
+        fast: bool = False
+
+    class Owner:
+        @epl.hookimpl
+        def epl_config_facts(self, config):  # type: ignore[no-untyped-def]
+            return [Tuning(fast=config["pipeline.num_micro_batch"] > 1)]
+
+    manager = EplPluginManager(load_entry_points=False)
+    manager.register(Owner(), name="owner")
+    config = epl.Config({"pipeline.num_micro_batch": 2})
+    assert manager.config_facts(config) == {Tuning: Tuning(fast=True)}
+    manager.register(Owner(), name="second")
+    with pytest.raises(epl.PluginError, match="Two plugins describe Tuning"):
+        manager.config_facts(config)

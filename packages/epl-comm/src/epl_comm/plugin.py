@@ -33,6 +33,21 @@ def epl_config_keys() -> Sequence[ConfigKey]:
 
 
 @hookimpl
+def epl_config_facts(config: Config) -> list[object]:
+    """What the core and the other plugins need of this package's keys (:class:`epl.plugin_api.Communication`)."""
+    from epl.plugin_api import Communication
+
+    return [
+        Communication(
+            mean=config["communication.gradients_reduce_method"] == "mean",
+            float16=bool(config["communication.fp16"]),
+            clip_after_reduction=bool(config["communication.clip_after_allreduce"]),
+            timeout_s=float(config["communication.timeout"]),
+        )
+    ]
+
+
+@hookimpl
 def epl_make_communicator(cluster: Cluster, config: Config) -> Communicator | None:
     """torch.distributed (``auto``/``torch``) or CuPy NCCL (``cupy``) over the job's processes."""
     from epl_comm.cupy_communicator import CupyCommunicator, load_nccl

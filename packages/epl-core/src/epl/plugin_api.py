@@ -66,6 +66,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.interfaces.collectives import broadcast_tensors, communicators_for
     from epl.interfaces.communicator import Communicator, CompletedWork, ReduceOp, Work
     from epl.interfaces.config_key import ConfigKey
+    from epl.interfaces.facts import Communication, MemoryTechniques, PipelineChoices
     from epl.interfaces.nonfinite_verdict import NonFiniteVerdict
     from epl.interfaces.optimizer_groups import group_options
     from epl.interfaces.phases import TransformPhase, WrapperPhase
@@ -89,6 +90,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
         ParallelContext,
         StepRunner,
     )
+    from epl.plugins.facts import config_facts
     from epl.ports import free_port
     from epl.progress.bar import LAUNCH_TERMINAL_VARIABLE
     from epl.runtime.batch import as_arguments, batch_size, call_model, micro_batches, split_batch, to_device
@@ -155,6 +157,10 @@ _EXPORTS: dict[str, str] = {
     "listen_to_micro_batches": "epl.sharding.data_shards",
     "MicroBatchListener": "epl.sharding.data_shards",
     "listen_to_step_ends": "epl.sharding.data_shards",
+    "Communication": "epl.interfaces.facts",
+    "MemoryTechniques": "epl.interfaces.facts",
+    "PipelineChoices": "epl.interfaces.facts",
+    "config_facts": "epl.plugins.facts",
     "defer_reads_until_settled": "epl.sharding.data_shards",
     "settle_pending_update": "epl.sharding.data_shards",
     "step_end_listeners": "epl.sharding.data_shards",

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from epl.plugin_api import ConfigKey, LossScaler, ModelTransform, OptimizerWrapper, ParallelContext
+    from epl.plugin_api import Config, ConfigKey, LossScaler, ModelTransform, OptimizerWrapper, ParallelContext
 
 PLUGIN = "epl-memory"
 _log = logging.getLogger("epl.memory")
@@ -98,6 +98,20 @@ def epl_config_keys() -> Sequence[ConfigKey]:
     from epl_memory.config_keys import KEYS
 
     return KEYS
+
+
+@hookimpl
+def epl_config_facts(config: Config) -> list[object]:
+    """What the planner and the pipeline need of this package's keys (:class:`epl.plugin_api.MemoryTechniques`)."""
+    from epl.plugin_api import MemoryTechniques
+
+    return [
+        MemoryTechniques(
+            zero=config["zero.level"],
+            recompute=config["gradient_checkpoint.type"],
+            mixed_precision=bool(config["amp.level"]),
+        )
+    ]
 
 
 @hookimpl

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from epl.plugin_api import (
+    Communication,
     ConfigError,
     EplError,
     TransformPhase,
@@ -142,7 +143,7 @@ class ZeroSharding:
         # v0 shards only the optimizer state: gradients accumulate whole over micro-batches, reduced in the last
         # (not under offload, whose gradients must leave the device)
         accumulate_whole = sharding and context.config["zero.level"] == "v0" and not offload and not split_backward
-        sum_mean = context.config["communication.gradients_reduce_method"] == "mean"
+        sum_mean = context.facts(Communication).mean
         sharded: list[nn.Module] = []
         # The modules the runner calls (the model, or a pipeline's stage roots) are sharded even when they hold no
         # tensor of their own: FSDP2 makes the outermost sharded module the root, whose state the blocks below it
@@ -421,7 +422,7 @@ def mixed_precision(context: ParallelContext) -> Any:
     config = context.config
     param = DTYPES.get(config["zero.param_dtype"])
     reduce = DTYPES.get(config["zero.reduce_dtype"])
-    if reduce is None and param is None and config["communication.fp16"]:
+    if reduce is None and param is None and context.facts(Communication).float16:
         reduce = torch.float16
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
 

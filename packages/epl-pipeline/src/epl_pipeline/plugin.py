@@ -48,6 +48,14 @@ def epl_config_keys() -> Sequence[ConfigKey]:
 
 
 @hookimpl
+def epl_config_facts(config: Config) -> list[object]:
+    """What the planner needs of this package's keys (:class:`epl.plugin_api.PipelineChoices`)."""
+    from epl.plugin_api import PipelineChoices
+
+    return [PipelineChoices(schedule=config["pipeline.strategy"], planned=config["auto.auto_parallel"] == "plan")]
+
+
+@hookimpl
 def epl_pipeline_schedules() -> dict[str, ScheduleGenerator]:
     """``PreferForward`` (GPipe), ``PreferBackward`` (1F1B) and ``ZeroBubble`` (ZB-H1)."""
     from epl_pipeline.schedules import SCHEDULES
@@ -312,12 +320,12 @@ def _check_same_call_order(program: Any, context: ParallelContext) -> None:
 def _check_clipping(context: ParallelContext) -> None:
     """Clipping before the gradient reduction needs each device to hold its replica's gradient: tied weights
     with several replicas, and stages that share micro-batches out (``replicate(k)``), need it after."""
-    from epl.plugin_api import ConfigError
+    from epl.plugin_api import Communication, ConfigError, MemoryTechniques
 
     config, plan = context.config, context.plan
-    if config["optimizer.max_grad_norm"] is None or config["communication.clip_after_allreduce"]:
+    if config["optimizer.max_grad_norm"] is None or context.facts(Communication).clip_after_reduction:
         return
-    if config.get("zero.level"):  # epl-memory's key (absent without it): ZeRO always clips the reduced gradient
+    if context.facts(MemoryTechniques).zero:  # ZeRO always clips the reduced gradient
         return
     if plan.shared and plan.num_lanes > 1:
         raise ConfigError(

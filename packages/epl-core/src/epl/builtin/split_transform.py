@@ -15,6 +15,7 @@ from torch import nn
 from epl.annotations.taskgraph import TaskGraph, holders_of
 from epl.errors import AnnotationError, ConfigError
 from epl.interfaces.collectives import broadcast_tensors, communicators_for
+from epl.interfaces.facts import Communication
 from epl.interfaces.phases import TransformPhase
 from epl.interfaces.shard_group import ShardGroup
 from epl.interfaces.split_rule import ShardContext, SplitRule
@@ -351,7 +352,8 @@ def _start_alike(tensors: list[torch.Tensor], group: ShardGroup) -> None:
 
 def _check_supported(context: ParallelContext) -> None:
     plan, config = context.plan, context.config
-    if config["optimizer.max_grad_norm"] is not None and not config.get("communication.clip_after_allreduce", False):
+    clip_after_reduction = context.facts(Communication).clip_after_reduction
+    if config["optimizer.max_grad_norm"] is not None and not clip_after_reduction:
         splitting = [tg.name for tg in plan.taskgraphs if tg.strategy == "split" and plan.batch_parts(tg.index) > 1]
         if splitting:
             raise ConfigError(

@@ -120,9 +120,22 @@ class Config:
         _lookup(self._schema, name, origin="lookup")
         return self._values[name]
 
+    def derived(self, name: str, build: Callable[[], Any]) -> Any:
+        """``build()``, computed once per Config and kept under ``name`` (what plugins derive from these values)."""
+        cache: dict[str, Any] = self.__dict__.setdefault("_derived", {})
+        if name not in cache:
+            cache[name] = build()
+        return cache[name]
+
     def get(self, name: str, default: Any = None) -> Any:
-        """The value of ``name``, or ``default`` when no such key is declared."""
-        return self._values.get(name, default)
+        """The value of ``name``, or ``default`` when the package that declares it is not installed. A name no
+        package declares (a typo) is a :class:`~epl.errors.ConfigError`, as with ``config[name]``."""
+        if name in self._values:
+            return self._values[name]
+        owner = owner_of(name)
+        if owner is None or any(owner_of(declared) == owner for declared in self._schema):  # not its package's
+            _lookup(self._schema, name, origin="lookup")
+        return default
 
     def __getattr__(self, section: str) -> _Section:
         if section.startswith("_"):

@@ -20,11 +20,13 @@ from epl.annotations.strategies import split
 from epl.annotations.taskgraph import TaskGraph
 from epl.config import Config
 from epl.errors import EplError
+from epl.interfaces.facts import MemoryTechniques, PipelineChoices
 from epl.planner.devices import PROFILES, DeviceProfile, device_profile
 from epl.planner.estimate import Estimate
 from epl.planner.layout import Layout, Workload
 from epl.planner.search import search
 from epl.planner.shape import ModelShape
+from epl.plugins.facts import config_facts
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ _GPU_NAMES = (
 
 def wants_plan(config: Config) -> bool:
     """Whether the config asks for the planner's layout (``auto.auto_parallel: "plan"``)."""
-    return config.get("auto.auto_parallel") == "plan"
+    return config_facts(config, PipelineChoices).planned
 
 
 def device_of(config: Config) -> DeviceProfile:
@@ -69,7 +71,7 @@ def choose_layout(
             'auto.auto_parallel: "plan" chooses a layout for a job: set planner.global_batch_size (sequences per '
             "step, over all replicas) and planner.sequence_length (tokens per sequence)."
         )
-    dtype = "bf16" if config.get("amp.level") else "fp32"
+    dtype = "bf16" if config_facts(config, MemoryTechniques).mixed_precision else "fp32"
     workload = Workload(batch, sequence, dtype=dtype, devices_per_node=devices_per_node, gathered_logits=own_loss)
     result = search(ModelShape.of(model), workload, device_of(config), world_size)
     best = result.plans[0] if result.plans else None

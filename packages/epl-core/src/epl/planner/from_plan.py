@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from epl.config import Config
 from epl.errors import EplError
+from epl.interfaces.facts import MemoryTechniques, PipelineChoices
 from epl.placement.plan import Plan
 from epl.planner.layout import Layout
+from epl.plugins.facts import config_facts
 
 #: epl-pipeline's schedule names (``pipeline.strategy``) -> the planner's.
 SCHEDULES = {
@@ -25,9 +27,10 @@ def layout_of(plan: Plan, config: Config, global_batch: int) -> Layout:
             f"--global-batch-size {global_batch} does not divide into {data} data-parallel replicas x "
             f"{micro_batches} micro-batches: give a multiple of {data * micro_batches}."
         )
-    zero = config.get("zero.level", "") or "none"
-    checkpoint = "full" if config.get("gradient_checkpoint.type", "") == "auto" else "none"
-    schedule = SCHEDULES.get(config.get("pipeline.strategy", "PreferBackward"), "1F1B")
+    memory = config_facts(config, MemoryTechniques)
+    zero = memory.zero or "none"
+    checkpoint = "full" if memory.recompute == "auto" else "none"
+    schedule = SCHEDULES.get(config_facts(config, PipelineChoices).schedule, "1F1B")
     return Layout(
         data=data,
         tensor=tensor,

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 LossFn = Callable[..., torch.Tensor]
 State = TypeVar("State")
+Fact = TypeVar("Fact")
 
 
 class Registries(Protocol):
@@ -46,6 +47,10 @@ class Registries(Protocol):
 
     def pipeline_schedules(self) -> Mapping[str, ScheduleGenerator]:
         """Every registered pipeline schedule by name (``epl_pipeline_schedules``)."""
+        ...
+
+    def config_facts(self, config: Config) -> Mapping[type, object]:
+        """Every typed fact the plugins build from ``config`` (``epl_config_facts``), by its type."""
         ...
 
 
@@ -119,6 +124,13 @@ class ParallelContext:
         if kind not in self._states:
             self._states[kind] = kind()
         return self._states[kind]  # type: ignore[no-any-return]
+
+    def facts(self, kind: type[Fact]) -> Fact:
+        """The typed record ``kind`` (``epl.interfaces.facts``) its owning plugin built from :attr:`config`, or its
+        defaults without that plugin (:func:`epl.plugins.facts.config_facts`)."""
+        built = self.config.derived("facts", lambda: self.plugins.config_facts(self.config))
+        record = built.get(kind)
+        return kind() if record is None else record  # type: ignore[no-any-return]
 
     def copy_communicators(self) -> dict[Group, Communicator]:
         """This rank's communicator over each group of devices that hold copies of some tensors.

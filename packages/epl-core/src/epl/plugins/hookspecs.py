@@ -65,6 +65,16 @@ def epl_config_keys() -> Sequence[ConfigKey] | None:
     """
 
 
+@hookspec
+def epl_config_facts(config: Config) -> Sequence[object] | None:
+    """Turn this plugin's keys into the typed records other packages read (``epl.interfaces.facts``).
+
+    Called once per :class:`epl.Config`, on first use of :func:`epl.plugin_api.config_facts`. Return an instance of
+    each record this plugin owns, built from its own keys of ``config``; None for none. A package never reads
+    another package's keys: it reads these records, which hold their defaults when the owner is not installed.
+    """
+
+
 # --------------------------------------------------------------------------------
 # Initialisation: called by epl.init after the cluster is read from the environment.
 # --------------------------------------------------------------------------------

@@ -183,6 +183,16 @@ class EplPluginManager:
                 owners[key.name] = impl.plugin_name
         return dict(sorted(schema.items()))
 
+    def config_facts(self, config: Config) -> dict[type, object]:
+        """Every typed fact the plugins build from ``config`` (``epl_config_facts``), by its type."""
+        built: dict[type, object] = {}
+        for records in self._pm.hook.epl_config_facts(config=config):
+            for record in records or ():
+                if type(record) in built:
+                    raise PluginError(f"Two plugins describe {type(record).__name__} (epl_config_facts): keep one.")
+                built[type(record)] = record
+        return built
+
     def make_communicator(self, cluster: Cluster, config: Config) -> Communicator:
         """The communicator for ``cluster`` (``epl_make_communicator``)."""
         communicator = self._pm.hook.epl_make_communicator(cluster=cluster, config=config)

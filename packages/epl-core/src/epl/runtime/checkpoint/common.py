@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 from torch import nn
 
+from epl.interfaces.facts import Communication
+
 if TYPE_CHECKING:
     from epl.placement.plan import Plan
     from epl.plugins.context import LossScaler, ParallelContext
@@ -61,10 +63,7 @@ class CheckpointedEngine(Protocol):
 
 def timeout(engine: CheckpointedEngine) -> float:
     """``communication.timeout``: how long a checkpoint collective, or a wait for a background save, may take."""
-    try:
-        return float(engine.context.config["communication.timeout"])
-    except (KeyError, TypeError, ValueError):
-        return 1800.0
+    return engine.context.facts(Communication).timeout_s
 
 
 def first_line(error: BaseException) -> str:
