@@ -494,3 +494,60 @@ def test_a_plugin_describes_its_keys_as_typed_facts_once() -> None:
     manager.register(Owner(), name="second")
     with pytest.raises(epl.PluginError, match="Two plugins describe Tuning"):
         manager.config_facts(config)
+
+
+def test_the_engine_asks_runners_and_scalers_for_capabilities_by_protocol() -> None:
+    """epl.plugin_api's capabilities are runtime_checkable: EPL's own runner and loss scaler have what they offer,
+    and an object with only ``step`` has none of them."""
+    from epl.plugin_api import (
+        ChecksNonFiniteSteps,
+        ClippingRunner,
+        CountsSkippedSteps,
+        EvaluatingRunner,
+        FoldingLossScaler,
+        LocalStepRunner,
+        MeasurableRunner,
+        PredictingRunner,
+    )
+    from epl_memory.amp import AmpLossScaler, AmpPolicy
+
+    epl.init(epl.Config({}))
+    engine = epl.parallelize(nn.Linear(2, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.MSELoss())
+    runner = engine.runner
+    assert isinstance(runner, LocalStepRunner)
+    for capability in (EvaluatingRunner, ClippingRunner, MeasurableRunner, ChecksNonFiniteSteps):
+        assert isinstance(runner, capability), capability
+    assert not isinstance(runner, PredictingRunner)
+    scaler = AmpLossScaler(AmpPolicy.from_config(epl.Config({"amp.level": "O1"}), torch.device("cpu")))
+    assert isinstance(scaler, CountsSkippedSteps) and isinstance(scaler, FoldingLossScaler)
+
+    class OnlyStep:
+        def step(self, inputs: object, targets: object = None) -> torch.Tensor:
+            return torch.zeros(())
+
+    for capability in (EvaluatingRunner, PredictingRunner, ClippingRunner, CountsSkippedSteps, FoldingLossScaler):
+        assert not isinstance(OnlyStep(), capability)
+    engine.runner = OnlyStep()  # type: ignore[assignment]
+    with pytest.raises(epl.EplError, match="Engine.evaluate needs a step runner that evaluates"):
+        engine.evaluate(torch.zeros(1, 2), torch.zeros(1, 2))
+
+
+def test_a_loss_scaler_whose_skips_nobody_sees_is_refused() -> None:
+    """Without a runner that checks non-finite steps, the engine learns of a skipped update only from the scaler's
+    count: a scaler without one would let the LR scheduler step on skipped updates, so it is refused."""
+    from epl.runtime.engine import Engine
+
+    epl.init(epl.Config({}))
+    engine = epl.parallelize(nn.Linear(2, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.MSELoss())
+
+    class OnlyStep:
+        def step(self, inputs: object, targets: object = None) -> torch.Tensor:
+            return torch.zeros(())
+
+    class Silent:  # a third-party scaler with no skipped_steps
+        scale = 1.0
+
+    engine.context.loss_scaler = Silent()  # type: ignore[assignment]
+    with pytest.raises(epl.PluginError, match="does not count the updates it skips"):
+        Engine(engine.context, OnlyStep())  # type: ignore[arg-type]
+    Engine(engine.context, engine.runner)  # EPL's runner checks non-finite steps itself: accepted

@@ -81,6 +81,16 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.placement.memory_estimate import EstimatedTensor, MemoryEstimate, ShardPieces, ShardShapes
     from epl.placement.plan import Plan
     from epl.plugins import get_plugin_manager, hookimpl
+    from epl.plugins.capabilities import (
+        ChecksNonFiniteSteps,
+        ClippingRunner,
+        CountsSkippedSteps,
+        EvaluatingRunner,
+        FoldingLossScaler,
+        MeasurableRunner,
+        PredictingRunner,
+        SharingRunner,
+    )
     from epl.plugins.context import (
         GradientReducer,
         LossFn,
@@ -161,6 +171,14 @@ _EXPORTS: dict[str, str] = {
     "MemoryTechniques": "epl.interfaces.facts",
     "PipelineChoices": "epl.interfaces.facts",
     "config_facts": "epl.plugins.facts",
+    "ChecksNonFiniteSteps": "epl.plugins.capabilities",
+    "ClippingRunner": "epl.plugins.capabilities",
+    "CountsSkippedSteps": "epl.plugins.capabilities",
+    "EvaluatingRunner": "epl.plugins.capabilities",
+    "FoldingLossScaler": "epl.plugins.capabilities",
+    "MeasurableRunner": "epl.plugins.capabilities",
+    "PredictingRunner": "epl.plugins.capabilities",
+    "SharingRunner": "epl.plugins.capabilities",
     "defer_reads_until_settled": "epl.sharding.data_shards",
     "settle_pending_update": "epl.sharding.data_shards",
     "step_end_listeners": "epl.sharding.data_shards",

@@ -308,10 +308,8 @@ class LossScaler(Protocol):
 class StepRunner(Protocol):
     """Runs one training step on this rank: forward, backward and the optimizer update.
 
-    Optional methods ``Engine.evaluate`` and ``Engine.predict`` call when present:
-    ``evaluate(inputs, targets=None) -> torch.Tensor`` (the loss as ``step`` returns it,
-    without training) and, for plans of several stages, ``predict(inputs)`` (the model's
-    output, or None on ranks that do not hold it).
+    What else a runner may offer is a capability of :mod:`epl.plugins.capabilities` (``EvaluatingRunner``,
+    ``PredictingRunner``, ``ClippingRunner``, ...): the engine uses it where ``isinstance`` says the runner has it.
     """
 
     def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:

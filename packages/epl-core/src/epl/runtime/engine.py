@@ -12,6 +12,15 @@ import torch
 from torch import nn
 
 from epl.placement.plan import Plan
+from epl.plugins.capabilities import (
+    ChecksNonFiniteSteps,
+    ClippingRunner,
+    CountsSkippedSteps,
+    EvaluatingRunner,
+    MeasurableRunner,
+    PredictingRunner,
+    SharingRunner,
+)
 from epl.plugins.context import LossScaler, ParallelContext, StepRunner
 from epl.runtime.batch import call_model, samples_and_tokens, tensors_in, to_device
 from epl.runtime.memory import MemoryReport
@@ -49,6 +58,7 @@ class Engine:
         the plan, the split TaskGraphs' groups (``context.shard_groups``) and the plugins' state
         (``context.state(...)``)."""
         self.runner = runner
+        _check_skips_are_seen(runner, context.loss_scaler)
         self.global_step = 0
         """Steps trained so far: one per :meth:`step` that returned. :meth:`save` records it and :meth:`load`
         restores it, so a resumed script finds its place from it (``epoch = engine.global_step // len(loader)``)."""
@@ -83,7 +93,7 @@ class Engine:
             pending, self._pending_save = self._pending_save, None
             pending.surface()  # the error of a checkpoint written in the background, if nobody saw it yet
         skipped_before = self._skipped_updates()
-        nonfinite = getattr(self.runner, "nonfinite", None)
+        nonfinite = self.runner.nonfinite if isinstance(self.runner, ChecksNonFiniteSteps) else None
         if isinstance(nonfinite, NonFiniteCheck):
             nonfinite.last = None
         check = (
@@ -109,7 +119,8 @@ class Engine:
 
     def _skipped_updates(self) -> int:
         """The loss scaler's count of skipped updates: how a runner without a ``NonFiniteCheck`` tells of a skip."""
-        return int(getattr(self.loss_scaler, "skipped_steps", 0) or 0)
+        scaler = self.loss_scaler
+        return int(scaler.skipped_steps) if isinstance(scaler, CountsSkippedSteps) else 0
 
     def _count_skip(self, outcome: StepOutcome | None) -> None:
         """Count the step just skipped; warn on rank 0; raise after ``optimizer.raise_after_skips`` in a row."""
@@ -218,7 +229,9 @@ class Engine:
         if self.plan.num_stages > 1:
             if self.vocabulary_check is not None:
                 self.vocabulary_check(inputs)
-            return self._runner_method("predict")(inputs)
+            if not isinstance(self.runner, PredictingRunner):
+                raise self._lacks("predict")
+            return self.runner.predict(inputs)
         return call_model(self.model, to_device(inputs, self.context.cluster.device))
 
     def evaluate(self, inputs: Any, targets: Any = None) -> torch.Tensor:
@@ -234,19 +247,18 @@ class Engine:
         """
         if self.vocabulary_check is not None:
             self.vocabulary_check(inputs, targets)
-        return self._runner_method("evaluate")(inputs, targets)
+        if not isinstance(self.runner, EvaluatingRunner):
+            raise self._lacks("evaluate")
+        return self.runner.evaluate(inputs, targets)
 
-    def _runner_method(self, name: str) -> Any:
-        method = getattr(self.runner, name, None)
-        if method is None:
-            from epl.errors import EplError
+    def _lacks(self, name: str) -> Exception:
+        from epl.errors import EplError
 
-            raise EplError(
-                f"Engine.{name} needs a step runner that evaluates; {type(self.runner).__name__} (from a plugin) "
-                f"has no {name}() method. Save a checkpoint (engine.save) and load it into the plain model with "
-                "epl.read_model_state to evaluate it."
-            )
-        return method
+        return EplError(
+            f"Engine.{name} needs a step runner that evaluates; {type(self.runner).__name__} (from a plugin) "
+            f"has no {name}() method. Save a checkpoint (engine.save) and load it into the plain model with "
+            "epl.read_model_state to evaluate it."
+        )
 
     def train(self, mode: bool = True) -> Engine:
         """Put the model in training mode (``mode=False``: evaluation mode)."""
@@ -285,7 +297,7 @@ class Engine:
         the reduced gradient with ``communication.clip_after_allreduce``, else of this rank's rows'.
         ``optimizer.max_grad_norm: inf`` measures it without clipping (as ``clip_grad_norm_(params, inf)``).
         """
-        return getattr(self.runner, "grad_norm", None)
+        return self.runner.grad_norm if isinstance(self.runner, ClippingRunner) else None
 
     @property
     def plan(self) -> Plan:
@@ -344,22 +356,21 @@ class Engine:
         parameters, gradients = parameter_and_gradient_bytes(self.model)
         peak = None
         if inputs is not None:
-            loss_of = getattr(self.runner, "loss", None)
-            if self.plan.num_stages > 1 or loss_of is None:
+            runner = self.runner
+            if self.plan.num_stages > 1 or not isinstance(runner, MeasurableRunner):
                 raise EplError(
                     "Engine.memory_report(batch) measures activations of one-stage plans; for pipelines, "
                     "the runner's peak_in_flight and epl_pipeline.recording give them per stage."
                 )
-            share = getattr(self.runner, "share", None)  # the part of the replica batch a step gives this rank
-            if callable(share):
-                inputs, targets = share(inputs, targets)
+            if isinstance(runner, SharingRunner):  # the part of the replica batch a step gives this rank
+                inputs, targets = runner.share(inputs, targets)
             kept = {p: p.grad for p in self.model.parameters()}
             for param in kept:
                 param.grad = None
             batch = to_device(inputs, self.context.cluster.device), to_device(targets, self.context.cluster.device)
             meter = SavedActivations(exclude=[*kept, *tensors_in(batch)])
             with meter:
-                loss_of(*batch).backward()
+                runner.loss(*batch).backward()
             for param, grad in kept.items():
                 param.grad = grad
             peak = meter.peak
@@ -522,6 +533,22 @@ def _to_shards(
                 break
         result[key] = placed_like(given, tensor)
     return result
+
+
+def _check_skips_are_seen(runner: StepRunner, scaler: LossScaler | None) -> None:
+    """Refuse a loss scaler whose skipped updates the engine could not see: the LR scheduler would step on them."""
+    if scaler is None or isinstance(scaler, CountsSkippedSteps):
+        return
+    if isinstance(runner, ChecksNonFiniteSteps) and isinstance(runner.nonfinite, NonFiniteCheck):
+        return
+    from epl.errors import PluginError
+
+    raise PluginError(
+        f"The loss scaler {type(scaler).__name__} does not count the updates it skips (skipped_steps, "
+        f"epl.plugin_api.CountsSkippedSteps), and the step runner {type(runner).__name__} does not check non-finite "
+        "steps itself: Engine.step could not tell a skipped update, and the LR scheduler would step on it. Give the "
+        "scaler a skipped_steps count."
+    )
 
 
 def _needs_metric(scheduler: Any) -> bool:

@@ -214,11 +214,9 @@ def nonfinite_gradients(params: Iterable[nn.Parameter], device: torch.device) ->
 def _folds(scaler: Any) -> bool:
     """Whether ``scaler`` hands its local finding to this check (``found_nonfinite``) and takes the verdict
     (``record``), instead of deciding with a collective of its own."""
-    return (
-        scaler is not None
-        and callable(getattr(scaler, "found_nonfinite", None))
-        and callable(getattr(scaler, "record", None))
-    )
+    from epl.plugins.capabilities import FoldingLossScaler
+
+    return isinstance(scaler, FoldingLossScaler)
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
