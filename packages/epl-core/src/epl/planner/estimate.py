@@ -13,7 +13,7 @@ recomputation or its backward, and what data parallelism holds to communicate: w
 gradient, the largest, before it moves into its flat bucket; under ZeRO the weights gathered whole, every block's
 under v0/v1 and the largest block's under v2, and the largest block's gradients twice, unsharded and in the
 reduce-scatter's buffer; under a zero-bubble schedule the stage's weights and gradients whole, every level), the
-end of the backward under v0/v1 on one stage (the whole weights and the root's embedding and head gradients twice,
+end of the backward under v0/v1 on one stage (the root's embedding and head weights, and their gradients twice,
 the activations gone) and the optimizer step's float32 temporary the size of what it updates (torch's foreach
 Adam). Checked against
 resident memory in tests/planner/test_measured_memory.py and, under ZeRO, in
@@ -238,8 +238,8 @@ def _memory(shape: ModelShape, layout: Layout, workload: Workload, device: Devic
     # released as this one's is made), float32, of the largest block. The optimizer's step makes a float32 temporary
     # the size of what it updates (torch's foreach Adam: the square roots' denominators), after backward freed the
     # activations.
-    # Under v0 and v1 on one stage the embedding and head are the root's, reduced as the backward ends: the whole
-    # weights and the root's gradients and buffer, the activations gone.
+    # Under v0 and v1 on one stage the embedding and head are the root's, reduced as the backward ends: the root's
+    # weights (each block's were dropped after its backward) and its gradients and buffer, the activations gone.
     reducing = end_of_backward = 0.0
     if zero and d > 1:
         unit = largest_unit(shape, layout)
@@ -248,8 +248,8 @@ def _memory(shape: ModelShape, layout: Layout, workload: Workload, device: Devic
         reducing = gathered * e + 2 * unit * 4
         if zero_accumulates_whole(layout):  # v0 over micro-batches, zero bubble: every gradient whole until the last
             reducing += weights * 4
-        if zero_root_holds_ends(layout):
-            end_of_backward = gathered * e + 2 * root_unit(shape, layout) * 4
+        if zero_root_holds_ends(layout):  # each block resharded after its backward: only the root's weights whole
+            end_of_backward = root_unit(shape, layout) * (e + 2 * 4)
     elif d > 1:
         reducing = largest_tensor(shape, layout) * 4
     update_temporary = updated * 4 if workload.optimizer_states >= 2 else 0.0
