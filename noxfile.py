@@ -1,7 +1,7 @@
 """Sessions for development and CI: tests, lint, bench, demo, zoo.
 
-``nox -t ci`` is what CI runs (.ci/run): lint, the tests, every subset of the packages
-installed alone, the docs site, and the benchmarks in short mode. Each session installs
+``nox -t ci`` is what CI runs (.ci/run): lint, the tests and then the benchmarks in short mode (one
+environment), every subset of the packages installed alone, and the docs site. Each session installs
 the packages of packages/ in editable mode (``subsets``: as a user would, only some) with
 the pins of constraints.txt (torch==2.13.0, the CPU build).
 """
@@ -56,9 +56,12 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(tags=["ci"])
 def tests(session: nox.Session) -> None:
-    """The test suite (multi-process tests included); extra arguments go to pytest."""
+    """The test suite (multi-process tests included; extra arguments go to its pytest), then the benchmarks in
+    short mode and their report, as ``bench-short`` runs them: in this one environment, which has everything
+    they need, CI saves a second install of the same packages (about 2 minutes)."""
     install_packages(session, *TEST_TOOLS, *BENCH_TOOLS, *EXAMPLE_PLUGINS)
     session.run("pytest", "tests", *session.posargs, env=SINGLE_THREAD)
+    _short_benchmarks(session)
 
 
 @nox.session
@@ -99,12 +102,17 @@ def bench(session: nox.Session) -> None:
         session.run("python", "-m", "benchmarks.report")
 
 
-@nox.session(name="bench-short", tags=["ci"])
+@nox.session(name="bench-short")
 def bench_short(session: nox.Session) -> None:
-    """The benchmarks in short mode, so that they never rot (CI), then their report, rendered into the
-    session's temporary folder (docs/benchmarks.md keeps the figures of a full run)."""
+    """The benchmarks in short mode, so that they never rot, then their report, rendered into the session's
+    temporary folder (docs/benchmarks.md keeps the figures of a full run). CI runs them in ``tests``."""
     install_packages(session, *TEST_TOOLS, *BENCH_TOOLS)
-    session.run("pytest", "benchmarks", "-s", *session.posargs, env={**SINGLE_THREAD, "EPL_BENCH_SHORT": "1"})
+    _short_benchmarks(session, *session.posargs)
+
+
+def _short_benchmarks(session: nox.Session, *args: str) -> None:
+    """``pytest benchmarks`` in short mode, then the report into the session's temporary folder."""
+    session.run("pytest", "benchmarks", "-s", *args, env={**SINGLE_THREAD, "EPL_BENCH_SHORT": "1"})
     session.run("python", "-m", "benchmarks.report", "--out", str(Path(session.create_tmp()) / "benchmarks.md"))
 
 
