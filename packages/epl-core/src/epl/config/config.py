@@ -75,6 +75,13 @@ class Config:
     :meth:`with_overrides`.
     """
 
+    # Set once in __init__ through object.__setattr__ (a Config is read-only); declared here so that attribute
+    # reads of them are not taken for sections (__getattr__).
+    _schema: dict[str, ConfigKey]
+    _values: dict[str, Any]
+    _sources: dict[str, str]
+    _missing: dict[str, tuple[Any, str]]
+
     def __init__(
         self,
         param_dict: Mapping[str, Any] | None = None,
@@ -215,6 +222,9 @@ class Config:
 
 class _Section:
     """Attribute access to one section: ``config.pipeline.num_micro_batch``."""
+
+    _config: Config
+    _section: str
 
     def __init__(self, config: Config, section: str) -> None:
         object.__setattr__(self, "_config", config)
