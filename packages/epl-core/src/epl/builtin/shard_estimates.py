@@ -26,7 +26,7 @@ from epl.interfaces.shard_group import ShardGroup
 from epl.interfaces.split_rule import ShardContext, SplitRule
 from epl.placement.memory_estimate import ShardPieces
 from epl.placement.plan import Plan
-from epl.sharding.layout import Decision, Layout
+from epl.sharding.layout import Decision, SplitLayout
 from epl.sharding.meta import meta_copy
 from epl.sharding.parameters import is_sharded
 
@@ -52,7 +52,7 @@ class RuleShardShapes:
         together = [list(self._targets)] if plan.num_stages == 1 else [[index] for index in self._targets]
         for indices in together:
             targets = [t for index in indices for t in self._targets[index]]
-            layout = Layout({})
+            layout = SplitLayout({})
             if any(t.rule in LINEAR_RULES for t in targets):
                 layout = layout_of(model, targets, loss_fn=None)
                 self._decisions.update(layout.decisions)

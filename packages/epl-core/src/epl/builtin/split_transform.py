@@ -24,7 +24,7 @@ from epl.plugins.context import LossFn, ParallelContext
 from epl.sharding import sequence
 from epl.sharding.collectives import sum_gradient_over_shards
 from epl.sharding.cross_entropy import ShardedCrossEntropyLoss
-from epl.sharding.layout import Decision, Layout, decide_layout, unify_tied
+from epl.sharding.layout import Decision, SplitLayout, decide_layout, unify_tied
 from epl.sharding.linear import ColumnParallelLinear, shard_linear
 from epl.sharding.logits import ShardedLogitsLoss
 from epl.sharding.parameters import is_sharded, shard_spec
@@ -62,7 +62,7 @@ class SplitTarget:
 class SplitLayoutState:
     """The core's state in a ParallelContext: the layout of this rank's split TaskGraphs, decided on the whole model."""
 
-    layout: Layout | None = None
+    layout: SplitLayout | None = None
 
 
 class DecideSplitLayout:
@@ -87,7 +87,7 @@ class DecideSplitLayout:
         return model
 
 
-def _decide_layout(model: nn.Module, context: ParallelContext) -> Layout:
+def _decide_layout(model: nn.Module, context: ParallelContext) -> SplitLayout:
     """The layout of the split TaskGraphs this rank runs."""
     rules = context.plugins.split_rules()
     mine = set(context.plan.taskgraphs_on(context.cluster.rank))
@@ -110,7 +110,7 @@ def layout_of(
     example: Any = None,
     *,
     sequence_parallel: bool = False,
-) -> Layout:
+) -> SplitLayout:
     """The layout of ``targets`` (split together on the same devices): their linear-like modules and embeddings,
     from one example forward of ``model`` (on ``example``, or inputs guessed from the model); ``loss_fn``: the
     loss that reads the model's output, if any; ``sequence_parallel``: prove the blocks token-wise or refuse."""
@@ -274,7 +274,7 @@ def _warn_if_mostly_whole(
     )
 
 
-def whole_because(target: SplitTarget, layout: Layout) -> str:
+def whole_because(target: SplitTarget, layout: SplitLayout) -> str:
     """Why ``target`` keeps (some of) its parameters whole (for the warning at ``parallelize`` and ``epl plan``)."""
     if target.name in layout.reasons:
         return layout.reasons[target.name]

@@ -49,7 +49,7 @@ class Decision:
 
 
 @dataclass(frozen=True)
-class Layout:
+class SplitLayout:
     """The decisions for a model's split modules, and the whole parameters whose gradients are per shard."""
 
     #: Module name -> its decision (modules not named take ``Decision()``).
@@ -74,7 +74,7 @@ def decide_layout(
     example: Any = None,
     subclassed: frozenset[str] = frozenset(),
     sequence_parallel: bool = False,
-) -> Layout:
+) -> SplitLayout:
     """The decision for each linear-like module in ``linears`` and each embedding in ``embeddings``.
 
     ``has_loss``: a loss function reads the model's output (so an output layer may keep
@@ -106,7 +106,7 @@ def decide_layout(
                 roles = {role: {n for n, d in decisions.items() if d.role == role} for role in ("row", "column")}
                 prove_token_wise(flow, model, roles["row"], roles["column"])
             reasons = {**dict.fromkeys(subclassed - linears, "its forward adds work to the product"), **pairing.reasons}
-            return Layout(decisions, dict(pairing.partial_gradients), reasons, frozenset(subclassed & linears))
+            return SplitLayout(decisions, dict(pairing.partial_gradients), reasons, frozenset(subclassed & linears))
     if sequence_parallel:
         raise AnnotationError(
             "split.sequence_parallel needs an example run of the model to prove its blocks work token by token, "
@@ -115,7 +115,7 @@ def decide_layout(
     roles = assign_roles(model, linears - subclassed, loss_is_cross_entropy=loss_is_cross_entropy)
     unpaired = "in no pair the fx trace of the model found (no example run: pass example_inputs= to epl.parallelize)"
     reasons = {name: unpaired for name, role in roles.items() if role == "alone"} if example is None else {}
-    return Layout({name: Decision(role) for name, role in roles.items()}, reasons=reasons)
+    return SplitLayout({name: Decision(role) for name, role in roles.items()}, reasons=reasons)
 
 
 #: The torch calls a linear layer's own forward may make and still be a plain product (plus bias).
@@ -127,7 +127,7 @@ def _plain_product(call: ModuleCall) -> bool:
     return call.weight_layout is not None and set(call.inner) <= _PRODUCT_CALLS
 
 
-def unify_tied(layout: Layout, groups: list[set[str]]) -> Layout:
+def unify_tied(layout: SplitLayout, groups: list[set[str]]) -> SplitLayout:
     """``layout`` with one cut for each group of modules that hold a tensor together.
 
     A module kept whole only because the example run did not shard it (never called, as
