@@ -57,6 +57,12 @@ def find_units(model: nn.Module, entries: Sequence[nn.Module] = (), *, loose: bo
     return units
 
 
+def outermost(units: Sequence[nn.Module]) -> list[nn.Module]:
+    """The units no other unit of ``units`` holds: FSDP2's roots, whose forward is the model's or a stage's."""
+    inner = {id(below) for unit in units for below in unit.modules() if below is not unit}
+    return [unit for unit in units if id(unit) not in inner]
+
+
 def stage_entries(model: nn.Module, context: ParallelContext) -> list[nn.Module]:
     """This rank's pipeline stage roots (the runner calls them, not ``model``); none for one-stage plans.
 

@@ -176,13 +176,10 @@ class OverlappedHostStep:
 
 
 def overlap_host_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    units: Sequence[nn.Module],
-    roots: Sequence[nn.Module],
-    timeout: float = STEP_TIMEOUT_S,
+    model: nn.Module, optimizer: torch.optim.Optimizer, units: Sequence[nn.Module], roots: Sequence[nn.Module]
 ) -> bool:
-    """Install :class:`OverlappedHostStep` where the optimizer's update is elementwise; say why not elsewhere."""
+    """Install :class:`OverlappedHostStep` (its arguments) where the optimizer's update is elementwise; say why not
+    elsewhere."""
     kind = type(optimizer).__name__
     if kind not in ELEMENTWISE:
         _log.warning(
@@ -192,7 +189,7 @@ def overlap_host_step(
             ", ".join(ELEMENTWISE),
         )
         return False
-    OverlappedHostStep(model, optimizer, units, roots, timeout)
+    OverlappedHostStep(model, optimizer, units, roots)
     return True
 
 

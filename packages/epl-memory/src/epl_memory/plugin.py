@@ -82,13 +82,12 @@ class OverlapStep:
 
     def __call__(self, optimizer: torch.optim.Optimizer, context: ParallelContext) -> torch.optim.Optimizer:
         """Defer the optimizer's step to a worker (:mod:`epl_memory.overlapped_step`); return ``optimizer``."""
+        from epl_memory.blocks import outermost
         from epl_memory.overlapped_step import overlap_host_step
         from epl_memory.zero import ZeroState
 
         units = context.state(ZeroState).sharded
-        inner = {id(below) for unit in units for below in unit.modules() if below is not unit}
-        roots = [unit for unit in units if id(unit) not in inner]
-        overlap_host_step(context.model, optimizer, units, roots)
+        overlap_host_step(context.model, optimizer, units, outermost(units))
         return optimizer
 
 

@@ -82,15 +82,17 @@ class ZeroSharding:
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """Shard ``model``'s blocks in place; record what was sharded; return ``model``."""
-        from epl_memory.blocks import find_units, stage_entries
+        from epl_memory.blocks import find_units, outermost, stage_entries
 
         refuse_unsupported(context)
         offload = bool(context.config["offload.level"])
         sharding = shards_over_copies(context)
         entries = stage_entries(model, context)
+        # v2, and offload without zero.level: weights on the device only while a block uses them
+        drops_weights = context.config["zero.level"] == "v2" or not sharding
         # v0/v1 keep the blocks' weights whole through the backward: the embedding and head go to the root. Not in a
         # pipeline, whose runner may call modules below the stage roots it finds (never the roots themselves).
-        units = find_units(model, entries, loose=context.config["zero.level"] == "v2" or not sharding or bool(entries))
+        units = find_units(model, entries, loose=drops_weights or bool(entries))
         if entries:  # a pipeline's runner calls the stage roots, never the model itself
             units = [unit for unit in units if unit is not model]
         names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
@@ -133,10 +135,9 @@ class ZeroSharding:
         # offload without zero.level: every copy keeps whole tensors (shards of one device), replicated over copies
         hybrid = HybridGroups.of(context, degree=None if sharding else 1)
         meshes: dict[Any, Any] = {}
-        # v2, and offload without zero.level: weights on the device only while a block uses them; not under a
-        # zero-bubble schedule, whose stages keep them through a step (epl_memory.step_end_reduction)
+        # not under a zero-bubble schedule, whose stages keep the weights through a step (epl_memory.step_end_reduction)
         split_backward = context.split_backward
-        reshard = (context.config["zero.level"] == "v2" or not sharding) and not split_backward
+        reshard = drops_weights and not split_backward
         precision = mixed_precision(context)
         home = torch.device("cpu") if offload else None
         policy = offload_policy(context)
@@ -182,8 +183,7 @@ class ZeroSharding:
         if split_backward:
             from epl_memory.step_end_reduction import reduce_at_step_end
 
-            inner = {id(below) for unit in sharded for below in unit.modules() if below is not unit}
-            reduce_at_step_end([unit for unit in sharded if id(unit) not in inner])  # FSDP2's roots
+            reduce_at_step_end(outermost(sharded))
         elif policy is not None:  # (a zero-bubble stage's gradients reach the host once a step: nothing to sum)
             _sum_host_gradients(model, sharded, context.cluster.device)
         for called in (*entries, model):

@@ -54,6 +54,14 @@ class Registries(Protocol):
         ...
 
 
+def facts_of(config: Config, kind: type[Fact], registries: Registries) -> Fact:
+    """The record of type ``kind`` (``epl.interfaces.facts``) that its owning plugin built from ``config``, or
+    ``kind()``, its defaults, when that plugin is not installed. The records are built once per Config."""
+    built = config.derived("facts", lambda: registries.config_facts(config))
+    record = built.get(kind)
+    return kind() if record is None else record  # type: ignore[no-any-return]
+
+
 @dataclass(kw_only=True)
 class ParallelContext:
     """Everything ``epl.parallelize`` knows about this rank's part of the job.
@@ -127,10 +135,8 @@ class ParallelContext:
 
     def facts(self, kind: type[Fact]) -> Fact:
         """The typed record ``kind`` (``epl.interfaces.facts``) its owning plugin built from :attr:`config`, or its
-        defaults without that plugin (:func:`epl.plugins.facts.config_facts`)."""
-        built = self.config.derived("facts", lambda: self.plugins.config_facts(self.config))
-        record = built.get(kind)
-        return kind() if record is None else record  # type: ignore[no-any-return]
+        defaults without that plugin (:func:`facts_of`)."""
+        return facts_of(self.config, kind, self.plugins)
 
     def copy_communicators(self) -> dict[Group, Communicator]:
         """This rank's communicator over each group of devices that hold copies of some tensors.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from epl.config import Config
+from epl.plugins.context import facts_of
 
 Fact = TypeVar("Fact")
 
@@ -14,6 +15,4 @@ def config_facts(config: Config, kind: type[Fact]) -> Fact:
     ``kind()``, its defaults, when that plugin is not installed. The records are built once per Config."""
     from epl.plugins import get_plugin_manager
 
-    built = config.derived("facts", lambda: get_plugin_manager().config_facts(config))
-    record = built.get(kind)
-    return kind() if record is None else record  # type: ignore[return-value]
+    return facts_of(config, kind, get_plugin_manager())

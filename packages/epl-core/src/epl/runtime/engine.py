@@ -93,8 +93,8 @@ class Engine:
             pending, self._pending_save = self._pending_save, None
             pending.surface()  # the error of a checkpoint written in the background, if nobody saw it yet
         skipped_before = self._skipped_updates()
-        nonfinite = self.runner.nonfinite if isinstance(self.runner, ChecksNonFiniteSteps) else None
-        if isinstance(nonfinite, NonFiniteCheck):
+        nonfinite = _nonfinite_check(self.runner)
+        if nonfinite is not None:
             nonfinite.last = None
         check = (
             self.batch_check if self.batch_check is not None and self.batch_check.due(self.global_step + 1) else None
@@ -106,7 +106,7 @@ class Engine:
         loss = self.runner.step(inputs, targets)
         self.global_step += 1
         self._last_batch = samples_and_tokens(inputs)
-        outcome = nonfinite.last if isinstance(nonfinite, NonFiniteCheck) else None
+        outcome = nonfinite.last if nonfinite is not None else None
         applied = outcome.applied if outcome is not None else self._skipped_updates() == skipped_before
         scheduler = self._lr_scheduler
         if scheduler is not None and applied and not _needs_metric(scheduler):
@@ -535,11 +535,15 @@ def _to_shards(
     return result
 
 
+def _nonfinite_check(runner: StepRunner) -> NonFiniteCheck | None:
+    """The runner's check of non-finite steps, through which every rank agrees whether an update was applied."""
+    nonfinite = runner.nonfinite if isinstance(runner, ChecksNonFiniteSteps) else None
+    return nonfinite if isinstance(nonfinite, NonFiniteCheck) else None
+
+
 def _check_skips_are_seen(runner: StepRunner, scaler: LossScaler | None) -> None:
     """Refuse a loss scaler whose skipped updates the engine could not see: the LR scheduler would step on them."""
-    if scaler is None or isinstance(scaler, CountsSkippedSteps):
-        return
-    if isinstance(runner, ChecksNonFiniteSteps) and isinstance(runner.nonfinite, NonFiniteCheck):
+    if scaler is None or isinstance(scaler, CountsSkippedSteps) or _nonfinite_check(runner) is not None:
         return
     from epl.errors import PluginError
 
