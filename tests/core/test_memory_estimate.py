@@ -14,7 +14,7 @@ from torch import nn
 
 import epl
 from epl.cli import make_cli
-from epl.placement.estimate import OPTIMIZER_STATES, MemoryEstimate
+from epl.placement.plan_memory import OPTIMIZER_STATES, MemoryEstimate
 from epl.runtime.memory import optimizer_state_bytes
 from tests.helpers.distributed import run_ranks
 
@@ -86,7 +86,7 @@ def test_unknown_optimizer_and_no_optimizer() -> None:
     model = nn.Linear(4, 4)
     unknown = epl.plan(model, world_size=2, optimizer=lambda p: MyAdam(p)).memory
     assert [m.optimizer_state_bytes for m in unknown] == [None, None] and unknown[0].total_bytes is None
-    assert "MyAdam is not in epl.placement.estimate.OPTIMIZER_STATES" in unknown[0].notes[0]
+    assert "MyAdam is not in epl.placement.plan_memory.OPTIMIZER_STATES" in unknown[0].notes[0]
     assert "unknown" in str(epl.plan(model, world_size=2, optimizer=MyAdam))
     bare = epl.plan(model, world_size=2).memory[1]
     assert estimated(bare) == (80, 80, 0) and bare.total_bytes == 160

@@ -49,3 +49,23 @@ def test_an_optimizer_that_couples_parameters_is_refused() -> None:
     epl.init(epl.Config({"optimizer.num_apply_group": 2}))
     with pytest.raises(epl.ConfigError, match="LBFGS couples all parameters"):
         epl.parallelize(build(), optimizer=lambda p: torch.optim.LBFGS(p))
+
+
+class _MyAdam(torch.optim.Adam):
+    """A subclass: it may change the update, so EPL does not assume Adam's."""
+
+
+def test_an_optimizer_not_known_either_way_is_grouped_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    epl.init(epl.Config({"optimizer.num_apply_group": 2}))
+    with caplog.at_level("WARNING", logger="epl.memory"):
+        epl.parallelize(build(), optimizer=lambda p: _MyAdam(p))
+    assert "_MyAdam is not known to update each parameter" in caplog.text
+
+
+def test_one_table_says_which_optimizers_update_each_parameter_alone() -> None:
+    from epl_memory.optimizer_kinds import updates_each_parameter_alone
+
+    params = list(build().parameters())
+    assert updates_each_parameter_alone(torch.optim.AdamW(params)) is True
+    assert updates_each_parameter_alone(torch.optim.LBFGS(params)) is False
+    assert updates_each_parameter_alone(_MyAdam(params)) is None

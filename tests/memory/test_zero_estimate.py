@@ -1,5 +1,5 @@
 """ZeRO in ``epl plan``'s memory estimate: each rank keeps its chunk of every tensor, as a run does
-(epl_memory.estimate)."""
+(epl_memory.zero_estimate)."""
 
 from __future__ import annotations
 

@@ -77,9 +77,9 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.io import data_position
     from epl.materialize.streaming import shapes_only
     from epl.placement.copies import Copies, copies_of, every_copy_group
-    from epl.placement.estimate import MemoryEstimateContext
     from epl.placement.memory_estimate import EstimatedTensor, MemoryEstimate, ShardPieces, ShardShapes
     from epl.placement.plan import Plan
+    from epl.placement.plan_memory import MemoryEstimateContext
     from epl.plugins import get_plugin_manager, hookimpl
     from epl.plugins.capabilities import (
         ChecksNonFiniteSteps,
@@ -245,7 +245,7 @@ _EXPORTS: dict[str, str] = {
     "EstimatedTensor": "epl.placement.memory_estimate",
     "ShardPieces": "epl.placement.memory_estimate",
     "ShardShapes": "epl.placement.memory_estimate",
-    "MemoryEstimateContext": "epl.placement.estimate",
+    "MemoryEstimateContext": "epl.placement.plan_memory",
     "group_options": "epl.interfaces.optimizer_groups",
     # errors
     "AnnotationError": "epl.errors",

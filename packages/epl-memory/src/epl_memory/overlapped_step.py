@@ -6,7 +6,7 @@ overlap is the *next* forward. :class:`OverlappedHostStep` makes ``optimizer.ste
 parameters on a worker thread, one block at a time in the order the forward uses them; each sharded block's forward
 waits (before FSDP2 copies its weights to the device) until its own parameters, and those of the block whose copy it
 posts ahead, are updated. The arithmetic is the same as one whole step: each parameter's update reads only its own
-gradient and state (elementwise optimizers only, :data:`ELEMENTWISE`), with the hyperparameters of the moment
+gradient and state (those optimizers only: :mod:`epl_memory.optimizer_kinds`), with the hyperparameters of the moment
 ``step()`` was called (an LR scheduler steps right after it).
 
 Nothing reads a half-updated weight through EPL: ``engine.model``, ``engine.optimizer``, ``engine.parameters()``,
@@ -30,13 +30,11 @@ import torch
 from torch import nn
 
 from epl.plugin_api import EplError, defer_reads_until_settled
+from epl_memory.optimizer_kinds import known_names, updates_each_parameter_alone
 from epl_memory.optimizer_methods import replace_method
 
 _log = logging.getLogger("epl.memory")
 
-#: Optimizers whose update of a parameter reads only that parameter's gradient and state, so a step in parts equals
-#: the whole step.
-ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Adadelta")
 #: Seconds a forward waits for the CPU's update of a block, and a read for the whole update.
 STEP_TIMEOUT_S = 1800.0
 #: Methods EPL or an LR scheduler may put on the optimizer object itself, which the worker's copy must not call.
@@ -178,15 +176,14 @@ class OverlappedHostStep:
 def overlap_host_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, units: Sequence[nn.Module], roots: Sequence[nn.Module]
 ) -> bool:
-    """Install :class:`OverlappedHostStep` (its arguments) where the optimizer's update is elementwise; say why not
-    elsewhere."""
-    kind = type(optimizer).__name__
-    if kind not in ELEMENTWISE:
+    """Install :class:`OverlappedHostStep` (its arguments) where the optimizer updates each parameter alone
+    (:func:`~epl_memory.optimizer_kinds.updates_each_parameter_alone`); say why not elsewhere."""
+    if not updates_each_parameter_alone(optimizer):
         _log.warning(
             "offload.overlap_step: %s is not known to update each parameter from its own gradient and state alone, "
             "so its step runs whole after the backward (overlapped: %s).",
-            kind,
-            ", ".join(ELEMENTWISE),
+            type(optimizer).__name__,
+            known_names(),
         )
         return False
     OverlappedHostStep(model, optimizer, units, roots)

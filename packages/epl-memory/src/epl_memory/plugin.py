@@ -218,6 +218,6 @@ if TYPE_CHECKING:
 @hookimpl
 def epl_adjust_memory_estimate(estimate: MemoryEstimate, context: MemoryEstimateContext) -> MemoryEstimate | None:
     """``epl plan``'s estimate with ZeRO: each rank keeps its partition of what ``zero.level`` splits."""
-    from epl_memory.estimate import adjust_for_zero
+    from epl_memory.zero_estimate import adjust_for_zero
 
     return adjust_for_zero(estimate, context)

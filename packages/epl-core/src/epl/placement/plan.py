@@ -146,7 +146,7 @@ class Plan:
     #: One process runs every TaskGraph (no launcher): annotations checked, not applied.
     local: bool = False
     #: Estimated memory of each rank (index = rank), filled by ``epl.plan``/``epl plan``
-    #: (:mod:`epl.placement.estimate`); empty in the Plan of a run.
+    #: (:mod:`epl.placement.plan_memory`); empty in the Plan of a run.
     memory: tuple[MemoryEstimate, ...] = ()
     #: Sets of TaskGraphs (indices) that hold a tensor together: tied weights cut apart by a pipeline partition.
     #: Each owner keeps a copy; their gradients are summed between the owners every step.

@@ -20,7 +20,7 @@ from epl.placement.plan import Plan
 class PlanRequest:
     """The cluster to plan for, config overrides to apply on top of the script's, and an optimizer to assume.
 
-    ``optimizer`` names a ``torch.optim`` class (:data:`epl.placement.estimate.OPTIMIZER_STATES`)
+    ``optimizer`` names a ``torch.optim`` class (:data:`epl.placement.plan_memory.OPTIMIZER_STATES`)
     for the memory estimate, in place of the script's optimizer (or of none, for an example).
     """
 

@@ -6,13 +6,11 @@ from epl.config import Config
 from epl.errors import EplError
 from epl.interfaces.facts import MemoryTechniques, PipelineChoices
 from epl.placement.plan import Plan
-from epl.planner.layout import Layout
+from epl.planner.layout import EPL_SCHEDULES, Layout
 from epl.plugins.facts import config_facts
 
-#: epl-pipeline's schedule names (``pipeline.strategy``) -> the planner's.
-SCHEDULES = {
-    "PreferBackward": "1F1B", "PreferForward": "GPipe", "ZeroBubble": "ZeroBubble", "Interleaved1F1B": "interleaved",
-}  # fmt: skip
+#: epl-pipeline's schedule names (``pipeline.strategy``) -> the planner's: the one table read backwards.
+PLANNER_SCHEDULES = {strategy: schedule for schedule, strategy in EPL_SCHEDULES.items()}
 
 
 def layout_of(plan: Plan, config: Config, global_batch: int) -> Layout:
@@ -30,7 +28,7 @@ def layout_of(plan: Plan, config: Config, global_batch: int) -> Layout:
     memory = config_facts(config, MemoryTechniques)
     zero = memory.zero or "none"
     checkpoint = "full" if memory.recompute == "auto" else "none"
-    schedule = SCHEDULES.get(config_facts(config, PipelineChoices).schedule, "1F1B")
+    schedule = PLANNER_SCHEDULES.get(config_facts(config, PipelineChoices).schedule, "1F1B")
     return Layout(
         data=data,
         tensor=tensor,

@@ -32,9 +32,9 @@ if TYPE_CHECKING:
     from epl.interfaces.config_key import ConfigKey
     from epl.interfaces.schedule import ScheduleGenerator
     from epl.interfaces.split_rule import SplitRule
-    from epl.placement.estimate import MemoryEstimateContext
     from epl.placement.memory_estimate import MemoryEstimate, ShardShapes
     from epl.placement.plan import Plan
+    from epl.placement.plan_memory import MemoryEstimateContext
     from epl.plugins.context import (
         GradientReducer,
         LossScaler,
@@ -207,7 +207,7 @@ def epl_adjust_memory_estimate(estimate: MemoryEstimate, context: MemoryEstimate
     Called by ``epl.plan`` and ``epl plan`` once per rank of the Plan, after the core
     estimated the plain bytes: the parameters the rank holds (split TaskGraphs sharded
     by their rules), their gradients, the optimizer's states (see
-    :mod:`epl.placement.estimate`). Not *firstresult*: every implementation is applied
+    :mod:`epl.placement.plan_memory`). Not *firstresult*: every implementation is applied
     in turn (in pluggy's call order), each receiving the previous one's estimate.
     Return a new estimate (``dataclasses.replace``; add a note saying what changed),
     or None to leave it as it is.

@@ -28,9 +28,9 @@ if TYPE_CHECKING:
     from epl.interfaces.communicator import Communicator
     from epl.interfaces.schedule import ScheduleGenerator
     from epl.interfaces.split_rule import SplitRule
-    from epl.placement.estimate import MemoryEstimateContext
     from epl.placement.memory_estimate import MemoryEstimate, ShardShapes
     from epl.placement.plan import Plan
+    from epl.placement.plan_memory import MemoryEstimateContext
     from epl.plugins.context import (
         GradientReducer,
         LossScaler,

@@ -75,7 +75,7 @@ def parallelize(
     env.annotations.remove()
     if request is not None:
         if request.optimizer is not None:
-            from epl.placement.estimate import optimizer_class
+            from epl.placement.plan_memory import optimizer_class
 
             optimizer = optimizer_class(request.optimizer)
         with streamed(lazy):
@@ -135,7 +135,7 @@ def plan(
 
     Defaults to the current cluster. ``Plan.memory`` estimates each rank's bytes of
     parameters, gradients and optimizer states (activations are not estimated; see
-    :mod:`epl.placement.estimate`); ``optimizer`` is what ``epl.parallelize`` takes (a
+    :mod:`epl.placement.plan_memory`); ``optimizer`` is what ``epl.parallelize`` takes (a
     factory, e.g. ``torch.optim.Adam``, or an optimizer over ``model``'s parameters),
     None for no optimizer. Capturing goes on: call it as often as you like before
     ``epl.parallelize``.
@@ -153,7 +153,7 @@ def plan(
 
 def _with_memory(plan: Plan, model: nn.Module, taskgraphs: list[TaskGraph], env: Env, optimizer: OptimizerSpec) -> Plan:
     """``plan`` with each rank's memory estimate."""
-    from epl.placement.estimate import with_memory
+    from epl.placement.plan_memory import with_memory
 
     return with_memory(plan, model, taskgraphs, config=env.config, hooks=env.plugins, optimizer=optimizer)
 

@@ -264,7 +264,7 @@ class _OptimizerView:
                 if id(param) in original:
                     groups.setdefault(id(original[id(param)]), options)
         if states is None:
-            note = f"optimizer states unknown: {name} is not in epl.placement.estimate.OPTIMIZER_STATES"
+            note = f"optimizer states unknown: {name} is not in epl.placement.plan_memory.OPTIMIZER_STATES"
         else:
             note = f"optimizer states: {name} keeps {states.doc} per parameter (0-dim step counters not counted)"
         return cls(name=name, states=states, groups=groups, notes=(note,))
