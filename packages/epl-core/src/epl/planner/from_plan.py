@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from epl.config import Config
 from epl.errors import EplError
 from epl.interfaces.facts import MemoryTechniques, PipelineChoices
 from epl.placement.plan import Plan
-from epl.planner.layout import Layout
+from epl.planner.layout import Checkpointing, Layout, Schedule, ZeroLevel
 from epl.plugins.facts import config_facts
 
 #: epl-pipeline's schedule names (``pipeline.strategy``) -> the planner's.
-SCHEDULES = {
+SCHEDULES: dict[str, Schedule] = {
     "PreferBackward": "1F1B", "PreferForward": "GPipe", "ZeroBubble": "ZeroBubble", "Interleaved1F1B": "interleaved",
 }  # fmt: skip
 
@@ -28,8 +30,8 @@ def layout_of(plan: Plan, config: Config, global_batch: int) -> Layout:
             f"{micro_batches} micro-batches: give a multiple of {data * micro_batches}."
         )
     memory = config_facts(config, MemoryTechniques)
-    zero = memory.zero or "none"
-    checkpoint = "full" if memory.recompute == "auto" else "none"
+    zero = cast(ZeroLevel, memory.zero or "none")  # Layout refuses a level it does not know
+    checkpoint: Checkpointing = "full" if memory.recompute == "auto" else "none"
     schedule = SCHEDULES.get(config_facts(config, PipelineChoices).schedule, "1F1B")
     return Layout(
         data=data,
@@ -38,8 +40,8 @@ def layout_of(plan: Plan, config: Config, global_batch: int) -> Layout:
         micro_batches=micro_batches,
         micro_batch_size=global_batch // (data * micro_batches),
         zero=zero,
-        gradient_checkpoint=checkpoint,  # type: ignore[arg-type]
-        schedule=schedule,  # type: ignore[arg-type]
+        gradient_checkpoint=checkpoint,
+        schedule=schedule,
         virtual_stages=plan.stages_per_rank,
         sequence_parallel=bool(config.get("split.sequence_parallel", False)) and tensor > 1,
         context=context,

@@ -9,7 +9,7 @@ import importlib.metadata
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import pluggy
 
@@ -166,7 +166,8 @@ class EplPluginManager:
             key=lambda impl: impl.plugin_name != CORE_PLUGIN_NAME,
         )
         for impl in impls:
-            for key in impl.function() or ():
+            returned = cast("Iterable[object] | None", impl.function())  # pluggy types it as object
+            for key in returned or ():
                 if not isinstance(key, ConfigKey):
                     raise PluginError(
                         f"Plugin {impl.plugin_name!r} returned {key!r} from epl_config_keys; "

@@ -36,7 +36,9 @@ class Rectangles(torch.Tensor):
         return made  # type: ignore[no-any-return]
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # a classmethod, as torch's subclasses have it
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         if func is torch.ops.aten.detach.default:  # DCP detaches what it is given
             return args[0]
         raise NotImplementedError(f"Rectangles of a checkpoint support no {func}.")
