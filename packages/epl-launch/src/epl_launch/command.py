@@ -18,7 +18,7 @@ from epl_launch.mpi import run_mpi
 from epl_launch.restarts import run_with_restarts
 
 
-def _option(*names: str, env: str, **kwargs: object):  # type: ignore[no-untyped-def]
+def _option(*names: str, env: str, **kwargs: object):
     return click.option(*names, envvar=f"EPL_LAUNCH_{env}", show_envvar=True, **kwargs)
 
 

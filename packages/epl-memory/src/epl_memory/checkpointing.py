@@ -54,7 +54,7 @@ def recompute_forward(module: nn.Module, check: GradientCheck | None = None, nam
             return check.run(name, original, list(module.parameters()), args, kwargs)
         return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
 
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward
     setattr(module, _WRAPPED, True)
 
 

@@ -455,7 +455,7 @@ def _follow_new_parameters(
         taskgraph.tensors = [replaced.get(id(tensor), tensor) for tensor in taskgraph.tensors]
     for table in (context.split_tensors, context.split_holders):
         for key in [key for key in table if key in replaced]:
-            table[id(replaced[key])] = table.pop(key)  # type: ignore[index]
+            table[id(replaced[key])] = table.pop(key)
 
 
 def _explain_chunked_reads(forward: Callable[..., Any]) -> Callable[..., Any]:

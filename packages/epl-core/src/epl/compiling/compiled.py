@@ -100,7 +100,7 @@ def compile_blocks(modules: Sequence[tuple[str, nn.Module]], backend: str, mode:
         kind = type(module)
         if kind not in by_kind:
             by_kind[kind] = _NamedBackend(inner, kind.__name__, report)
-        module.forward = torch.compile(module.forward, backend=by_kind[kind])  # type: ignore[method-assign]
+        module.forward = torch.compile(module.forward, backend=by_kind[kind])
         setattr(module, _COMPILED, True)
         report.compiled.append(name or "model")
     return report
@@ -131,7 +131,7 @@ def without_kv_cache(model: nn.Module) -> list[str]:
             kwargs.setdefault("use_cache", False)
             return __original(*args, **kwargs)
 
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
         setattr(module, _NO_CACHE, True)
         changed.append(type(module).__name__)
     return changed

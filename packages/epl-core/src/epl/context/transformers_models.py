@@ -282,7 +282,7 @@ def _whole(local: torch.Tensor, group: ContextGroup) -> torch.Tensor:
 
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, group: ContextGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, local: torch.Tensor, group: ContextGroup) -> torch.Tensor:
         ctx.group = group
         return _gather_sequence(group, local)
 

@@ -108,7 +108,7 @@ class _Regroup(torch.autograd.Function):
     """:func:`_heads_for_tokens` forward (``to_heads``) or :func:`_tokens_for_heads`; the other backward."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: ContextGroup, to_heads: bool) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, tensor: torch.Tensor, group: ContextGroup, to_heads: bool) -> torch.Tensor:
         ctx.group, ctx.to_heads = group, to_heads
         return (_heads_for_tokens if to_heads else _tokens_for_heads)(tensor, group)
 

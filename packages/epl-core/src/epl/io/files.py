@@ -61,7 +61,7 @@ def shard(
     )
     if isinstance(data, Dataset) and not isinstance(data, Sequence):
         return Subset(data, indices)
-    return [data[i] for i in indices]  # type: ignore[index]
+    return [data[i] for i in indices]
 
 
 def share_indices(

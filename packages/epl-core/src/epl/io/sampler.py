@@ -128,7 +128,7 @@ class ReplicaSampler(DistributedSampler[T]):
         self._counted = False
         positions.register(self)  # restores the position engine.load left for it, if any
 
-    def __iter__(self) -> Iterator[T]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[T]:
         start = self._take_resume()
         indices = list(super().__iter__()) if start == 0 else self._rest(start)
         current = _Pass(self.epoch, start, len(indices))

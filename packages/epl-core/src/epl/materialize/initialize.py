@@ -145,7 +145,7 @@ def _in_slots(
             if held is _ABSENT:
                 del store[attr]
             else:
-                store[attr] = held  # type: ignore[assignment]
+                store[attr] = held
         for module, children in current.values():
             module._modules = children
 

@@ -59,7 +59,7 @@ def facts_of(config: Config, kind: type[Fact], registries: Registries) -> Fact:
     ``kind()``, its defaults, when that plugin is not installed. The records are built once per Config."""
     built = config.derived("facts", lambda: registries.config_facts(config))
     record = built.get(kind)
-    return kind() if record is None else record  # type: ignore[no-any-return]
+    return kind() if record is None else record
 
 
 @dataclass(kw_only=True)

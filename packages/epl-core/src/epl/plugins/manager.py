@@ -196,7 +196,7 @@ class EplPluginManager:
 
     def make_communicator(self, cluster: Cluster, config: Config) -> Communicator:
         """The communicator for ``cluster`` (``epl_make_communicator``)."""
-        communicator = self._pm.hook.epl_make_communicator(cluster=cluster, config=config)
+        communicator: Communicator | None = self._pm.hook.epl_make_communicator(cluster=cluster, config=config)
         if communicator is None:
             raise MissingPluginError(
                 f"No installed plugin can join {cluster.world_size} processes: the core only runs "
@@ -224,15 +224,17 @@ class EplPluginManager:
 
     def make_gradient_reducer(self, context: ParallelContext) -> GradientReducer | None:
         """What reduces gradients over parameter copies, or None (``epl_make_gradient_reducer``)."""
-        return self._pm.hook.epl_make_gradient_reducer(context=context)
+        reducer: GradientReducer | None = self._pm.hook.epl_make_gradient_reducer(context=context)
+        return reducer
 
     def make_loss_scaler(self, context: ParallelContext) -> LossScaler | None:
         """What scales the loss and skips non-finite steps (AMP), or None (``epl_make_loss_scaler``)."""
-        return self._pm.hook.epl_make_loss_scaler(context=context)
+        scaler: LossScaler | None = self._pm.hook.epl_make_loss_scaler(context=context)
+        return scaler
 
     def make_step_runner(self, context: ParallelContext) -> StepRunner:
         """What ``Engine.step`` runs on this rank (``epl_make_step_runner``)."""
-        runner = self._pm.hook.epl_make_step_runner(context=context)
+        runner: StepRunner | None = self._pm.hook.epl_make_step_runner(context=context)
         if runner is None:
             raise MissingPluginError(
                 f"No installed plugin can run a plan with {context.plan.num_stages} pipeline stages. "
@@ -243,9 +245,10 @@ class EplPluginManager:
 
     def estimate_shards(self, model: nn.Module, taskgraphs: list[TaskGraph], plan: Plan) -> ShardShapes | None:
         """What each device of the split ``taskgraphs`` would hold (``epl_estimate_shards``), or None."""
-        return self._pm.hook.epl_estimate_shards(
+        shapes: ShardShapes | None = self._pm.hook.epl_estimate_shards(
             model=model, taskgraphs=taskgraphs, plan=plan, split_rules=self.split_rules()
         )
+        return shapes
 
     def adjust_memory_estimate(self, estimate: MemoryEstimate, context: MemoryEstimateContext) -> MemoryEstimate:
         """``estimate`` after every plugin's ``epl_adjust_memory_estimate``, applied in turn."""

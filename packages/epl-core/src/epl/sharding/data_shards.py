@@ -11,11 +11,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from epl.interfaces.communicator import Communicator
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+    from typing_extensions import TypeIs
 
 _MARK = "_epl_data_shards"
 
@@ -40,7 +45,7 @@ def data_shards(tensor: torch.Tensor) -> DataShards | None:
     return getattr(tensor, _MARK, None)
 
 
-def is_dtensor(tensor: object) -> bool:
+def is_dtensor(tensor: object) -> TypeIs[DTensor]:
     """Whether ``tensor`` is a ``DTensor`` (a chunk of a tensor sharded over a device mesh)."""
     try:
         from torch.distributed.tensor import DTensor
@@ -51,7 +56,7 @@ def is_dtensor(tensor: object) -> bool:
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """What this rank holds of ``tensor``: a DTensor's local chunk (a view; no collective), else ``tensor``."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined,no-any-return]
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def sharded_modules(model: nn.Module) -> list[nn.Module]:

@@ -33,7 +33,7 @@ class Rectangles(torch.Tensor):
         device = blocks[0][1].device if blocks else torch.device("cpu")
         made = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device)
         made.blocks = [(tuple(offsets), value) for offsets, value in blocks]
-        return made  # type: ignore[no-any-return]
+        return made
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]  # a classmethod, as torch's subclasses have it
