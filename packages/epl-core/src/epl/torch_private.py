@@ -177,7 +177,7 @@ def reduce_sharded_gradients_now(root: torch.nn.Module) -> None:
     group's ``post_backward``, then the root's end-of-backward callback."""
     from torch.distributed.fsdp import fully_shard
 
-    state = fully_shard.state(root)  # type: ignore[attr-defined]
+    state = fully_shard.state(root)  # type: ignore[attr-defined]  # set on it by torch's @contract decorator
     for each in state._state_ctx.all_states:
         for group in each._fsdp_param_groups:
             group.post_backward()

@@ -62,9 +62,9 @@ class AnnotationRecorder:
         """Install the global registration hooks (idempotent)."""
         if not self._handles:
             # torch registers a tensor the parameter hook returns in place of the parameter (its annotation says None).
-            on_parameter: Callable[..., None] = self._on_register_parameter  # type: ignore[assignment]  # returns one
+            hook: Callable[..., None] = self._on_register_parameter  # type: ignore[assignment]  # returns a tensor
             self._handles = [
-                module_hooks.register_module_parameter_registration_hook(on_parameter),
+                module_hooks.register_module_parameter_registration_hook(hook),
                 module_hooks.register_module_buffer_registration_hook(self._on_register),
                 module_hooks.register_module_module_registration_hook(self._on_register_module),
             ]

@@ -59,7 +59,8 @@ class _NamedBackend:
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         self.report.graphs[self.kind] = self.report.graphs.get(self.kind, 0) + 1
         try:
-            return self.inner(graph, example_inputs)  # type: ignore[no-any-return]
+            compiled: Callable[..., Any] = self.inner(graph, example_inputs)
+            return compiled
         except Exception as error:  # any backend failure: this graph runs eager, and the report says why
             why = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
             self.report.eager[self.kind] = why

@@ -131,7 +131,8 @@ class ParallelContext:
         """
         if kind not in self._states:
             self._states[kind] = kind()
-        return self._states[kind]  # type: ignore[no-any-return]
+        state: State = self._states[kind]  # made by kind()
+        return state
 
     def facts(self, kind: type[Fact]) -> Fact:
         """The typed record ``kind`` (``epl.interfaces.facts``) its owning plugin built from :attr:`config`, or its

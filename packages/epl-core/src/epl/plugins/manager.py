@@ -9,7 +9,7 @@ import importlib.metadata
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import pluggy
 
@@ -50,7 +50,17 @@ CORE_PLUGIN_NAME = "epl-core"
 #: entry point would be, so that the plugin layer does not import the built-ins it registers.
 CORE_PLUGIN_MODULE = "epl.builtin.plugin"
 
-T = TypeVar("T")
+
+class _Phased(Protocol):
+    """A model transform or an optimizer wrapper: something run in the order of its phase (an IntEnum)."""
+
+    @property
+    def phase(self) -> int:
+        """When it runs, by the phases of :mod:`epl.interfaces.phases`."""
+        ...
+
+
+T = TypeVar("T", bound=_Phased)
 
 
 @dataclass(frozen=True)
@@ -311,4 +321,4 @@ def _by_phase(results: Iterable[Iterable[T] | None], phases: type[TransformPhase
                 f"{getattr(item, 'phase', None)!r}); give it a phase = epl.plugin_api.{phases.__name__}.<one of "
                 f"{', '.join(phases.__members__)}>."
             )
-    return sorted(items, key=lambda item: (item.phase, str(getattr(item, "name", ""))))  # type: ignore[attr-defined]
+    return sorted(items, key=lambda item: (item.phase, str(getattr(item, "name", ""))))

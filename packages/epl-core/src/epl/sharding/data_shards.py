@@ -19,6 +19,7 @@ from torch import nn
 from epl.interfaces.communicator import Communicator
 
 if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
     from typing_extensions import TypeIs
 
@@ -59,7 +60,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
-def sharded_modules(model: nn.Module) -> list[nn.Module]:
+def sharded_modules(model: nn.Module) -> list[FSDPModule]:
     """The modules of ``model`` that FSDP2's ``fully_shard`` manages, outermost first."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -125,7 +126,7 @@ def reduce_at_last_micro_batch(module: nn.Module) -> None:
     ``set_requires_gradient_sync``)."""
 
     def reduce_if_last(index: int, count: int) -> None:
-        module.set_requires_gradient_sync(index == count - 1, recurse=False)  # type: ignore[operator]
+        module.set_requires_gradient_sync(index == count - 1, recurse=False)  # type: ignore[operator]  # an FSDPModule
 
     listen_to_micro_batches(module, reduce_if_last)
 
@@ -140,9 +141,9 @@ def gathered(model: nn.Module) -> Iterator[None]:
     """
     modules = sharded_modules(model)
     for module in modules:
-        module.unshard()  # type: ignore[operator]
+        module.unshard()
     try:
         yield
     finally:
         for module in reversed(modules):
-            module.reshard()  # type: ignore[operator]
+            module.reshard()

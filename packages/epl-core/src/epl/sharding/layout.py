@@ -152,7 +152,7 @@ def unify_tied(layout: SplitLayout, groups: list[set[str]]) -> SplitLayout:
 def _from_pairing(pairing: Pairing, linears: set[str], embeddings: set[str], has_loss: bool) -> dict[str, Decision]:
     decisions: dict[str, Decision] = {}
     for name in linears:
-        layout: WeightLayout = pairing.weight_layouts.get(name, "out_in")  # type: ignore[assignment]
+        layout = pairing.weight_layouts.get(name, "out_in")
         if name in pairing.columns:
             facts = pairing.columns[name]
             decisions[name] = Decision("column", facts.parts, facts.granule, layout, frozenset(facts.fixups))

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from epl.sharding.dataflow import Dataflow, ModuleCall, Op, tensors_in
+from epl.sharding.dataflow import Dataflow, ModuleCall, Op, WeightLayout, tensors_in
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class Pairing:
     #: Candidates whose input derives from the model's inputs (token embeddings, unlike position embeddings).
     input_fed: set[str] = field(default_factory=set)
     #: Linear-like candidates and how they hold their weights.
-    weight_layouts: dict[str, str] = field(default_factory=dict)
+    weight_layouts: dict[str, WeightLayout] = field(default_factory=dict)
     #: Why a candidate's region did not pair (for messages).
     reasons: dict[str, str] = field(default_factory=dict)
     #: Parameters used whole on the sharded activations of paired regions -> those regions' columns: each
@@ -108,7 +108,7 @@ class _Analysis:
         self.linear: set[str] = set()
         self.derived: set[int] = {id(t) for t in flow.inputs}
         self.input_fed: set[str] = set()
-        self.weight_layouts: dict[str, str] = {}
+        self.weight_layouts: dict[str, WeightLayout] = {}
         #: Why each rejected column's region ended (for ``epl plan`` and error messages).
         self.reasons: dict[str, str] = {}
         #: id(tensor) -> the parameter it is, or was made from alone (``w.float()``, ``1 + w``).

@@ -43,7 +43,7 @@ class Rectangles(torch.Tensor):
             return args[0]
         raise NotImplementedError(f"Rectangles of a checkpoint support no {func}.")
 
-    def __repr__(self) -> str:  # type: ignore[override]
+    def __repr__(self) -> str:  # type: ignore[override]  # Tensor's takes tensor_contents=, unused here
         shown = ", ".join(f"{list(offsets)}+{list(value.shape)}" for offsets, value in self.blocks)
         return f"Rectangles({list(self.shape)}, {self.dtype}, [{shown}])"
 
