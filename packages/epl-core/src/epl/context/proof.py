@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -28,25 +28,14 @@ from epl.context.chunks import shard_sequence, unshard_sequence
 from epl.context.masks import Masking, TokenFacts
 from epl.errors import AnnotationError
 
+if TYPE_CHECKING:
+    from epl.context.transformers_models import TransformersModel
+
 #: Largest difference allowed, relative to the largest output, by the model's dtype.
 TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-4}
 LOW_PRECISION_TOLERANCE = 5e-2
 #: Sequences in the check's batch, and tokens per chunk of a sequence (``2c`` chunks).
 ROWS, CHUNK = 2, 4
-
-
-class TransformersModel(Protocol):
-    """What EPL calls on a transformers model (a ``PreTrainedModel``) beside ``nn.Module``'s own methods."""
-
-    config: Any
-
-    def get_input_embeddings(self) -> nn.Module:
-        """The token embedding."""
-        ...
-
-    def set_attn_implementation(self, attn_implementation: str) -> None:
-        """Make the attention layers call the attention registered under this name."""
-        ...
 
 
 @dataclass(eq=False)
@@ -94,7 +83,7 @@ def prove_context_parallel(model: nn.Module, count: int, attention: str) -> None
             "set context.verify to False to skip the check (then nothing shows a model that crosses tokens "
             "outside its attention)."
         )
-    transformers_model = cast(TransformersModel, model)
+    transformers_model = cast("TransformersModel", model)
     embeddings = transformers_model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     vocabulary = getattr(embeddings, "num_embeddings", None)
     if not vocabulary:
@@ -150,7 +139,7 @@ def _spread(
     devices = SimulatedDevices(count, tokens.shape[0], TokenFacts.of(my_positions))
     for module in model.modules():
         module.__dict__["_epl_context"] = devices
-    cast(TransformersModel, model).set_attn_implementation(attention)
+    cast("TransformersModel", model).set_attn_implementation(attention)
     output = _first_tensor(model(input_ids=my_tokens, position_ids=my_positions, **_no_cache(model)))
     return unshard_sequence(list(output.split(tokens.shape[0])), 1), devices.calls
 
