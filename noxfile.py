@@ -1,7 +1,7 @@
 """Sessions for development and CI: tests, lint, bench, demo, zoo.
 
-``nox -t ci`` is what CI runs (.ci/run): lint, the tests and then the benchmarks in short mode (one
-environment), every subset of the packages installed alone, and the docs site. Each session installs
+``nox -t ci`` is what CI runs (.ci/run): lint, the type check (mypy), the tests and then the benchmarks in short
+mode (one environment), every subset of the packages installed alone, and the docs site. Each session installs
 the packages of packages/ in editable mode (``subsets``: as a user would, only some) with
 the pins of constraints.txt (torch==2.13.0, the CPU build).
 """
@@ -52,6 +52,16 @@ def lint(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "ruff")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(tags=["ci"])
+def typecheck(session: nox.Session) -> None:
+    """mypy over the packages and the example plugin, as [tool.mypy] in pyproject.toml sets it: strict on the public
+    API (``epl``, ``epl.plugin_api`` and the modules they export from), the default level elsewhere. The packages
+    are installed (with torch, whose annotations the check reads) but none of the test tools; mypy reads the sources
+    of packages/ itself."""
+    install_packages(session, "mypy")
+    session.run("mypy", *session.posargs)
 
 
 @nox.session(tags=["ci"])

@@ -93,7 +93,8 @@ def test_the_plugin_api_exports_what_plugins_import(repository_imports) -> None:
 
 
 def test_the_plugin_api_names_its_exports_for_type_checkers() -> None:
-    """Its TYPE_CHECKING imports (what type checkers see) are exactly its lazy exports, from the same modules."""
+    """Its TYPE_CHECKING imports (what type checkers see) are exactly its lazy exports, from the same modules, and its
+    ``__all__`` (a literal list, which type checkers read as the names it re-exports) names them all."""
     import ast
 
     import epl.plugin_api
@@ -104,6 +105,7 @@ def test_the_plugin_api_names_its_exports_for_type_checkers() -> None:
         alias.name: node.module for node in ast.walk(block) if isinstance(node, ast.ImportFrom) for alias in node.names
     }
     assert named == epl.plugin_api._EXPORTS
+    assert epl.plugin_api.__all__ == sorted(epl.plugin_api._EXPORTS)
 
 
 # -- the rules fail when broken: small fixture trees ------------------------------------------------------

@@ -57,7 +57,7 @@ class CupyWork(DiagnosedWork):
         record: CollectiveRecord,
         log: CollectiveLog,
         timeout: float,
-        after: Callable[[], None] | None,
+        after: Callable[[], object] | None,
     ) -> None:
         super().__init__(record, log, timeout)
         self._event = event
@@ -263,7 +263,7 @@ class CupyCommunicator(Communicator):
         op: str,
         tensor: torch.Tensor,
         launch: Callable[[int], None],
-        after: Callable[[], None] | None = None,
+        after: Callable[[], object] | None = None,
         peer: int | None = None,
         back: _CopiesBack | None = None,
     ) -> CupyWork:
@@ -316,7 +316,7 @@ class CupyCommunicator(Communicator):
         return int(getattr(self._nccl, names[op]))
 
 
-def _then_copy_back(after: Callable[[], None] | None, back: _CopiesBack) -> None:
+def _then_copy_back(after: Callable[[], object] | None, back: _CopiesBack) -> None:
     if after is not None:
         after()
     for host, staged in back:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import itertools
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -80,7 +81,8 @@ class TorchCommunicator(Communicator):
 
     def process_group(self) -> dist.ProcessGroup:
         """This communicator's torch process group (the default group for the world)."""
-        return self.group if self.group is not None else dist.group.WORLD
+        # The world's group is there once this process joined (join), before any communicator is made.
+        return self.group if self.group is not None else cast(dist.ProcessGroup, dist.group.WORLD)
 
     @classmethod
     def join(cls, cluster: Cluster, *, timeout: float) -> TorchCommunicator:

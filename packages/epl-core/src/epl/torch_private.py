@@ -17,7 +17,7 @@ import torch
 try:  # torch's pytree: no public module in torch 2.13
     from torch.utils import _pytree as pytree
 except ImportError:  # pragma: no cover - another torch
-    from torch.utils import pytree  # type: ignore[attr-defined,no-redef]
+    from torch.utils import pytree  # type: ignore[attr-defined,no-redef]  # a torch where it is public
 
 __all__ = [
     "amp_unscale_",
@@ -53,12 +53,12 @@ def engine_run_backward() -> Callable[..., Any] | None:
 
 def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
     """The leaves of a nest of lists, tuples and dicts, and its structure (torch's pytree, ``tree_flatten``)."""
-    return pytree.tree_flatten(tree)  # type: ignore[no-any-return]
+    return pytree.tree_flatten(tree)
 
 
 def tree_leaves(tree: Any) -> list[Any]:
     """The leaves of a nest of lists, tuples and dicts (torch's pytree, ``tree_leaves``)."""
-    return pytree.tree_leaves(tree)  # type: ignore[no-any-return]
+    return pytree.tree_leaves(tree)
 
 
 def foreach_norm(tensors: Sequence[torch.Tensor], ord: float) -> list[torch.Tensor]:
@@ -103,10 +103,10 @@ def narrow_by_index(tensor: torch.Tensor, offsets: Sequence[int], sizes: Sequenc
             if size < tensor.size(dim):
                 tensor = tensor.narrow(dim, offset, size)
         return tensor
-    return narrow_tensor_by_index(tensor, offsets, sizes)  # type: ignore[no-any-return]
+    return narrow_tensor_by_index(tensor, offsets, sizes)
 
 
-def compile_backend(name: str) -> Any:
+def compile_backend(name: str) -> Callable[..., Any]:
     """The ``torch.compile`` backend registered as ``name`` (``torch._dynamo.lookup_backend``)."""
     import torch._dynamo
 
@@ -120,17 +120,17 @@ def compile_backends() -> list[str]:
     return list(torch._dynamo.list_backends(exclude_tags=()))
 
 
-def inductor_backend(mode: str | None) -> Any:
+def inductor_backend(mode: str | None) -> Callable[..., Any]:
     """What ``torch.compile(backend="inductor", mode=mode)`` builds (``torch._TorchCompileInductorWrapper``), so that
     EPL can wrap it."""
-    return torch._TorchCompileInductorWrapper(mode, None, None)  # type: ignore[attr-defined]
+    return torch._TorchCompileInductorWrapper(mode, None, None)
 
 
 def saved_tensor_hooks_active() -> bool:
     """Whether saved-tensor hooks are active already (``torch._C._autograd._top_saved_tensors_default_hooks``); True
     where torch cannot say, the safe answer for its callers."""
     try:
-        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None  # type: ignore[attr-defined]
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
     except (AttributeError, TypeError):  # pragma: no cover - another torch
         return True
 
@@ -158,7 +158,7 @@ def current_graph_task_id() -> int:
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the running backward ends, on its thread (the engine's ``queue_callback``, as FSDP2
     does for its own end of backward)."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def dtensor_like(local: torch.Tensor, like: Any) -> Any:
@@ -167,7 +167,7 @@ def dtensor_like(local: torch.Tensor, like: Any) -> Any:
     chunks under offload the same way."""
     from torch.distributed.tensor import DTensor
 
-    return DTensor(local, like._spec, requires_grad=False)  # type: ignore[call-arg]
+    return DTensor(local, like._spec, requires_grad=False)
 
 
 def reduce_sharded_gradients_now(root: torch.nn.Module) -> None:
@@ -177,7 +177,7 @@ def reduce_sharded_gradients_now(root: torch.nn.Module) -> None:
     group's ``post_backward``, then the root's end-of-backward callback."""
     from torch.distributed.fsdp import fully_shard
 
-    state = fully_shard.state(root)  # type: ignore[attr-defined]
+    state = fully_shard.state(root)  # type: ignore[attr-defined]  # set on it by torch's @contract decorator
     for each in state._state_ctx.all_states:
         for group in each._fsdp_param_groups:
             group.post_backward()

@@ -7,7 +7,9 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
@@ -17,8 +19,10 @@ from epl_launch.local import LocalJob, Outcome, report
 from epl_launch.mpi import run_mpi
 from epl_launch.restarts import run_with_restarts
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 
-def _option(*names: str, env: str, **kwargs: object):  # type: ignore[no-untyped-def]
+
+def _option(*names: str, env: str, **kwargs: Any) -> Callable[[_F], _F]:
     return click.option(*names, envvar=f"EPL_LAUNCH_{env}", show_envvar=True, **kwargs)
 
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, TypedDict
 
 from epl_launch.config import GROUPS_DIR_VARIABLE
 from epl_launch.processes import signal_group
@@ -73,7 +73,12 @@ def main(argv: list[str]) -> int:
     return code
 
 
-def _node_ranks(mpi: Any) -> dict[str, int]:
+class _NodeRanks(TypedDict):
+    local_rank: int
+    local_world_size: int
+
+
+def _node_ranks(mpi: Any) -> _NodeRanks:
     node = mpi.COMM_WORLD.Split_type(mpi.COMM_TYPE_SHARED)
     try:
         return {"local_rank": node.Get_rank(), "local_world_size": node.Get_size()}

@@ -91,7 +91,7 @@ def autocast_forward(model: nn.Module, policy: AmpPolicy) -> None:
         with policy.autocast():
             return original(*args, **kwargs)
 
-    model.forward = forward  # type: ignore[method-assign]
+    model.forward = forward
     setattr(model, _WRAPPED, policy)
 
 

@@ -54,7 +54,7 @@ def recompute_forward(module: nn.Module, check: GradientCheck | None = None, nam
             return check.run(name, original, list(module.parameters()), args, kwargs)
         return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
 
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward
     setattr(module, _WRAPPED, True)
 
 
@@ -113,7 +113,7 @@ def recompute_segments(sequential: nn.Sequential, segments: Sequence[range]) -> 
                 x = step(x)
         return x
 
-    sequential.forward = forward  # type: ignore[method-assign]
+    sequential.forward = forward  # type: ignore[method-assign]  # this instance's, over the class's method
     setattr(sequential, _WRAPPED, True)
 
 
@@ -171,7 +171,8 @@ def balanced_segments(sequential: nn.Sequential) -> tuple[range, ...]:
     sizes = [sum(p.numel() for p in item.parameters()) + 1 for item in sequential]
     count = max(1, round(math.sqrt(len(sizes))))
     target = sum(sizes) / count
-    segments, start, running = [], 0, 0.0
+    segments: list[range] = []
+    start, running = 0, 0.0
     for index, size in enumerate(sizes):
         running += size
         remaining_items = len(sizes) - index - 1

@@ -32,9 +32,9 @@ def reduce_at_step_end(roots: Sequence[nn.Module]) -> None:
 def _reducing(root: nn.Module, reducing: bool) -> None:
     """Whether ``root``'s backwards reduce and reshard (and count as a step's last): not in the micro-batches, only
     at the step's end."""
-    root.set_requires_gradient_sync(reducing)  # type: ignore[operator]
-    root.set_reshard_after_backward(reducing)  # type: ignore[operator]
-    root.set_is_last_backward(reducing)  # type: ignore[operator]
+    root.set_requires_gradient_sync(reducing)  # type: ignore[operator]  # an FSDPModule (fully_shard's)
+    root.set_reshard_after_backward(reducing)  # type: ignore[operator]  # likewise
+    root.set_is_last_backward(reducing)  # type: ignore[operator]  # likewise
 
 
 def _reducer(root: nn.Module) -> Callable[[], None]:

@@ -40,7 +40,7 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -57,6 +57,8 @@ from epl.plugin_api import (
 )
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from epl.plugin_api import Communicator, ParallelContext
 
 _log = logging.getLogger(__name__)
@@ -173,7 +175,7 @@ class ZeroSharding:
             # FSDP2 divides by its mesh's size unless told otherwise; told, it divides twice where the shards are of
             # one device (hybrid sharding of degree 1) in float64, so it is told only where the divisor differs
             if divisor != meshes[copies].size():
-                unit.set_gradient_divide_factor(divisor)  # type: ignore[operator]
+                unit.set_gradient_divide_factor(divisor)  # type: ignore[operator]  # an FSDPModule now
             if accumulate_whole:
                 reduce_at_last_micro_batch(unit)
             sharded.append(unit)
@@ -343,12 +345,12 @@ class HybridGroups:
         parts = self.parts(devices, rank)
         if parts is None:
             return DeviceMesh.from_group(
-                communicators[devices].process_group(), device.type, mesh_dim_names=(f"copies{serial}",)
+                _group_of(communicators[devices]), device.type, mesh_dim_names=(f"copies{serial}",)
             )
         replicate, shard = parts
         layout = torch.tensor(devices, dtype=torch.int).view(len(devices) // self.degree, self.degree)
         return DeviceMesh.from_group(
-            [self.communicators[replicate].process_group(), self.communicators[shard].process_group()],
+            [_group_of(self.communicators[replicate]), _group_of(self.communicators[shard])],
             device.type,
             mesh=layout,
             mesh_dim_names=(f"replicate{serial}", f"shard{serial}"),
@@ -390,6 +392,11 @@ def offload_policy(context: ParallelContext) -> Any:
     return CPUOffloadPolicy(pin_memory=context.cluster.device.type == "cuda")
 
 
+def _group_of(communicator: Communicator) -> ProcessGroup:
+    """``communicator``'s torch process group (:func:`refuse_unsupported` refused a backend without one)."""
+    return cast("ProcessGroup", communicator.process_group())
+
+
 def one_process_mesh(device: torch.device) -> Any:
     """A ``DeviceMesh`` over this process alone, for a job of one process (offload on one GPU).
 
@@ -407,7 +414,8 @@ def one_process_mesh(device: torch.device) -> Any:
             f"epl.init found one process, but the default process group has {dist.get_world_size()}: launch every "
             "process through epl launch or torchrun so that EPL sees them."
         )
-    return DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=(f"alone{next(_MESHES)}",))
+    world = cast("ProcessGroup", dist.group.WORLD)  # made above, if it was not
+    return DeviceMesh.from_group(world, device.type, mesh_dim_names=(f"alone{next(_MESHES)}",))
 
 
 #: The dtypes ``zero.param_dtype`` and ``zero.reduce_dtype`` name.
@@ -453,9 +461,10 @@ def _follow_new_parameters(
             context.reduced_in_backward.add(id(param))
     for taskgraph in context.taskgraphs:
         taskgraph.tensors = [replaced.get(id(tensor), tensor) for tensor in taskgraph.tensors]
-    for table in (context.split_tensors, context.split_holders):
+    tables: tuple[dict[int, Any], ...] = (context.split_tensors, context.split_holders)
+    for table in tables:
         for key in [key for key in table if key in replaced]:
-            table[id(replaced[key])] = table.pop(key)  # type: ignore[index]
+            table[id(replaced[key])] = table.pop(key)
 
 
 def _explain_chunked_reads(forward: Callable[..., Any]) -> Callable[..., Any]:

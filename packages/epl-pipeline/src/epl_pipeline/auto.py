@@ -18,7 +18,7 @@ summed between the stages every step (see ``epl.placement.copies``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from torch import nn
@@ -103,7 +103,7 @@ def _stages(
     blocks: list[tuple[str, nn.Module]],
     cuts: list[int],
     stage_strategy: Callable[[str], Strategy],
-    aliases: list[tuple[str, nn.Module]] = (),  # type: ignore[assignment]
+    aliases: Sequence[tuple[str, nn.Module]] = (),
 ) -> list[TaskGraph]:
     """One TaskGraph per run of ``blocks`` between ``cuts``; every tensor of the model must be placed. Each of
     ``aliases`` (blocks never called, whose tensors called blocks hold) is listed by the first stage holding them."""
@@ -116,8 +116,8 @@ def _stages(
         stage.modules = [name for name, _ in members]
         stages.append(stage)
     for name, module in aliases:
-        tensors = {id(t) for t in [*module.parameters(), *module.buffers()]}
-        next(s for s in stages if tensors <= {id(t) for t in s.tensors}).modules.append(name)
+        held = {id(t) for t in [*module.parameters(), *module.buffers()]}
+        next(s for s in stages if held <= {id(t) for t in s.tensors}).modules.append(name)
     placed = {id(t) for stage in stages for t in stage.tensors}
     # A buffer outside every block (BART's final_logits_bias, read by the model's own forward between blocks) is a
     # constant every stage keeps.

@@ -230,6 +230,7 @@ class Channel:
         """Post the receives of the next values now (once their description is known), so that they travel
         while this stage computes; the next :meth:`receive` takes them."""
         if self._settled:
+            assert self.description is not None, "the call's first transfer described the values"
             self._values_ahead.append(self._post(self.description.tensor_specs))
 
     def prefetch_gradients(self) -> None:

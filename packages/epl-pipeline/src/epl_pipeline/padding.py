@@ -129,8 +129,9 @@ def _rebuild(batch: Any, change: Callable[[Any, Any], Any]) -> Any:
         return type(batch)(change(None, item) for item in batch)
     if isinstance(batch, Mapping):
         items = {key: change(key, value) for key, value in batch.items()}
+        rebuilt: Callable[[dict[Any, Any]], Any] = type(batch)  # a Mapping subclass built from a dict (or not)
         try:
-            return type(batch)(items)
+            return rebuilt(items)
         except TypeError:
             return items
     return batch

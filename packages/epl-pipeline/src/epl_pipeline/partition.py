@@ -144,7 +144,7 @@ def bind_inputs(staged: StagedGraph, inputs: Any) -> dict[fx.Node, Any]:
     args, given = as_arguments(inputs)
     if len(args) > len(placeholders):
         raise PlacementError(f"The model's forward takes {len(placeholders)} inputs, got {len(args)}.")
-    given.update({p.target: value for p, value in zip(placeholders, args, strict=False)})
+    given.update({str(p.target): value for p, value in zip(placeholders, args, strict=False)})  # a parameter's name
     env: dict[fx.Node, Any] = {}
     for placeholder in placeholders:
         if placeholder.target in given:
@@ -164,7 +164,7 @@ def run_nodes(model: nn.Module, nodes: list[fx.Node], env: dict[fx.Node, Any]) -
         if node.op == "call_module":
             env[node] = model.get_submodule(str(node.target))(*args, **kwargs)
         elif node.op == "call_function":
-            env[node] = node.target(*args, **kwargs)  # type: ignore[operator]
+            env[node] = node.target(*args, **kwargs)  # type: ignore[operator]  # a call_function's: a callable
         elif node.op == "call_method":
             self_, *rest = args
             env[node] = getattr(self_, str(node.target))(*rest, **kwargs)

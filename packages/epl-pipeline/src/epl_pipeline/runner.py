@@ -535,7 +535,7 @@ class PipelineStepRunner:
         flight.outputs = flight.inputs = []
 
 
-def _flush(*channels: Channel | None) -> None:
+def _flush(*channels: Channel | ReshardingChannel | None) -> None:
     """Wait for every send started on ``channels`` (None: no such link)."""
     for channel in channels:
         if channel is not None:

@@ -218,7 +218,7 @@ def _generate(name: str, generator: ScheduleGenerator, stages: int, micro: int, 
             f"Schedule {name!r} runs one stage per rank: pipeline.stages_per_rank = {per_rank} (> 1) needs a "
             "schedule that runs several stages per rank, e.g. 'Interleaved1F1B'."
         )
-    return generator(stages, micro, stages_per_rank=per_rank)  # type: ignore[call-arg]
+    return generator(stages, micro, stages_per_rank=per_rank)  # type: ignore[call-arg]  # it takes it (checked)
 
 
 def _takes_stages_per_rank(generator: ScheduleGenerator) -> bool:

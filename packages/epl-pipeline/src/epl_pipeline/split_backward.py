@@ -60,6 +60,11 @@ class PendingWeights:
     whole: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
 
 
+def _leaf(node: Node) -> torch.Tensor:
+    """The tensor an ``AccumulateGrad`` node accumulates into."""
+    return node.variable  # type: ignore[attr-defined]  # AccumulateGrad's own attribute, which Node does not name
+
+
 def _node(tensor: torch.Tensor) -> Node:
     return get_gradient_edge(tensor).node
 
@@ -77,7 +82,7 @@ def backward_input(
     used = [p for p in params if p.requires_grad]
     roots = [(t.grad_fn, t.output_nr) if t.grad_fn is not None else (_node(t), 0) for t in outputs]
     order, position, structure = _walk([node for node, _ in roots])
-    leaves = {id(node.variable): at for at, node in enumerate(order) if type(node) is _ACCUMULATE_GRAD}
+    leaves = {id(_leaf(node)): at for at, node in enumerate(order) if type(node) is _ACCUMULATE_GRAD}
 
     def where(tensor: torch.Tensor) -> int:
         """The position of the tensor's node in ``order`` (-1: the outputs do not depend on it)."""
@@ -258,7 +263,13 @@ def _input_gradients(
     with ``retain_graph=True, allow_unused=True``)."""
     seeds = _seeds(outputs, grads) if not has_torch_function(tuple(inputs)) else None
     if seeds is None:
-        return torch.autograd.grad(list(outputs), [*inputs, *edges], list(grads), retain_graph=True, allow_unused=True)
+        return torch.autograd.grad(
+            list(outputs),
+            [*inputs, *edges],  # type: ignore[arg-type]  # tensors and edges mixed: torch takes them (not its stub)
+            list(grads),
+            retain_graph=True,
+            allow_unused=True,
+        )
     assert _engine_run_backward is not None
     return _engine_run_backward(
         tuple(outputs), seeds, True, False, (*inputs, *edges), allow_unreachable=True, accumulate_grad=False
@@ -271,7 +282,7 @@ def _accumulate(
     """``torch.autograd.backward(edges, seeds, inputs=targets)``, from gradients the engine found at ``edges``
     (so of their shapes)."""
     if _engine_run_backward is None or functorch_transforms_active():
-        torch.autograd.backward(edges, seeds, inputs=targets)
+        torch.autograd.backward(edges, seeds, inputs=targets)  # type: ignore[arg-type]  # mixed, as above
         return
     _engine_run_backward(
         tuple(edges), tuple(seeds), False, False, tuple(targets), allow_unreachable=True, accumulate_grad=True
@@ -313,14 +324,14 @@ def _parents(roots: list[Node]) -> tuple[dict[Node, list[Node]], dict[int, Node]
             if known is None:
                 parents[child] = [node]
                 if type(child) is _ACCUMULATE_GRAD:
-                    leaves[id(child.variable)] = child
+                    leaves[id(_leaf(child))] = child
                 else:
                     stack.append(child)
             else:
                 known.append(node)
     for root in roots:
         if type(root) is _ACCUMULATE_GRAD:
-            leaves[id(root.variable)] = root
+            leaves[id(_leaf(root))] = root
     return parents, leaves
 
 
@@ -378,6 +389,6 @@ def _branches(
                 branch.targets += other.targets
                 branch.nodes += other.nodes
                 groups[other_index] = None
-        for node in groups[index].nodes:  # type: ignore[union-attr]
+        for node in groups[index].nodes:  # type: ignore[union-attr]  # set above: not None
             group_of[node] = index
     return [group for group in groups if group is not None]

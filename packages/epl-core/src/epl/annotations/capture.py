@@ -22,6 +22,7 @@ Nothing is kept alive: modules and tensors are referenced weakly.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -60,8 +61,10 @@ class AnnotationRecorder:
     def install(self) -> None:
         """Install the global registration hooks (idempotent)."""
         if not self._handles:
+            # torch registers a tensor the parameter hook returns in place of the parameter (its annotation says None).
+            hook: Callable[..., None] = self._on_register_parameter  # type: ignore[assignment]  # returns a tensor
             self._handles = [
-                module_hooks.register_module_parameter_registration_hook(self._on_register_parameter),
+                module_hooks.register_module_parameter_registration_hook(hook),
                 module_hooks.register_module_buffer_registration_hook(self._on_register),
                 module_hooks.register_module_module_registration_hook(self._on_register_module),
             ]

@@ -244,10 +244,10 @@ class ShardSplitTaskGraphs:
                 sum_gradient_over_shards(model.get_parameter(name), group)
                 summed.add(id(model.get_parameter(name)))
         if context.config.get("split.sequence_parallel"):
-            groups = [context.shard_groups[tg.index] for tg in mine]
-            for group in groups:
-                sequence.install(model, group, summed)
-            context.forward_contexts.append(functools.partial(sequence.default_random_after, groups))
+            stack_groups = [context.shard_groups[tg.index] for tg in mine]
+            for stack_group in stack_groups:
+                sequence.install(model, stack_group, summed)
+            context.forward_contexts.append(functools.partial(sequence.default_random_after, stack_groups))
         return model
 
 

@@ -59,7 +59,8 @@ class _NamedBackend:
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         self.report.graphs[self.kind] = self.report.graphs.get(self.kind, 0) + 1
         try:
-            return self.inner(graph, example_inputs)  # type: ignore[no-any-return]
+            compiled: Callable[..., Any] = self.inner(graph, example_inputs)
+            return compiled
         except Exception as error:  # any backend failure: this graph runs eager, and the report says why
             why = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
             self.report.eager[self.kind] = why
@@ -100,7 +101,7 @@ def compile_blocks(modules: Sequence[tuple[str, nn.Module]], backend: str, mode:
         kind = type(module)
         if kind not in by_kind:
             by_kind[kind] = _NamedBackend(inner, kind.__name__, report)
-        module.forward = torch.compile(module.forward, backend=by_kind[kind])  # type: ignore[method-assign]
+        module.forward = torch.compile(module.forward, backend=by_kind[kind])
         setattr(module, _COMPILED, True)
         report.compiled.append(name or "model")
     return report
@@ -131,7 +132,7 @@ def without_kv_cache(model: nn.Module) -> list[str]:
             kwargs.setdefault("use_cache", False)
             return __original(*args, **kwargs)
 
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
         setattr(module, _NO_CACHE, True)
         changed.append(type(module).__name__)
     return changed

@@ -55,11 +55,11 @@ class _Gathered:
         """Every block's gradients, each summed on its owner."""
         pieces = [torch.cat(gradients_of(k, v, keys)) for k, v, keys in self.forward(key, value)]
         if self.group.count == 1:
-            return tuple(pieces[0].split(key.shape[0]))  # type: ignore[return-value]
+            return tuple(pieces[0].split(key.shape[0]))
         mine = torch.empty_like(pieces[0])
         self.group.collectives["reduce_scatter"] += 1
         self.group.communicator.reduce_scatter(mine, torch.cat(pieces).contiguous(), ReduceOp.SUM).wait()
-        return tuple(mine.split(key.shape[0]))  # type: ignore[return-value]
+        return tuple(mine.split(key.shape[0]))
 
     def _gather(self, key: torch.Tensor, value: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
         group = self.group

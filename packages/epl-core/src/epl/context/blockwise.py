@@ -285,7 +285,7 @@ class BlockGradients:
 
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         query: torch.Tensor,
         key: torch.Tensor,

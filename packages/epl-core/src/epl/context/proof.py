@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from epl.context.blockwise import KeySlices, blockwise_attention
 from epl.context.chunks import shard_sequence, unshard_sequence
 from epl.context.masks import Masking, TokenFacts
 from epl.errors import AnnotationError
+
+if TYPE_CHECKING:
+    from epl.context.transformers_models import TransformersModel
 
 #: Largest difference allowed, relative to the largest output, by the model's dtype.
 TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -80,7 +83,8 @@ def prove_context_parallel(model: nn.Module, count: int, attention: str) -> None
             "set context.verify to False to skip the check (then nothing shows a model that crosses tokens "
             "outside its attention)."
         )
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    transformers_model = cast("TransformersModel", model)
+    embeddings = transformers_model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     vocabulary = getattr(embeddings, "num_embeddings", None)
     if not vocabulary:
         raise AnnotationError(
@@ -93,7 +97,7 @@ def prove_context_parallel(model: nn.Module, count: int, attention: str) -> None
     tokens = torch.randint(0, vocabulary, (ROWS, length), generator=generator).to(device)
     positions = torch.arange(length, device=device).expand(ROWS, length)
     modes = {module: module.training for module in model.modules()}
-    original = model.config._attn_implementation
+    original = transformers_model.config._attn_implementation
     model.eval()
     try:
         with torch.no_grad():
@@ -102,7 +106,7 @@ def prove_context_parallel(model: nn.Module, count: int, attention: str) -> None
             whole = _first_tensor(model(input_ids=tokens, **_no_cache(model)))
             spread, calls = _spread(model, tokens, positions, count, attention)
     finally:
-        model.set_attn_implementation(original)
+        transformers_model.set_attn_implementation(original)
         for module, training in modes.items():
             module.training = training
             module.__dict__.pop("_epl_context", None)
@@ -135,7 +139,7 @@ def _spread(
     devices = SimulatedDevices(count, tokens.shape[0], TokenFacts.of(my_positions))
     for module in model.modules():
         module.__dict__["_epl_context"] = devices
-    model.set_attn_implementation(attention)
+    cast("TransformersModel", model).set_attn_implementation(attention)
     output = _first_tensor(model(input_ids=my_tokens, position_ids=my_positions, **_no_cache(model)))
     return unshard_sequence(list(output.split(tokens.shape[0])), 1), devices.calls
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -37,6 +37,21 @@ from epl.context.ring import ContextGroup, ring_attention
 from epl.context.ulysses import ulysses_attention
 from epl.errors import AnnotationError, EplError
 from epl.sharding.logits import same_marks
+
+
+class TransformersModel(Protocol):
+    """What EPL calls on a transformers model (a ``PreTrainedModel``) beside ``nn.Module``'s own methods."""
+
+    config: Any
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The token embedding."""
+        ...
+
+    def set_attn_implementation(self, attn_implementation: str) -> None:
+        """Make the attention layers call the attention registered under this name."""
+        ...
+
 
 #: The name EPL's attention is registered under in transformers' attention registry.
 ATTENTION = "epl_context"
@@ -72,7 +87,7 @@ def install(model: nn.Module, group: ContextGroup, mode: str, *, presliced: bool
     run = ContextRun(group, mode, presliced=presliced)
     for module in model.modules():
         module.__dict__["_epl_context"] = run  # read by context_attention, also when checkpointing recomputes
-    model.set_attn_implementation(ATTENTION)
+    cast(TransformersModel, model).set_attn_implementation(ATTENTION)  # check_installable checked it has one
     model.register_forward_pre_hook(functools.partial(_take_my_tokens, run), with_kwargs=True)
     model.register_forward_hook(functools.partial(_whole_logits_without_grad, run))
     return run
@@ -279,7 +294,7 @@ def _whole(local: torch.Tensor, group: ContextGroup) -> torch.Tensor:
 
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, group: ContextGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, local: torch.Tensor, group: ContextGroup) -> torch.Tensor:
         ctx.group = group
         return _gather_sequence(group, local)
 

@@ -73,8 +73,8 @@ def _in_sequence_order(
     """Attention of the whole sequence (tokens in device order, ``[b, h/c, s, d]``) by torch's fused kernels, in
     sequence order; the output back in device order."""
     share = q.shape[2] // count
-    ordered = [unshard_sequence(list(t.split(share, 2)), 2) for t in (q, k, v)]
-    out = F.scaled_dot_product_attention(*ordered, is_causal=causal, scale=scale, enable_gqa=True)
+    q, k, v = (unshard_sequence(list(t.split(share, 2)), 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
     return torch.cat([shard_sequence(out, 2, device, count) for device in range(count)], 2)
 
 
@@ -108,7 +108,7 @@ class _Regroup(torch.autograd.Function):
     """:func:`_heads_for_tokens` forward (``to_heads``) or :func:`_tokens_for_heads`; the other backward."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: ContextGroup, to_heads: bool) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, tensor: torch.Tensor, group: ContextGroup, to_heads: bool) -> torch.Tensor:
         ctx.group, ctx.to_heads = group, to_heads
         return (_heads_for_tokens if to_heads else _tokens_for_heads)(tensor, group)
 

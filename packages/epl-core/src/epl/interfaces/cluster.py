@@ -81,6 +81,8 @@ class Cluster:
     @property
     def device(self) -> torch.device:
         """The device this process computes on."""
+        if self.device_index is None:
+            return torch.device(self.device_type)
         return torch.device(self.device_type, self.device_index)
 
     # -- construction ----------------------------------------------------------------

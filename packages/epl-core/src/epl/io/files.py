@@ -7,8 +7,8 @@ share, since they all receive the same replica batch.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Sequence, Sized
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from torch.utils.data import Dataset, Subset
 
@@ -50,7 +50,7 @@ def shard(
         from epl.runtime.env import Env
 
         config = Env.get().config
-    count = len(data)  # type: ignore[arg-type]
+    count = len(cast(Sized, data))  # a map-style dataset has a length, as a sequence does
     indices = share_indices(
         count,
         num_replicas,
@@ -61,7 +61,7 @@ def shard(
     )
     if isinstance(data, Dataset) and not isinstance(data, Sequence):
         return Subset(data, indices)
-    return [data[i] for i in indices]  # type: ignore[index]
+    return [data[i] for i in indices]
 
 
 def share_indices(

@@ -17,6 +17,7 @@ import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from epl.errors import EplError
@@ -153,7 +154,8 @@ def _skip(problem: str, strict: bool) -> None:
 
 def _user_level() -> int:
     """The ``stacklevel`` of a warning that points at the first caller outside the ``epl`` package."""
-    package, frame, level = str(Path(__file__).resolve().parents[1]), sys._getframe(2), 2
+    package, level = str(Path(__file__).resolve().parents[1]), 2
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame, level = frame.f_back, level + 1
     return level

@@ -24,7 +24,7 @@ import math
 import weakref
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -128,7 +128,7 @@ class ReplicaSampler(DistributedSampler[T]):
         self._counted = False
         positions.register(self)  # restores the position engine.load left for it, if any
 
-    def __iter__(self) -> Iterator[T]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[T]:
         start = self._take_resume()
         indices = list(super().__iter__()) if start == 0 else self._rest(start)
         current = _Pass(self.epoch, start, len(indices))
@@ -245,7 +245,7 @@ class ReplicaSampler(DistributedSampler[T]):
         return count // self.num_replicas if self.drop_last else math.ceil(count / self.num_replicas)
 
     def _size(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(cast(Sized, self.dataset))  # DistributedSampler takes a dataset with a length
 
 
 class ReplicaLoader(DataLoader[T]):
@@ -258,18 +258,18 @@ class ReplicaLoader(DataLoader[T]):
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, **options)
         sampler._counted = True
 
-    def __iter__(self) -> Iterator[T]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[T]:  # type: ignore[override]  # a counting iterator, not torch's own
         sampler = self.sampler
         assert isinstance(sampler, ReplicaSampler)
         return _Counting(super().__iter__(), sampler, self.batch_size or 1)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader stands: its sampler's :meth:`ReplicaSampler.state_dict`."""
-        return self.sampler.state_dict()  # type: ignore[attr-defined, no-any-return]
+        return cast(ReplicaSampler[Any], self.sampler).state_dict()  # __init__ takes a ReplicaSampler only
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from a :meth:`state_dict` (see :meth:`ReplicaSampler.load_state_dict`)."""
-        self.sampler.load_state_dict(state)  # type: ignore[attr-defined]
+        cast(ReplicaSampler[Any], self.sampler).load_state_dict(state)
 
 
 class _Counting:
@@ -301,7 +301,7 @@ class _Counting:
         return batch
 
     def __len__(self) -> int:
-        return len(self._inner)  # type: ignore[arg-type]
+        return len(self._inner)  # type: ignore[arg-type]  # a DataLoader's iterator, which has a length
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

@@ -13,13 +13,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from collections.abc import Callable
 
 #: Bytes freed between two trims.
 TRIM_EVERY = 256 * 2**20
 
 
 @functools.cache
-def _malloc_trim() -> object | None:
+def _malloc_trim() -> Callable[[int], object] | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         return libc.malloc_trim
@@ -45,4 +46,4 @@ class FreedMemory:
         self.pending = 0
         trim = _malloc_trim()
         if trim is not None:
-            trim(0)  # type: ignore[operator]
+            trim(0)

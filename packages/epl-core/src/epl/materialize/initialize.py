@@ -103,7 +103,7 @@ def _run(
         for _, module in reversed(unit.modules):
             owner = owners.get(id(module))
             if owner is not None:
-                owner._init_weights(module)  # type: ignore[operator]
+                owner._init_weights(module)  # type: ignore[operator]  # a transformers PreTrainedModel's method
     return {key: value.detach() for key, value in fresh.items()}
 
 
@@ -133,11 +133,11 @@ def _in_slots(
     current = {id(m): (m, m._modules) for _, m in unit.modules}
     for module, _ in current.values():
         module._modules = dict(unit.children[id(module)])
-    now: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor | None]] = []
+    now: list[tuple[dict[str, Any], str, torch.Tensor | None]] = []
     for module, attr, _, tensor in slots:
-        store = module._parameters if attr in module._parameters else module._buffers
-        now.append((store, attr, store.get(attr, _ABSENT)))  # type: ignore[arg-type]
-        store[attr] = fresh[id(tensor)]  # type: ignore[assignment]
+        store: dict[str, Any] = module._parameters if attr in module._parameters else module._buffers
+        now.append((store, attr, store.get(attr, _ABSENT)))
+        store[attr] = fresh[id(tensor)]
     try:
         yield
     finally:
@@ -145,7 +145,7 @@ def _in_slots(
             if held is _ABSENT:
                 del store[attr]
             else:
-                store[attr] = held  # type: ignore[assignment]
+                store[attr] = held
         for module, children in current.values():
             module._modules = children
 

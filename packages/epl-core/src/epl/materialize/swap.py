@@ -30,7 +30,7 @@ def swap_values(tensor: torch.Tensor, value: torch.Tensor) -> None:
     torch.utils.swap_tensors(tensor, new)
     # The hook dictionaries come along as attributes, but autograd no longer calls them: set them anew.
     tensor._backward_hooks = None
-    tensor._post_accumulate_grad_hooks = None
+    tensor._post_accumulate_grad_hooks = None  # type: ignore[assignment]  # torch's own "no hooks" (stub: a dict)
     for hook in hooks:
         tensor.register_hook(hook)
     for hook in accumulate_hooks:

@@ -91,7 +91,7 @@ class TaskGraphSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TaskGraphSpec:
         """Rebuild a spec from ``dataclasses.asdict`` output."""
-        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
         fields["shards"] = tuple(tuple(ShardRow.from_dict(row) for row in held) for held in data.get("shards", ()))
         return cls(**fields)
 

@@ -427,11 +427,11 @@ class _Holdings:
             except EplError:
                 raise  # the run would fail the same way (a module no rule covers, sizes that do not divide)
             except Exception as exc:  # noqa: BLE001 - a rule that needs the devices: estimate along dimension 0
-                note = (
+                why = (
                     f"{taskgraph.name}: parameters sharded along dimension 0 as an estimate "
                     f"(its split rules could not run without the devices: {exc})"
                 )
-                self._shard_cache[index, position] = self._along_dim0(taskgraph, position, count), note
+                self._shard_cache[index, position] = self._along_dim0(taskgraph, position, count), why
         shards, note = self._shard_cache[index, position]
         if note:
             notes.append(note)

@@ -113,7 +113,7 @@ def tensor_parallel_all_reduces(shape: ModelShape, layout: Layout) -> float:
     blocks = math.ceil(shape.layers / layout.pipeline)
     full = layout.gradient_checkpoint == "full"
     per_block = 6 if full else 4  # recomputing a block repeats its forward's 2
-    outside = 2 if layout.pipeline == 1 else 1  # the embedding on the first stage, the head's input on the last
+    outside: float = 2 if layout.pipeline == 1 else 1  # the embedding on the first stage, the head's input on the last
     if layout.sequence_parallel:
         per_block += 0 if full else 1  # the saved inputs gathered again (2 all-gathers)
         outside += 1 if layout.pipeline == 1 else 0.5  # the cut's and the final gather's all-gathers

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from epl.config import Config
 from epl.errors import EplError
 from epl.interfaces.facts import MemoryTechniques, PipelineChoices
 from epl.placement.plan import Plan
-from epl.planner.layout import EPL_SCHEDULES, Layout
+from epl.planner.layout import EPL_SCHEDULES, Checkpointing, Layout, Schedule, ZeroLevel
 from epl.plugins.facts import config_facts
 
 #: epl-pipeline's schedule names (``pipeline.strategy``) -> the planner's: the one table read backwards.
-PLANNER_SCHEDULES = {strategy: schedule for schedule, strategy in EPL_SCHEDULES.items()}
+PLANNER_SCHEDULES: dict[str, Schedule] = {strategy: schedule for schedule, strategy in EPL_SCHEDULES.items()}
 
 
 def layout_of(plan: Plan, config: Config, global_batch: int) -> Layout:
@@ -26,8 +28,8 @@ def layout_of(plan: Plan, config: Config, global_batch: int) -> Layout:
             f"{micro_batches} micro-batches: give a multiple of {data * micro_batches}."
         )
     memory = config_facts(config, MemoryTechniques)
-    zero = memory.zero or "none"
-    checkpoint = "full" if memory.recompute == "auto" else "none"
+    zero = cast(ZeroLevel, memory.zero or "none")  # Layout refuses a level it does not know
+    checkpoint: Checkpointing = "full" if memory.recompute == "auto" else "none"
     schedule = PLANNER_SCHEDULES.get(config_facts(config, PipelineChoices).schedule, "1F1B")
     return Layout(
         data=data,
@@ -36,8 +38,8 @@ def layout_of(plan: Plan, config: Config, global_batch: int) -> Layout:
         micro_batches=micro_batches,
         micro_batch_size=global_batch // (data * micro_batches),
         zero=zero,
-        gradient_checkpoint=checkpoint,  # type: ignore[arg-type]
-        schedule=schedule,  # type: ignore[arg-type]
+        gradient_checkpoint=checkpoint,
+        schedule=schedule,
         virtual_stages=plan.stages_per_rank,
         sequence_parallel=bool(config.get("split.sequence_parallel", False)) and tensor > 1,
         context=context,

@@ -15,7 +15,7 @@ SCHEDULES: tuple[Schedule, ...] = ("GPipe", "1F1B", "interleaved", "ZeroBubble")
 ZERO_LEVELS: tuple[ZeroLevel, ...] = ("none", "v0", "v1", "v2")
 #: The planner's schedule names (the literature's) -> EPL's ``pipeline.strategy`` names (the manual's); the only
 #: table between the two (docs/architecture.md's glossary).
-EPL_SCHEDULES: dict[str, str] = {
+EPL_SCHEDULES: dict[Schedule, str] = {
     "GPipe": "PreferForward", "1F1B": "PreferBackward", "ZeroBubble": "ZeroBubble", "interleaved": "Interleaved1F1B",
 }  # fmt: skip
 

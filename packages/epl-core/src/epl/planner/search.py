@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from epl.planner.devices import DeviceProfile
 from epl.planner.estimate import Estimate, estimate
-from epl.planner.layout import Layout, Workload
+from epl.planner.layout import Checkpointing, Layout, Schedule, Workload, ZeroLevel
 from epl.planner.shape import ModelShape
 
 
@@ -61,15 +61,17 @@ def layouts(shape: ModelShape, workload: Workload, world_size: int) -> list[Layo
                     m = replica_batch // b
                     if p > 1 and m < p:
                         continue
-                    schedules = ("1F1B", "interleaved", "ZeroBubble") if p > 1 else ("1F1B",)
+                    schedules: tuple[Schedule, ...] = ("1F1B", "interleaved", "ZeroBubble") if p > 1 else ("1F1B",)
                     for schedule in schedules:
                         virtual = 2 if schedule == "interleaved" else 1
                         if shape.layers < p * virtual:
                             continue
-                        for zero in ("none", "v0", "v1", "v2") if d * c > 1 else ("none",):
-                            for checkpoint in ("none", "full"):
+                        zeros: tuple[ZeroLevel, ...] = ("none", "v0", "v1", "v2") if d * c > 1 else ("none",)
+                        for zero in zeros:
+                            checkpoints: tuple[Checkpointing, ...] = ("none", "full")
+                            for checkpoint in checkpoints:
                                 for sequence_parallel in sequence_choices:
-                                    found.append(Layout(d, t, p, m, b, zero, checkpoint, schedule, virtual,  # type: ignore[arg-type]
+                                    found.append(Layout(d, t, p, m, b, zero, checkpoint, schedule, virtual,
                                                         sequence_parallel=sequence_parallel, context=c))  # fmt: skip
     return found
 

@@ -8,7 +8,7 @@ hooks lives in an instance of its own class, :meth:`ParallelContext.state`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 LossFn = Callable[..., torch.Tensor]
 State = TypeVar("State")
 Fact = TypeVar("Fact")
+#: A tensor type (``nn.Parameter``, say): :meth:`ParallelContext.copies_of_tensors` groups what it is given.
+TensorT = TypeVar("TensorT", bound=torch.Tensor)
 
 
 class Registries(Protocol):
@@ -59,7 +61,7 @@ def facts_of(config: Config, kind: type[Fact], registries: Registries) -> Fact:
     ``kind()``, its defaults, when that plugin is not installed. The records are built once per Config."""
     built = config.derived("facts", lambda: registries.config_facts(config))
     record = built.get(kind)
-    return kind() if record is None else record  # type: ignore[no-any-return]
+    return kind() if record is None else record
 
 
 @dataclass(kw_only=True)
@@ -131,7 +133,8 @@ class ParallelContext:
         """
         if kind not in self._states:
             self._states[kind] = kind()
-        return self._states[kind]  # type: ignore[no-any-return]
+        state: State = self._states[kind]  # made by kind()
+        return state
 
     def facts(self, kind: type[Fact]) -> Fact:
         """The typed record ``kind`` (``epl.interfaces.facts``) its owning plugin built from :attr:`config`, or its
@@ -149,7 +152,7 @@ class ParallelContext:
         return self._copy_communicators
 
     def agree_with_first_copy(
-        self, tensors: list[torch.Tensor], communicator_of: Callable[[Copies], Communicator] | None = None
+        self, tensors: Sequence[torch.Tensor], communicator_of: Callable[[Copies], Communicator] | None = None
     ) -> None:
         """Copy the first copy's values of ``tensors`` into every other copy: one broadcast per group of copies (and
         dtype), over ``communicator_of(copies)`` (default: :meth:`copy_communicators`'). A collective of every copy.
@@ -159,7 +162,7 @@ class ParallelContext:
                 communicator = communicator_of(copies) if communicator_of else self.copy_communicators()[copies.devices]
                 broadcast_tensors(members, communicator)
 
-    def copies_of_tensors(self, tensors: list[torch.Tensor]) -> dict[Copies, list[torch.Tensor]]:
+    def copies_of_tensors(self, tensors: Sequence[TensorT]) -> dict[Copies, list[TensorT]]:
         """``tensors`` of this rank's model, grouped by their copies.
 
         A tensor is found in the TaskGraph that captured it, or among those a split
@@ -172,7 +175,7 @@ class ParallelContext:
         owner.update(self.split_tensors)
         holders = self.tensor_holders()
         default = (plan.taskgraphs_on(rank)[0], False)
-        grouped: dict[Copies, list[torch.Tensor]] = {}
+        grouped: dict[Copies, list[TensorT]] = {}
         for tensor in tensors:
             owners = tuple(sorted(holders.get(id(tensor), ())))
             taskgraph, sharded = owner.get(id(tensor), default)

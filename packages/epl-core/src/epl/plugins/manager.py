@@ -9,7 +9,7 @@ import importlib.metadata
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import pluggy
 
@@ -50,7 +50,17 @@ CORE_PLUGIN_NAME = "epl-core"
 #: entry point would be, so that the plugin layer does not import the built-ins it registers.
 CORE_PLUGIN_MODULE = "epl.builtin.plugin"
 
-T = TypeVar("T")
+
+class _Phased(Protocol):
+    """A model transform or an optimizer wrapper: something run in the order of its phase (an IntEnum)."""
+
+    @property
+    def phase(self) -> int:
+        """When it runs, by the phases of :mod:`epl.interfaces.phases`."""
+        ...
+
+
+T = TypeVar("T", bound=_Phased)
 
 
 @dataclass(frozen=True)
@@ -166,7 +176,8 @@ class EplPluginManager:
             key=lambda impl: impl.plugin_name != CORE_PLUGIN_NAME,
         )
         for impl in impls:
-            for key in impl.function() or ():
+            returned = cast("Iterable[object] | None", impl.function())  # pluggy types it as object
+            for key in returned or ():
                 if not isinstance(key, ConfigKey):
                     raise PluginError(
                         f"Plugin {impl.plugin_name!r} returned {key!r} from epl_config_keys; "
@@ -195,7 +206,7 @@ class EplPluginManager:
 
     def make_communicator(self, cluster: Cluster, config: Config) -> Communicator:
         """The communicator for ``cluster`` (``epl_make_communicator``)."""
-        communicator = self._pm.hook.epl_make_communicator(cluster=cluster, config=config)
+        communicator: Communicator | None = self._pm.hook.epl_make_communicator(cluster=cluster, config=config)
         if communicator is None:
             raise MissingPluginError(
                 f"No installed plugin can join {cluster.world_size} processes: the core only runs "
@@ -223,15 +234,17 @@ class EplPluginManager:
 
     def make_gradient_reducer(self, context: ParallelContext) -> GradientReducer | None:
         """What reduces gradients over parameter copies, or None (``epl_make_gradient_reducer``)."""
-        return self._pm.hook.epl_make_gradient_reducer(context=context)
+        reducer: GradientReducer | None = self._pm.hook.epl_make_gradient_reducer(context=context)
+        return reducer
 
     def make_loss_scaler(self, context: ParallelContext) -> LossScaler | None:
         """What scales the loss and skips non-finite steps (AMP), or None (``epl_make_loss_scaler``)."""
-        return self._pm.hook.epl_make_loss_scaler(context=context)
+        scaler: LossScaler | None = self._pm.hook.epl_make_loss_scaler(context=context)
+        return scaler
 
     def make_step_runner(self, context: ParallelContext) -> StepRunner:
         """What ``Engine.step`` runs on this rank (``epl_make_step_runner``)."""
-        runner = self._pm.hook.epl_make_step_runner(context=context)
+        runner: StepRunner | None = self._pm.hook.epl_make_step_runner(context=context)
         if runner is None:
             raise MissingPluginError(
                 f"No installed plugin can run a plan with {context.plan.num_stages} pipeline stages. "
@@ -242,9 +255,10 @@ class EplPluginManager:
 
     def estimate_shards(self, model: nn.Module, taskgraphs: list[TaskGraph], plan: Plan) -> ShardShapes | None:
         """What each device of the split ``taskgraphs`` would hold (``epl_estimate_shards``), or None."""
-        return self._pm.hook.epl_estimate_shards(
+        shapes: ShardShapes | None = self._pm.hook.epl_estimate_shards(
             model=model, taskgraphs=taskgraphs, plan=plan, split_rules=self.split_rules()
         )
+        return shapes
 
     def adjust_memory_estimate(self, estimate: MemoryEstimate, context: MemoryEstimateContext) -> MemoryEstimate:
         """``estimate`` after every plugin's ``epl_adjust_memory_estimate``, applied in turn."""
@@ -307,4 +321,4 @@ def _by_phase(results: Iterable[Iterable[T] | None], phases: type[TransformPhase
                 f"{getattr(item, 'phase', None)!r}); give it a phase = epl.plugin_api.{phases.__name__}.<one of "
                 f"{', '.join(phases.__members__)}>."
             )
-    return sorted(items, key=lambda item: (item.phase, str(getattr(item, "name", ""))))  # type: ignore[attr-defined]
+    return sorted(items, key=lambda item: (item.phase, str(getattr(item, "name", ""))))

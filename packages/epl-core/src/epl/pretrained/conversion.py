@@ -63,8 +63,10 @@ class Converted:
             return None
         return {p: [n for a, b in rows for n in names[a:b]] for p, names in self.sources.items()}
 
-    def _run(self, target: str, collected: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+    def _run(self, target: str, sources: dict[str, list[torch.Tensor]]) -> torch.Tensor:
         converter = self.converter
+        # Lists of tensors in; the operations' results (annotated as lists by transformers) are tensors.
+        collected: dict[str, Any] = sources
         try:
             with torch.no_grad():
                 for operation in converter.operations:

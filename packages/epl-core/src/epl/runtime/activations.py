@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import cast
 
 import torch
 
@@ -69,7 +70,7 @@ class SavedActivations:
     @staticmethod
     def _unpack(saved: object) -> torch.Tensor:
         """The saved tensor (autograd may unpack the same wrapper several times)."""
-        return saved.tensor if isinstance(saved, _Saved) else saved  # type: ignore[return-value]
+        return saved.tensor if isinstance(saved, _Saved) else cast(torch.Tensor, saved)  # what _pack returned
 
     def _release(self, key: int, nbytes: int) -> None:
         """Autograd dropped one saved reference to storage ``key``; the last one frees its bytes."""

@@ -26,8 +26,9 @@ def _rebuild(batch: Any, change: Callable[[Any], Any]) -> Any:
         return type(batch)(change(item) for item in batch)
     if isinstance(batch, Mapping):
         items = {key: change(value) for key, value in batch.items()}
+        rebuilt: Callable[[dict[Any, Any]], Any] = type(batch)  # a Mapping subclass built from a dict (or not)
         try:
-            return type(batch)(items)
+            return rebuilt(items)
         except TypeError:
             return items
     return batch

@@ -109,7 +109,8 @@ def _await_verdict(store: Any, prefix: str, what: str, world_size: int, timeout:
         if not late:
             return f"{what}: rank 0 reached the call but gave no verdict within {limit:.0f} s; it may be stuck."
         return _late(what, late, store, limit)
-    return store.get(f"{prefix}/verdict").decode()
+    verdict: bytes = store.get(f"{prefix}/verdict")
+    return verdict.decode()
 
 
 def _wait(

@@ -34,6 +34,9 @@ from epl.torch_private import foreach_norm
 __all__ = ["NonFiniteCheck", "NonFiniteVerdict", "StepOutcome", "nonfinite_gradients"]
 
 if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+    from epl.plugins.capabilities import FoldingLossScaler
     from epl.plugins.context import LossScaler, ParallelContext
 
 
@@ -117,7 +120,7 @@ class NonFiniteCheck:
         gradients: list[torch.Tensor] = []
         folded = loss_scaler if _folds(loss_scaler) else None
         if folded is not None:
-            gradients.append(folded.found_nonfinite(params))  # type: ignore[attr-defined]
+            gradients.append(folded.found_nonfinite(params))
         elif loss_scaler is not None:
             scaler_skipped = not loss_scaler.update(params)
         if grad_norm is not None:
@@ -137,7 +140,7 @@ class NonFiniteCheck:
             scaler_skipped=scaler_skipped,
         )
         if folded is not None:
-            folded.record(not outcome.gradient_ranks)  # type: ignore[attr-defined]
+            folded.record(not outcome.gradient_ranks)
         self.last = outcome
         return outcome
 
@@ -152,7 +155,7 @@ class NonFiniteCheck:
         collective, except on a skip, where every rank gathers whose loss was not finite so the warning names them."""
         scaler_skipped = False
         if _folds(loss_scaler):
-            loss_scaler.found_nonfinite(params)  # type: ignore[union-attr]  # unscales; the verdict covers its find
+            loss_scaler.found_nonfinite(params)  # unscales; the verdict covers its find
         elif loss_scaler is not None:
             scaler_skipped = not loss_scaler.update(params)
         found = bool(verdict.found.item() > 0)
@@ -170,7 +173,7 @@ class NonFiniteCheck:
             averaged_gradients=found and not loss_ranks,
         )
         if _folds(loss_scaler):
-            loss_scaler.record(not found)  # type: ignore[union-attr]
+            loss_scaler.record(not found)
         self.last = outcome
         return outcome
 
@@ -211,7 +214,7 @@ def nonfinite_gradients(params: Iterable[nn.Parameter], device: torch.device) ->
     return found.to(torch.float32)
 
 
-def _folds(scaler: Any) -> bool:
+def _folds(scaler: Any) -> TypeIs[FoldingLossScaler]:
     """Whether ``scaler`` hands its local finding to this check (``found_nonfinite``) and takes the verdict
     (``record``), instead of deciding with a collective of its own."""
     from epl.plugins.capabilities import FoldingLossScaler

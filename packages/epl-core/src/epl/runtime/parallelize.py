@@ -180,7 +180,8 @@ def _streams(model: nn.Module, planning: bool) -> bool:
 
 def _to_device(model: nn.Module, device: torch.device) -> nn.Module:
     """``model`` on ``device``; tensors on ``meta`` stay there until :mod:`epl.materialize` gives them values."""
-    return model._apply(lambda t: t if t.is_meta else t.to(device))
+    moved: nn.Module = model._apply(lambda t: t if t.is_meta else t.to(device))  # returns the module itself
+    return moved
 
 
 def _require_values(model: nn.Module) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from epl.errors import EplError
 from epl.sharding.data_shards import is_dtensor
 from epl.sharding.parameters import ShardSpec, gather_split, shard_spec
 from epl.torch_private import dtensor_like
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -121,18 +125,18 @@ def placed_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return local
     from torch.distributed.tensor import DTensor
 
-    own = like.to_local()  # type: ignore[attr-defined]
+    own = like.to_local()
     if tuple(local.shape) != tuple(own.shape):
         raise EplError(f"A value of shape {list(local.shape)} where this rank holds {list(own.shape)}.")
     local = local.to(dtype=own.dtype, device=local.device if own.is_meta else own.device)
-    if not local.is_meta and local.device.type != like.device_mesh.device_type:  # type: ignore[attr-defined]
+    if not local.is_meta and local.device.type != like.device_mesh.device_type:
         # a chunk in host memory on a GPU's mesh (offload): from_local would move it to the GPU (as FSDP2 builds
         # its host chunks: with the constructor, which keeps it where it is)
         return dtensor_like(local, like)
     return DTensor.from_local(
         local,
-        like.device_mesh,  # type: ignore[attr-defined]
-        like.placements,  # type: ignore[attr-defined]
+        like.device_mesh,
+        like.placements,
         run_check=False,
         shape=like.shape,
         stride=like.stride(),
@@ -142,7 +146,7 @@ def placed_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def whole_of(tensor: torch.Tensor, *, like: torch.Tensor | None = None) -> torch.Tensor:
     """The logical tensor, gathered whole: a collective over the ``DTensor``'s mesh, then over the split group
     (every rank holding part of it calls it). Transient memory: this one tensor."""
-    value = tensor.full_tensor() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+    value = tensor.full_tensor() if is_dtensor(tensor) else tensor
     return gather_split(value, _spec_of(tensor, like))
 
 
@@ -157,30 +161,30 @@ def _spec_of(tensor: torch.Tensor, like: torch.Tensor | None) -> ShardSpec | Non
     return shard_spec(like)
 
 
-def _dtensor_box(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _dtensor_box(tensor: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The offsets and sizes of the rectangle a ``DTensor``'s local tensor holds of its global tensor (torch.chunk's
     rule per ``Shard`` mesh dim, in mesh order; ``Replicate`` holds all)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    mesh = tensor.device_mesh  # type: ignore[attr-defined]
+    mesh = tensor.device_mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise EplError(f"This rank is not in the mesh of a DTensor of shape {list(tensor.shape)}.")
     offsets, sizes = [0] * tensor.dim(), list(tensor.shape)
-    for axis, placement in enumerate(tensor.placements):  # type: ignore[attr-defined]
+    for axis, placement in enumerate(tensor.placements):
         if isinstance(placement, Replicate):
             continue
         if type(placement) is not Shard:  # _StridedShard, Partial: not a layout EPL makes
-            raise EplError(f"A DTensor placed {tensor.placements} has no rectangle EPL can read or write.")  # type: ignore[attr-defined]
+            raise EplError(f"A DTensor placed {tensor.placements} has no rectangle EPL can read or write.")
         dim, count = placement.dim, mesh.size(axis)
         step = -(-sizes[dim] // count)
         first = min(coordinate[axis] * step, sizes[dim])
         offsets[dim] += first
         sizes[dim] = min(sizes[dim], first + step) - first
-    local = tuple(tensor.to_local().shape)  # type: ignore[attr-defined]
+    local = tuple(tensor.to_local().shape)
     if local != tuple(sizes):
         raise EplError(
-            f"A DTensor of shape {list(tensor.shape)} placed {tensor.placements} holds {list(local)} here, not the "  # type: ignore[attr-defined]
+            f"A DTensor of shape {list(tensor.shape)} placed {tensor.placements} holds {list(local)} here, not the "
             f"{sizes} of torch.chunk's rule."
         )
     return tuple(offsets), tuple(sizes)

@@ -29,12 +29,27 @@ of a whole parameter that each device applies to its shard of an activation.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 
 from epl.interfaces.communicator import ReduceOp
 from epl.interfaces.shard_group import ShardGroup
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _eager(function: _F) -> _F:
+    """``torch.compiler.disable(function)``, keeping its type (torch's decorator has none): ``function`` runs as it
+    is under torch.compile, a break in the compiled graph."""
+    return cast(_F, torch.compiler.disable(function))
+
+
+def _applied(function: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
+    """``function.apply(*args)``, the one tensor an autograd Function of this module returns."""
+    output: torch.Tensor = function.apply(*args)
+    return output
 
 
 def _all_reduce(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
@@ -196,54 +211,54 @@ def _exchange(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     return output
 
 
-@torch.compiler.disable
+@_eager
 def copy_to_shards(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward (the input of column-parallel layers)."""
-    return _CopyToShards.apply(tensor, group)
+    return _applied(_CopyToShards, tensor, group)
 
 
-@torch.compiler.disable
+@_eager
 def reduce_from_shards(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     """All-reduce (sum) forward; identity backward (the output of row-parallel layers)."""
-    return _ReduceFromShards.apply(tensor, group)
+    return _applied(_ReduceFromShards, tensor, group)
 
 
-@torch.compiler.disable
+@_eager
 def gather_from_shards(tensor: torch.Tensor, group: ShardGroup, dim: int, sizes: list[int]) -> torch.Tensor:
     """All-gather every shard's piece along ``dim`` (piece lengths ``sizes``); backward keeps this shard's slice."""
-    return _GatherFromShards.apply(tensor, group, dim, sizes)
+    return _applied(_GatherFromShards, tensor, group, dim, sizes)
 
 
-@torch.compiler.disable
+@_eager
 def split_to_shards(tensor: torch.Tensor, group: ShardGroup, dim: int, sizes: list[int]) -> torch.Tensor:
     """This shard's slice along ``dim`` (lengths ``sizes``); backward all-gathers the gradient."""
-    return _SplitToShards.apply(tensor, group, dim, sizes)
+    return _applied(_SplitToShards, tensor, group, dim, sizes)
 
 
-@torch.compiler.disable
+@_eager
 def gather_rows(tensor: torch.Tensor, group: ShardGroup, dim: int = 0) -> torch.Tensor:
     """Every device's rows (along ``dim``, dimension 0 by default), in device order; backward reduce-scatters
     (sums) the gradient."""
-    return _GatherRows.apply(tensor, group, dim)
+    return _applied(_GatherRows, tensor, group, dim)
 
 
-@torch.compiler.disable
+@_eager
 def scatter_rows(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     """This device's rows of ``tensor`` (identical on every device); backward all-gathers the gradient."""
-    return _ScatterRows.apply(tensor, group)
+    return _applied(_ScatterRows, tensor, group)
 
 
-@torch.compiler.disable
+@_eager
 def reduce_scatter_rows(tensor: torch.Tensor, group: ShardGroup, dim: int = 0) -> torch.Tensor:
     """Sum the devices' partial ``tensor`` and keep this device's rows (along ``dim``); backward all-gathers the
     gradient."""
-    return _ReduceScatterRows.apply(tensor, group, dim)
+    return _applied(_ReduceScatterRows, tensor, group, dim)
 
 
-@torch.compiler.disable
+@_eager
 def all_to_all(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     """Send chunk j of dimension 0 to device j and receive device j's chunk into chunk j; backward sends back."""
-    return _AllToAll.apply(tensor, group)
+    return _applied(_AllToAll, tensor, group)
 
 
 def sum_gradient_over_shards(parameter: torch.Tensor, group: ShardGroup) -> None:

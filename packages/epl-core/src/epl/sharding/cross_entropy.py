@@ -24,7 +24,7 @@ class _ShardedCrossEntropy(torch.autograd.Function):
     """Per-row loss from class-sharded logits [N, C_shard] and targets [N] (global class ids)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: ShardGroup, start: int, ignore_index: int
     ) -> torch.Tensor:
         communicator = group.communicator

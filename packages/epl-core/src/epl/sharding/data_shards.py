@@ -11,11 +11,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from epl.interfaces.communicator import Communicator
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from typing_extensions import TypeIs
 
 _MARK = "_epl_data_shards"
 
@@ -40,7 +46,7 @@ def data_shards(tensor: torch.Tensor) -> DataShards | None:
     return getattr(tensor, _MARK, None)
 
 
-def is_dtensor(tensor: object) -> bool:
+def is_dtensor(tensor: object) -> TypeIs[DTensor]:
     """Whether ``tensor`` is a ``DTensor`` (a chunk of a tensor sharded over a device mesh)."""
     try:
         from torch.distributed.tensor import DTensor
@@ -51,10 +57,10 @@ def is_dtensor(tensor: object) -> bool:
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """What this rank holds of ``tensor``: a DTensor's local chunk (a view; no collective), else ``tensor``."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined,no-any-return]
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
-def sharded_modules(model: nn.Module) -> list[nn.Module]:
+def sharded_modules(model: nn.Module) -> list[FSDPModule]:
     """The modules of ``model`` that FSDP2's ``fully_shard`` manages, outermost first."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -120,7 +126,7 @@ def reduce_at_last_micro_batch(module: nn.Module) -> None:
     ``set_requires_gradient_sync``)."""
 
     def reduce_if_last(index: int, count: int) -> None:
-        module.set_requires_gradient_sync(index == count - 1, recurse=False)  # type: ignore[operator]
+        module.set_requires_gradient_sync(index == count - 1, recurse=False)  # type: ignore[operator]  # an FSDPModule
 
     listen_to_micro_batches(module, reduce_if_last)
 
@@ -135,9 +141,9 @@ def gathered(model: nn.Module) -> Iterator[None]:
     """
     modules = sharded_modules(model)
     for module in modules:
-        module.unshard()  # type: ignore[operator]
+        module.unshard()
     try:
         yield
     finally:
         for module in reversed(modules):
-            module.reshard()  # type: ignore[operator]
+            module.reshard()

@@ -27,7 +27,11 @@ from torch.overrides import TorchFunctionMode
 WeightLayout = Literal["out_in", "in_out"]
 
 _MATMULS: set[Callable[..., Any]] = {torch.addmm, torch.matmul, torch.mm, torch.Tensor.__matmul__, torch.Tensor.matmul}
-_TRANSPOSES: set[Callable[..., Any]] = {torch.Tensor.T.__get__, torch.Tensor.t, torch.t}  # type: ignore[attr-defined]
+_TRANSPOSES: set[Callable[..., Any]] = {
+    torch.Tensor.T.__get__,  # type: ignore[attr-defined]  # the property's getter (typed as what it returns)
+    torch.Tensor.t,
+    torch.t,
+}
 
 
 @dataclass

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -28,6 +28,12 @@ class ExpertParallelExperts(nn.Module):
     Without it, every device has the same tokens, runs its experts on them, and
     the results are all-gathered.
     """
+
+    #: This device's experts' weights, stacked by expert (set in ``__init__`` by name).
+    w_in: nn.Parameter
+    b_in: nn.Parameter
+    w_out: nn.Parameter
+    b_out: nn.Parameter
 
     def __init__(self, experts: Experts, shard: ShardContext) -> None:
         super().__init__()
@@ -106,7 +112,7 @@ def _expert_parallel_forward(
     self: nn.Module, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """Every token's weighted sum over its experts, like the unsplit module (see :func:`shard_stacked_experts`)."""
-    held: ExpertRange = self._epl_experts
+    held = cast(ExpertRange, self._epl_experts)
     group = held.group
     if group.batch_split:
         tokens, top_k_index = C.gather_rows(tokens, group), C.gather_rows(top_k_index, group)
@@ -116,21 +122,26 @@ def _expert_parallel_forward(
     local = top_k_index - held.first
     mine = (local >= 0) & (local < held.count)
     local = local.masked_fill(~mine, held.count)
-    original = type(self).__mro__[1].forward
+    original = cast(type[nn.Module], type(self).__mro__[1]).forward
     partial = original(self, tokens, local, top_k_weights.masked_fill(~mine, 0.0))
     return C.reduce_scatter_rows(partial, group) if group.batch_split else C.reduce_from_shards(partial, group)
 
 
 def _extra_repr(self: nn.Module) -> str:
-    held: ExpertRange = self._epl_experts
+    held = cast(ExpertRange, self._epl_experts)
     return f"experts {held.first}..{held.first + held.count - 1} of {held.total} (expert parallel)"
 
 
-@functools.cache
+#: One expert-parallel class per fused experts class (so that two modules of one class share it).
+_EXPERT_PARALLEL_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+
+
 def _expert_parallel_class(cls: type[nn.Module]) -> type[nn.Module]:
     """``cls`` with its forward wrapped for expert parallelism (parameter names stay those of ``cls``)."""
-    methods = {"forward": _expert_parallel_forward, "extra_repr": _extra_repr}
-    return type(f"ExpertParallel{cls.__name__}", (cls,), methods)
+    if cls not in _EXPERT_PARALLEL_CLASSES:
+        methods = {"forward": _expert_parallel_forward, "extra_repr": _extra_repr}
+        _EXPERT_PARALLEL_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), methods)
+    return _EXPERT_PARALLEL_CLASSES[cls]
 
 
 def _positional(function: Callable[..., object]) -> list[str]:
@@ -175,7 +186,9 @@ def shard_stacked_experts(module: nn.Module, shard: ShardContext) -> nn.Module:
     for name, param in module.named_parameters(recurse=False):
         setattr(local, name, sharded_parameter(param, group=shard.group, dim=0))
     if hasattr(local, "_is_expert_parallel"):
-        local._is_expert_parallel = True  # transformers' kernels then mask the routes to other devices' experts
-    local._epl_experts = ExpertRange(shard.group, shard.index * local_count, local_count, count)
+        # transformers' kernels then mask the routes to other devices' experts
+        local._is_expert_parallel = True  # type: ignore[assignment]  # Module.__setattr__ takes any value
+    held = ExpertRange(shard.group, shard.index * local_count, local_count, count)
+    local._epl_experts = held  # type: ignore[assignment]  # Module.__setattr__ takes any value
     local.__class__ = _expert_parallel_class(type(module))
     return local

@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -103,8 +103,8 @@ def decide_layout(
             if sequence_parallel:
                 from epl.sharding.sequence import prove_token_wise
 
-                roles = {role: {n for n, d in decisions.items() if d.role == role} for role in ("row", "column")}
-                prove_token_wise(flow, model, roles["row"], roles["column"])
+                by_role = {role: {n for n, d in decisions.items() if d.role == role} for role in ("row", "column")}
+                prove_token_wise(flow, model, by_role["row"], by_role["column"])
             reasons = {**dict.fromkeys(subclassed - linears, "its forward adds work to the product"), **pairing.reasons}
             return SplitLayout(decisions, dict(pairing.partial_gradients), reasons, frozenset(subclassed & linears))
     if sequence_parallel:
@@ -152,7 +152,7 @@ def unify_tied(layout: SplitLayout, groups: list[set[str]]) -> SplitLayout:
 def _from_pairing(pairing: Pairing, linears: set[str], embeddings: set[str], has_loss: bool) -> dict[str, Decision]:
     decisions: dict[str, Decision] = {}
     for name in linears:
-        layout: WeightLayout = pairing.weight_layouts.get(name, "out_in")  # type: ignore[assignment]
+        layout = pairing.weight_layouts.get(name, "out_in")
         if name in pairing.columns:
             facts = pairing.columns[name]
             decisions[name] = Decision("column", facts.parts, facts.granule, layout, frozenset(facts.fixups))
@@ -187,7 +187,7 @@ ELEMENTWISE_MODULES: tuple[type[nn.Module], ...] = (
     nn.Dropout,
     nn.Identity,
 )
-ELEMENTWISE_FUNCTIONS = {
+ELEMENTWISE_FUNCTIONS: set[Callable[..., Any]] = {
     torch.relu,
     torch.tanh,
     torch.sigmoid,
@@ -267,7 +267,7 @@ def _trace(model: nn.Module, linears: set[str]) -> torch.fx.Graph:
 
 def _pair_end(node: torch.fx.Node, modules: dict[str, nn.Module], linears: set[str]) -> str | None:
     """The split Linear that ``node``'s output reaches through single-use elementwise operations."""
-    first = modules[node.target]
+    first = modules[str(node.target)]  # a call_module node's target is the module's name
     current = node
     while len(current.users) == 1:
         (user,) = current.users
@@ -285,7 +285,7 @@ def _pair_end(node: torch.fx.Node, modules: dict[str, nn.Module], linears: set[s
 
 def _elementwise(node: torch.fx.Node, modules: dict[str, nn.Module]) -> bool:
     if node.op == "call_module":
-        return type(modules[node.target]) in ELEMENTWISE_MODULES  # a subclass may do more
+        return type(modules[str(node.target)]) in ELEMENTWISE_MODULES  # a subclass may do more
     if node.op == "call_function":
         return node.target in ELEMENTWISE_FUNCTIONS
     return node.op == "call_method" and node.target in ELEMENTWISE_METHODS

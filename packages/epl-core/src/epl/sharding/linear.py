@@ -8,6 +8,7 @@ keeps the original orientation, so checkpoints keep the names and shapes of the 
 from __future__ import annotations
 
 import weakref
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -21,10 +22,19 @@ from epl.sharding.logits import mark_sharded_logits
 from epl.sharding.parameters import sharded_parameter
 
 
+def _weight(module: nn.Module) -> torch.Tensor:
+    """The ``weight`` of a linear-like module (a parameter; ``Module.__getattr__`` is typed as any member)."""
+    return cast(torch.Tensor, module.weight)
+
+
 def _features(module: nn.Module, shard: ShardContext) -> tuple[int, int]:
     """(in, out) features of a linear-like module."""
-    weight = module.weight
-    return (weight.shape[1], weight.shape[0]) if shard.weight_layout == "out_in" else tuple(weight.shape)
+    weight = _weight(module)
+    return (
+        (weight.shape[1], weight.shape[0])
+        if shard.weight_layout == "out_in"
+        else cast(tuple[int, int], tuple(weight.shape))
+    )
 
 
 @torch.compiler.disable  # a cache of weak references: run as it is under torch.compile
@@ -67,7 +77,7 @@ class ColumnParallelLinear(nn.Module):
         _check_divides(shard, part, "output features")
         self.sizes = self.group.sizes(part)
         dim = 0 if shard.weight_layout == "out_in" else 1
-        self.weight = sharded_parameter(linear.weight, group=self.group, dim=dim, parts=shard.parts)
+        self.weight = sharded_parameter(_weight(linear), group=self.group, dim=dim, parts=shard.parts)
         bias = getattr(linear, "bias", None)
         self.bias = sharded_parameter(bias, group=self.group, dim=0, parts=shard.parts) if bias is not None else None
 
@@ -118,7 +128,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = _features(linear, shard)
         self.group.require(self.in_features, f"{shard.name}: the input features of the linear layer")
         dim = 1 if shard.weight_layout == "out_in" else 0
-        self.weight = sharded_parameter(linear.weight, group=self.group, dim=dim)
+        self.weight = sharded_parameter(_weight(linear), group=self.group, dim=dim)
         bias = getattr(linear, "bias", None)
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad) if bias is not None else None
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from epl.sharding.dataflow import Dataflow, ModuleCall, Op, tensors_in
+from epl.sharding.dataflow import Dataflow, ModuleCall, Op, WeightLayout, tensors_in
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,10 @@ class Sharded:
     sources: frozenset[str]
     dim: int
     granule: Fraction | int = 1
+
+
+#: A tensor an operation made, with where its shard lies: (sharded dimension, granule).
+_Placed = tuple[torch.Tensor, tuple[int, Fraction | int]]
 
 
 @dataclass
@@ -73,7 +77,7 @@ class Pairing:
     #: Candidates whose input derives from the model's inputs (token embeddings, unlike position embeddings).
     input_fed: set[str] = field(default_factory=set)
     #: Linear-like candidates and how they hold their weights.
-    weight_layouts: dict[str, str] = field(default_factory=dict)
+    weight_layouts: dict[str, WeightLayout] = field(default_factory=dict)
     #: Why a candidate's region did not pair (for messages).
     reasons: dict[str, str] = field(default_factory=dict)
     #: Parameters used whole on the sharded activations of paired regions -> those regions' columns: each
@@ -104,7 +108,7 @@ class _Analysis:
         self.linear: set[str] = set()
         self.derived: set[int] = {id(t) for t in flow.inputs}
         self.input_fed: set[str] = set()
-        self.weight_layouts: dict[str, str] = {}
+        self.weight_layouts: dict[str, WeightLayout] = {}
         #: Why each rejected column's region ended (for ``epl plan`` and error messages).
         self.reasons: dict[str, str] = {}
         #: id(tensor) -> the parameter it is, or was made from alone (``w.float()``, ``1 + w``).
@@ -251,9 +255,7 @@ def _name(func: Any) -> str:
     return getattr(func, "__name__", "") or ""
 
 
-def _propagate_checked(
-    op: Op, layout: dict[int, Sharded], facts: dict[str, ColumnFacts]
-) -> list[tuple[torch.Tensor, tuple[int, int]]]:
+def _propagate_checked(op: Op, layout: dict[int, Sharded], facts: dict[str, ColumnFacts]) -> list[_Placed]:
     """:func:`_propagate`, with any failure to follow the operation (shapes it does not expect) a rejection."""
     try:
         return _propagate(op, layout, facts)
@@ -263,9 +265,7 @@ def _propagate_checked(
         raise _Rejected(f"{_name(op.func)} cannot be followed ({type(error).__name__})") from error
 
 
-def _propagate(
-    op: Op, layout: dict[int, Sharded], facts: dict[str, ColumnFacts]
-) -> list[tuple[torch.Tensor, tuple[int, int]]]:
+def _propagate(op: Op, layout: dict[int, Sharded], facts: dict[str, ColumnFacts]) -> list[_Placed]:
     """(output tensor, (sharded dim, granule)) for each tensor ``op`` made; raises _Rejected."""
     name = _name(op.func)
     outputs = list(tensors_in(op.result))
@@ -353,7 +353,9 @@ def _moved(ndim: int, op: Op, dim: int) -> int:
     return order.index(dim)
 
 
-def _reshaped(before: torch.Size, after: torch.Size, dim: int, granule: int) -> tuple[int, int]:
+def _reshaped(
+    before: Sequence[int], after: Sequence[int], dim: int, granule: Fraction | int
+) -> tuple[int, Fraction | int]:
     """Where dimension ``dim`` of ``before`` goes in ``after``: it may be split (outer part sharded) or merged."""
     before, after = list(before), list(after)
     i = j = 0
@@ -450,7 +452,7 @@ def _positions(item: Any) -> bool:
 
 def _split(
     op: Op, here: Sharded, first: torch.Tensor, outputs: list[torch.Tensor], facts: dict[str, ColumnFacts]
-) -> list[tuple[torch.Tensor, tuple[int, int]]]:
+) -> list[_Placed]:
     name = _name(op.func)
     if name == "unbind":
         raise _Rejected("unbind")
@@ -489,9 +491,7 @@ def _after_reduction(first: torch.Tensor, out: torch.Tensor, dim: int, dims: set
     return dim - sum(1 for d in dims if d < dim)
 
 
-def _broadcast(
-    op: Op, layout: dict[int, Sharded], outputs: list[torch.Tensor]
-) -> list[tuple[torch.Tensor, tuple[int, int]]]:
+def _broadcast(op: Op, layout: dict[int, Sharded], outputs: list[torch.Tensor]) -> list[_Placed]:
     """An elementwise operation: outputs have the broadcast shape; whole operands broadcast over the shard."""
     inputs = list(tensors_in((op.args, op.kwargs)))
     if not outputs:
@@ -512,12 +512,12 @@ def _broadcast(
     return [(out, (rank + offset, granule)) for out in outputs]
 
 
-def _batched(op: Op, layout: dict[int, Sharded], outputs: list[torch.Tensor]) -> list[tuple[torch.Tensor, tuple]]:
+def _batched(op: Op, layout: dict[int, Sharded], outputs: list[torch.Tensor]) -> list[_Placed]:
     """A batched matrix product: the sharded dimension must be a batch dimension of every sharded operand."""
     a, b = (t for t in list(tensors_in(op.args))[:2])
     out = outputs[0]
     offsets = set()
-    granule = 1
+    granule: Fraction | int = 1
     for tensor in (a, b):
         if id(tensor) in layout:
             found = layout[id(tensor)]
@@ -534,7 +534,7 @@ def _batched(op: Op, layout: dict[int, Sharded], outputs: list[torch.Tensor]) ->
     return [(out, (out.dim() + offset, granule))]
 
 
-def _attention(op: Op, layout: dict[int, Sharded], outputs: list[torch.Tensor]) -> list[tuple[torch.Tensor, tuple]]:
+def _attention(op: Op, layout: dict[int, Sharded], outputs: list[torch.Tensor]) -> list[_Placed]:
     """``scaled_dot_product_attention``: heads (dimension -3) sharded on q, k and v; a mask broadcast over them."""
     q, k, v = (op.args + tuple(op.kwargs[n] for n in ("query", "key", "value") if n in op.kwargs))[:3]
     granules = set()
@@ -550,9 +550,7 @@ def _attention(op: Op, layout: dict[int, Sharded], outputs: list[torch.Tensor]) 
     return [(out, (out.dim() - 3, max(granules)))]
 
 
-def _concatenate(
-    op: Op, layout: dict[int, Sharded], outputs: list[torch.Tensor], *, stack: bool
-) -> list[tuple[torch.Tensor, tuple]]:
+def _concatenate(op: Op, layout: dict[int, Sharded], outputs: list[torch.Tensor], *, stack: bool) -> list[_Placed]:
     tensors = list(tensors_in(op.args[0] if op.args else op.kwargs["tensors"]))
     if any(id(t) not in layout for t in tensors):
         raise _Rejected("concatenation of sharded and whole tensors")

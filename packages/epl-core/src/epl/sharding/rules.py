@@ -13,6 +13,9 @@ A module of a type no rule names is judged by the tensors it holds itself:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import cast
+
 from torch import nn
 
 from epl.interfaces.split_rule import ShardContext, SplitRule
@@ -34,24 +37,25 @@ def shard_linear_like(module: nn.Module, shard: ShardContext) -> nn.Module:
     return module
 
 
-#: Module type -> rule. The most specific class in a module's MRO wins.
+#: Module type -> rule. The most specific class in a module's MRO wins. A rule is only called on modules of its key's
+#: type, so the rules taking one type of module (not any ``nn.Module``) are cast to :class:`SplitRule`.
 BUILTIN_RULES: dict[type[nn.Module], SplitRule] = {
     nn.Linear: shard_linear,
-    nn.Embedding: shard_embedding,
-    Experts: shard_experts,
+    nn.Embedding: cast(SplitRule, shard_embedding),
+    Experts: cast(SplitRule, shard_experts),
     nn.LayerNorm: keep_whole,
     nn.RMSNorm: keep_whole,
     nn.GroupNorm: keep_whole,
 }
 
 
-def rule_for(module: nn.Module, rules: dict[type[nn.Module], SplitRule]) -> SplitRule | None:
+def rule_for(module: nn.Module, rules: Mapping[type[nn.Module], SplitRule]) -> SplitRule | None:
     """The rule registered for the most specific class of ``module``, or None."""
     base = registered_class(module, rules)
     return None if base is None else rules[base]
 
 
-def registered_class(module: nn.Module, rules: dict[type[nn.Module], SplitRule]) -> type[nn.Module] | None:
+def registered_class(module: nn.Module, rules: Mapping[type[nn.Module], SplitRule]) -> type[nn.Module] | None:
     """The most specific class of ``module`` that ``rules`` name, or None."""
     return next((cls for cls in type(module).__mro__ if cls in rules), None)
 

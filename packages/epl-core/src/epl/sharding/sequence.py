@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -115,7 +115,7 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm | nn.RMSNorm) or type(module).__name__.endswith(("Norm", "RMSNorm"))
 
 
-def _stack_of(model: nn.Module, rows: list[nn.Module]) -> nn.ModuleList:
+def _stack_of(model: nn.Module, rows: Sequence[nn.Module]) -> nn.ModuleList:
     """The ``ModuleList`` whose items hold every row layer of the group."""
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) > 0:
@@ -128,7 +128,7 @@ def _stack_of(model: nn.Module, rows: list[nn.Module]) -> nn.ModuleList:
     )
 
 
-def _parents(model: nn.Module, rows: list[nn.Module]) -> list[nn.Module]:
+def _parents(model: nn.Module, rows: Sequence[nn.Module]) -> list[nn.Module]:
     wanted = {id(row) for row in rows}
     return [module for module in model.modules() if any(id(child) in wanted for child in module.children())]
 

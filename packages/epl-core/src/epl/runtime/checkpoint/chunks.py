@@ -33,15 +33,17 @@ class Rectangles(torch.Tensor):
         device = blocks[0][1].device if blocks else torch.device("cpu")
         made = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device)
         made.blocks = [(tuple(offsets), value) for offsets, value in blocks]
-        return made  # type: ignore[no-any-return]
+        return made
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # a classmethod, as torch's subclasses have it
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         if func is torch.ops.aten.detach.default:  # DCP detaches what it is given
             return args[0]
         raise NotImplementedError(f"Rectangles of a checkpoint support no {func}.")
 
-    def __repr__(self) -> str:  # type: ignore[override]
+    def __repr__(self) -> str:  # type: ignore[override]  # Tensor's takes tensor_contents=, unused here
         shown = ", ".join(f"{list(offsets)}+{list(value.shape)}" for offsets, value in self.blocks)
         return f"Rectangles({list(self.shape)}, {self.dtype}, [{shown}])"
 

@@ -33,7 +33,7 @@ import pickle
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import xxhash
@@ -275,7 +275,8 @@ class _ChecksummingStream(io.IOBase):
     it (``torch.save`` loses it: a full disk reached it as "unexpected pos 704 vs 598")."""
 
     def __init__(self, raw: Any, path: str | os.PathLike[str] = "") -> None:
-        self.raw, self.hasher, self.size, self.sequential = raw, xxhash.xxh3_64(), 0, True
+        self.raw: BinaryIO = raw  # the file DCP's FileSystem opened (binary, for writing)
+        self.hasher, self.size, self.sequential = xxhash.xxh3_64(), 0, True
         self.path = str(path)
         #: The first OSError of a write, with the file's path (None: none).
         self.error: OSError | None = None

@@ -422,7 +422,8 @@ def _restore_optimizer(
 
 
 def _dtype(metadata: Any) -> torch.dtype:
-    return metadata.properties.dtype
+    dtype: torch.dtype = metadata.properties.dtype
+    return dtype
 
 
 def read_model_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
