@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.utils._pytree as pytree
@@ -15,13 +15,13 @@ from epl.plugin_api import (
     Action,
     ActionKind,
     BatchError,
-    Communicator,
     EplError,
     ForwardContext,
     GradientReducer,
     LossFn,
     LossScaler,
     NonFiniteCheck,
+    ParallelContext,
     Schedule,
     Work,
     batch_size,
@@ -40,23 +40,9 @@ from epl_pipeline.program import StageProgram
 from epl_pipeline.resharding import Boundary, ReshardingChannel
 from epl_pipeline.schedules import Event, micro_batch_order
 from epl_pipeline.split_backward import PendingWeights, backward, backward_input, backward_weight
+from epl_pipeline.topology import PipelineTopology, StageLink
 
 I, W = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT  # noqa: E741
-
-
-@dataclass(frozen=True)
-class Link:
-    """The way to a neighbouring stage's device: a communicator, and that device's member index in it; and the
-    communicator over the same ranks that carries the gradients going the other way, when not the same one."""
-
-    communicator: Communicator
-    peer: int
-    gradients: Communicator | None = None
-
-
-#: The way to a neighbouring stage: one device (stages that run the micro-batch alike), or the devices that
-#: hold this device's rows (stages that share it out differently).
-StageLink = Link | Boundary
 
 
 class _StageChannels:
@@ -103,12 +89,10 @@ class _InFlight:
 class PipelineStepRunner:
     """Runs this rank's stages of one replica batch by the schedule's actions.
 
-    A rank runs one stage, or several (``pipeline.stages_per_rank``: interleaved pipelines);
-    ``links`` gives each of its stages the way to its previous and next stage's devices.
-    ``shares`` gives each stage that shares every micro-batch out over its devices
-    (``replicate(k)``) this device's part: (index, count); its loss is then weighted by
-    ``loss_share`` in the replica's mean, and ``predict`` joins the parts over ``last_stage``;
-    every micro-batch's rows must be a multiple of ``rows_multiple`` (every stage's parts divide it).
+    Where this rank's stages stand (their links to the neighbouring stages' devices, the groups
+    it meets in, its part of each micro-batch and of the replica's loss) is its ``topology``
+    (:class:`~epl_pipeline.topology.PipelineTopology`); every micro-batch's rows must be a
+    multiple of its ``rows_multiple``, and ``predict`` joins the last stage's parts.
 
     Each stage forward and the last stage's loss run inside ``forward_contexts`` (e.g.
     AMP's autocast), the backward outside them. With a ``loss_scaler`` the last stage
@@ -117,8 +101,8 @@ class PipelineStepRunner:
     or gradients that are not finite (``nonfinite``, the core's ``NonFiniteCheck``; the loss
     scaler's check folded in).
     With ``max_grad_norm`` the gradients are clipped by their 2-norm over every stage of the
-    replica (``stage_peers``: the devices at this position of every stage) and every shard;
-    a weight tied between stages (each holds a copy) is counted once, by its first stage.
+    replica (the topology's ``stage_peers``) and every shard; a weight tied between stages
+    (each holds a copy) is counted once, by its first stage.
     """
 
     def __init__(
@@ -129,41 +113,27 @@ class PipelineStepRunner:
         loss_fn: LossFn | None,
         program: StageProgram,
         schedule: Schedule,
-        links: dict[int, tuple[StageLink | None, StageLink | None]],
+        topology: PipelineTopology,
         num_micro_batch: int,
-        replica: Communicator,
-        loss_share: float,
-        device: torch.device,
         gradient_reducer: GradientReducer | None,
         loss_scaler: LossScaler | None = None,
         forward_contexts: Sequence[ForwardContext] = (),
         max_grad_norm: float | None = None,
-        stage_peers: Communicator | None = None,
-        counted_elsewhere: frozenset[int] = frozenset(),
         clip_after_reduction: bool = False,
-        shares: dict[int, tuple[int, int]] | None = None,
-        last_stage: Communicator | None = None,
-        stage_copies: int = 1,
-        rows_multiple: int = 1,
         nonfinite: NonFiniteCheck | None = None,
     ) -> None:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.program, self.num_micro_batch = program, num_micro_batch
+        self.topology = topology
         #: This rank's stages, in order (the first is its place along the pipeline, its lane in ``schedule``).
-        self.stages = sorted(links)
+        self.stages = list(topology.stages)
         #: The ranks along the pipeline (the schedule's lanes; each runs one or more stages).
         self.lanes = len(schedule)
         self.actions = schedule[self.stages[0]]
         self._actions = [action for action in self.actions if action is not None]
-        #: This device's share of the replica's loss: 1/parts on one device of each part of the last stage.
-        self.replica, self.loss_share = replica, loss_share
-        self.shares = {stage: (shares or {}).get(stage, (0, 1)) for stage in self.stages}
-        self.last_stage = last_stage
-        #: Every micro-batch's rows must share out over each stage of the pipeline: a multiple of this.
-        self.rows_multiple = rows_multiple
-        self.device, self.gradient_reducer = device, gradient_reducer
+        self.device, self.gradient_reducer = topology.device, gradient_reducer
         self.loss_scaler, self.forward_contexts = loss_scaler, list(forward_contexts)
-        self.channels = {stage: _StageChannels(stage, *links[stage], device) for stage in self.stages}
+        self.channels = {stage: _StageChannels(stage, *topology.links[stage], self.device) for stage in self.stages}
         #: Stages without a previous stage whose W's run in the order of their I's: their I's compute and send
         #: nothing, so their W's receive the gradients (in the order the I's would have).
         self._whole_at_weight = {
@@ -184,9 +154,7 @@ class PipelineStepRunner:
         self.peak_in_flight = 0
         self._started = 0.0  # when the running action's inputs had arrived
         self._following: Action | None = None  # the action after the running one, whose inputs are received ahead
-        self.max_grad_norm, self.stage_peers, self.stage_copies = max_grad_norm, stage_peers, stage_copies
-        #: ids of parameters tied to an earlier stage's (that stage counts them in the norm).
-        self.counted_elsewhere = counted_elsewhere
+        self.max_grad_norm = max_grad_norm
         #: Clip after the gradient reduction whatever the config says: a tied weight's gradient is whole only
         #: once reduced between its stages.
         self.clip_after_reduction = clip_after_reduction
@@ -197,6 +165,27 @@ class PipelineStepRunner:
         self.nonfinite = nonfinite
         #: This rank's micro-batch losses of the step (the last stage's; None elsewhere), for ``nonfinite``.
         self._own_losses: torch.Tensor | None = None
+
+    @classmethod
+    def from_context(cls, context: ParallelContext, program: StageProgram, schedule: Schedule) -> Self:
+        """The runner of ``program`` by ``schedule`` for the model, optimizer and loss of ``context``, over this rank's
+        :class:`~epl_pipeline.topology.PipelineTopology` (made here: a collective of every rank)."""
+        return cls(
+            model=context.model,
+            optimizer=context.optimizer,
+            loss_fn=context.loss_fn,
+            program=program,
+            schedule=schedule,
+            topology=PipelineTopology.from_context(context, schedule),
+            num_micro_batch=context.plan.num_micro_batch,
+            gradient_reducer=context.gradient_reducer,
+            loss_scaler=context.loss_scaler,
+            forward_contexts=context.forward_contexts,
+            max_grad_norm=context.config["optimizer.max_grad_norm"],
+            # a tied weight's copies, and ZeRO's gradients (reduced in the backward), are whole only once reduced
+            clip_after_reduction=bool(context.plan.shared) or bool(context.reduced_in_backward),
+            nonfinite=NonFiniteCheck.from_context(context),
+        )
 
     @property
     def grad_norm(self) -> float | None:
@@ -211,9 +200,9 @@ class PipelineStepRunner:
         self._grad_norm = clip_grad_norm(
             self._params,
             self.max_grad_norm,
-            self.stage_peers,
-            self.counted_elsewhere,
-            self.stage_copies,
+            self.topology.stage_peers,
+            self.topology.counted_elsewhere,
+            self.topology.stage_copies,
             device=self.device,
         ).detach()
 
@@ -289,21 +278,21 @@ class PipelineStepRunner:
         """
         results, pieces = self._forward_only(inputs, targets, call="engine.evaluate")
         loss = torch.zeros((), dtype=torch.float64, device=self.device)  # every member's on the replica's device
-        if self.last and self.loss_share and results:
-            _, parts = self.shares[self.stages[-1]]
+        if self.last and self.topology.loss_share and results:
+            _, parts = self.topology.shares[self.stages[-1]]
             rows = torch.tensor([real for _, real in results], dtype=torch.float64, device=self.device)
             losses = torch.stack([value for value, _ in results]).to(torch.float64)
-            loss = (losses * rows).sum() * (parts / pieces.total) * self.loss_share
-        self.replica.all_reduce(loss).wait()
+            loss = (losses * rows).sum() * (parts / pieces.total) * self.topology.loss_share
+        self.topology.replica.all_reduce(loss).wait()
         return loss
 
     def _replica_loss(self, losses: list[torch.Tensor]) -> tuple[Work, torch.Tensor]:
         """Start summing the mean of the last stage's micro-batch ``losses`` over its parts, on every stage of the
         replica: the all-reduce, and the tensor that holds the replica's loss once it completes."""
         loss = torch.zeros((), dtype=torch.float64, device=self.device)  # every member's on the replica's device
-        if self.last and self.loss_share:
-            loss = torch.stack(losses).mean().to(torch.float64) * self.loss_share
-        return self.replica.all_reduce(loss), loss
+        if self.last and self.topology.loss_share:
+            loss = torch.stack(losses).mean().to(torch.float64) * self.topology.loss_share
+        return self.topology.replica.all_reduce(loss), loss
 
     def _start_replica_loss(self, losses: list[torch.Tensor]) -> None:
         """Start the step's loss all-reduce over the replica, which :meth:`step` waits for when it returns.
@@ -319,11 +308,11 @@ class PipelineStepRunner:
     def _micro_batches(self, inputs: Any, targets: Any) -> list[tuple[Any, Any]]:
         """``inputs`` and ``targets`` on this device, cut into micro-batches whose rows share out over every stage."""
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
-        size, multiple = batch_size(inputs), self.num_micro_batch * self.rows_multiple
+        size, multiple = batch_size(inputs), self.num_micro_batch * self.topology.rows_multiple
         if size is not None and size % multiple:
             shared = (
-                f" that each share out over the pipeline's replicate stages ({self.rows_multiple} equal parts)"
-                if self.rows_multiple > 1
+                f" that each share out over the pipeline's replicate stages ({self.topology.rows_multiple} equal parts)"
+                if self.topology.rows_multiple > 1
                 else ""
             )
             raise BatchError(
@@ -336,7 +325,7 @@ class PipelineStepRunner:
 
     def _own_part(self, stage: int, values: Any) -> Any:
         """This device's part of one micro-batch's ``values`` on ``stage`` (all of them unless it shares them out)."""
-        index, count = self.shares[stage]
+        index, count = self.topology.shares[stage]
         if count == 1 or values is None:
             return values
         return split_batch(values, count, what=f"pipeline stage {stage}")[index]
@@ -360,17 +349,17 @@ class PipelineStepRunner:
 
     def _whole_micro_batch(self, output: Any) -> Any:
         """The last stage's output of a whole micro-batch: its parts gathered from the devices that share it out."""
-        _, count = self.shares[self.stages[-1]]
+        _, count = self.topology.shares[self.stages[-1]]
         if count == 1:
             return output
-        assert self.last_stage is not None, "a last stage that shares micro-batches out has its group"
+        assert self.topology.last_stage is not None, "a last stage that shares micro-batches out has its group"
         leaves, structure = pytree.tree_flatten(output)
         rows = batch_size([leaf for leaf in leaves if isinstance(leaf, torch.Tensor)])
         whole = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == rows:
-                gathered = leaf.new_empty((rows * self.last_stage.world_size, *leaf.shape[1:]))
-                self.last_stage.all_gather(gathered, leaf.contiguous()).wait()
+                gathered = leaf.new_empty((rows * self.topology.last_stage.world_size, *leaf.shape[1:]))
+                self.topology.last_stage.all_gather(gathered, leaf.contiguous()).wait()
                 leaf = gathered
             whole.append(leaf)
         return pytree.tree_unflatten(whole, structure)
@@ -383,7 +372,7 @@ class PipelineStepRunner:
         with_loss = call == "engine.evaluate"
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         own_loss = with_loss and self.loss_fn is None and targets is None
-        pieces = cut(inputs, targets, self.num_micro_batch, self.rows_multiple, call=call, own_loss=own_loss)
+        pieces = cut(inputs, targets, self.num_micro_batch, self.topology.rows_multiple, call=call, own_loss=own_loss)
         for channels in self.channels.values():
             channels.begin(training=False)  # a batch of another size than the last call's is described again
         results = []
@@ -411,7 +400,7 @@ class PipelineStepRunner:
     def _rows_on(self, stage: int, rows: int, real: int) -> tuple[int, int]:
         """This device's rows of a micro-batch of ``rows`` on ``stage``, and how many of them are not padding (the
         micro-batch's first ``real`` rows are the batch's)."""
-        index, count = self.shares[stage]
+        index, count = self.topology.shares[stage]
         own = rows // count
         return own, min(max(real - index * own, 0), own)
 
@@ -427,7 +416,7 @@ class PipelineStepRunner:
                     f"pipeline.num_micro_batch={self.num_micro_batch} micro-batches, so its last micro-batch is "
                     f"padded; the model's output ({type(output).__name__}) holds no tensor with a row per sample, so "
                     "EPL cannot leave the padding rows out before loss_fn. Pass a batch size that is a multiple of "
-                    f"{self.num_micro_batch * self.rows_multiple}."
+                    f"{self.num_micro_batch * self.topology.rows_multiple}."
                 )
         return self._loss(output, targets)
 
