@@ -23,6 +23,7 @@ from epl.plugin_api import (
     NonFiniteCheck,
     ParallelContext,
     Schedule,
+    StepUpdate,
     Work,
     batch_size,
     clip_grad_norm,
@@ -31,7 +32,6 @@ from epl.plugin_api import (
     micro_batches,
     split_batch,
     step_end_listeners,
-    step_or_skip,
     to_device,
 )
 from epl_pipeline.channel import Channel
@@ -95,11 +95,9 @@ class PipelineStepRunner:
     multiple of its ``rows_multiple``, and ``predict`` joins the last stage's parts.
 
     Each stage forward and the last stage's loss run inside ``forward_contexts`` (e.g.
-    AMP's autocast), the backward outside them. With a ``loss_scaler`` the last stage
-    scales each micro-batch's loss before its backward; after the reduction the gradients
-    are unscaled. The update is skipped on every rank when any rank of the job found a loss
-    or gradients that are not finite (``nonfinite``, the core's ``NonFiniteCheck``; the loss
-    scaler's check folded in).
+    AMP's autocast), the backward outside them. What comes around the actions (the gradient
+    reducer, clipping, AMP's loss scale, the update or its skip on every rank: ``nonfinite``)
+    is :attr:`step_update`'s, in the order the core's ``StepUpdate`` gives every runner.
     With ``max_grad_norm`` the gradients are clipped by their 2-norm over every stage of the
     replica (the topology's ``stage_peers``) and every shard; a weight tied between stages
     (each holds a copy) is counted once, by its first stage.
@@ -133,6 +131,10 @@ class PipelineStepRunner:
         self._actions = [action for action in self.actions if action is not None]
         self.device, self.gradient_reducer = topology.device, gradient_reducer
         self.loss_scaler, self.forward_contexts = loss_scaler, list(forward_contexts)
+        self.max_grad_norm = max_grad_norm
+        #: Clip after the gradient reduction whatever the config says: a tied weight's gradient is whole only
+        #: once reduced between its stages.
+        self.clip_after_reduction = clip_after_reduction
         self.channels = {stage: _StageChannels(stage, *topology.links[stage], self.device) for stage in self.stages}
         #: Stages without a previous stage whose W's run in the order of their I's: their I's compute and send
         #: nothing, so their W's receive the gradients (in the order the I's would have).
@@ -144,21 +146,26 @@ class PipelineStepRunner:
         }
         self._in_flight: dict[tuple[int, int], _InFlight] = {}  # by (stage, micro-batch)
         self._losses: dict[int, torch.Tensor] = {}
-        self._params = [p for p in model.parameters() if p.requires_grad]
-        #: What is told once the step's last action has run, before the gradients are reduced (ZeRO under a
-        #: zero-bubble schedule reduces its stages' gradients there; see ``listen_to_step_ends``).
-        self._step_ends = step_end_listeners(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self._params = params
+        #: What comes around the actions of a step, in every runner's order. Its step-end listeners are told once
+        #: the step's last action has run, before the gradients are reduced (ZeRO under a zero-bubble schedule
+        #: reduces its stages' gradients there; see ``listen_to_step_ends``). The gradient reducer never decides
+        #: non-finite steps here: it covers one stage's copies, and the loss is the last stage's alone.
+        self.step_update = StepUpdate(
+            params=lambda: params,
+            gradient_reducer=gradient_reducer,
+            loss_scaler=loss_scaler,
+            clip_norm=None if max_grad_norm is None else lambda: _clip(params, max_grad_norm, topology),
+            clip_after_reduction=clip_after_reduction,
+            step_ends=step_end_listeners(model),
+        )
         #: The actions of the last step with their start (after their inputs arrived) and end (``time.time``).
         self.last_timeline: list[Event] = []
         #: Most micro-batches whose activations this stage held at once, in the last step.
         self.peak_in_flight = 0
         self._started = 0.0  # when the running action's inputs had arrived
         self._following: Action | None = None  # the action after the running one, whose inputs are received ahead
-        self.max_grad_norm = max_grad_norm
-        #: Clip after the gradient reduction whatever the config says: a tied weight's gradient is whole only
-        #: once reduced between its stages.
-        self.clip_after_reduction = clip_after_reduction
-        self._grad_norm: torch.Tensor | None = None
         #: The step's loss all-reduce over the replica, once started, and the tensor it fills.
         self._loss_sum: tuple[Work, torch.Tensor] | None = None
         #: Decides with every rank whether each step's update is applied (None: the loss scaler alone decides).
@@ -190,21 +197,12 @@ class PipelineStepRunner:
     @property
     def grad_norm(self) -> float | None:
         """The last step's gradient 2-norm before clipping, over every stage (None without ``max_grad_norm``)."""
-        return None if self._grad_norm is None else float(self._grad_norm)
+        norm = self.step_update.grad_norm
+        return None if norm is None else float(norm)
 
     def clip_gradients(self) -> None:
         """Scale the gradients so that the 2-norm over every stage and shard is at most ``max_grad_norm``."""
-        assert self.max_grad_norm is not None
-        if self.loss_scaler is not None:
-            self.loss_scaler.unscale(self._params)  # clip the true gradients
-        self._grad_norm = clip_grad_norm(
-            self._params,
-            self.max_grad_norm,
-            self.topology.stage_peers,
-            self.topology.counted_elsewhere,
-            self.topology.stage_copies,
-            device=self.device,
-        ).detach()
+        self.step_update.clip()
 
     @property
     def stage(self) -> int:
@@ -223,11 +221,15 @@ class PipelineStepRunner:
         pieces = self._micro_batches(inputs, targets)
         for channels in self.channels.values():
             channels.begin(training=True)  # a batch of another size than the last step's is described again
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.gradient_reducer is not None:
-            self.gradient_reducer.start()
-        if self.loss_scaler is not None:
-            self.loss_scaler.start()
+        self.step_update.run(self.optimizer, lambda: self._run_actions(pieces), check=self.nonfinite)
+        assert self._loss_sum is not None, "the last stage starts the loss all-reduce after its last loss"
+        (work, loss), self._loss_sum = self._loss_sum, None
+        work.wait()
+        return loss
+
+    def _run_actions(self, pieces: list[tuple[Any, Any]]) -> tuple[None, torch.Tensor | None]:
+        """The step's actions in the schedule's order, timed, and every send waited for; returns this rank's
+        micro-batch losses (the last stage's; None elsewhere) for the check of non-finite steps."""
         timeline, self.peak_in_flight = [], 0
         self._loss_sum = None
         if not self.last:  # adds nothing to the replica's loss: its share of the all-reduce can start now
@@ -243,31 +245,8 @@ class PipelineStepRunner:
         for channels in self.channels.values():
             channels.flush()
         self.last_timeline = timeline
-        for listener in self._step_ends:
-            listener()
-        clip = self.clip_gradients if self.max_grad_norm is not None else None
-        self._grad_norm = None
-        if self.gradient_reducer is not None:
-            self.gradient_reducer.finish(None if self.clip_after_reduction else clip)
-            if self.clip_after_reduction and clip is not None:
-                clip()
-        elif clip is not None:
-            clip()
-        if self.loss_scaler is not None:
-            self.loss_scaler.unscale(self._params)
         own_losses, self._own_losses = self._own_losses, None
-        step_or_skip(
-            self.optimizer,
-            self.loss_scaler,
-            self._params,
-            check=self.nonfinite,
-            loss=own_losses,
-            grad_norm=self._grad_norm,
-        )
-        assert self._loss_sum is not None, "the last stage starts the loss all-reduce after its last loss"
-        (work, loss), self._loss_sum = self._loss_sum, None
-        work.wait()
-        return loss
+        return None, own_losses
 
     @torch.no_grad()
     def evaluate(self, inputs: Any, targets: Any = None) -> torch.Tensor:
@@ -474,9 +453,7 @@ class PipelineStepRunner:
             self._losses[m] = loss.detach()
             if len(self._losses) == self.num_micro_batch:  # the step's last loss: the replica's loss can travel
                 self._start_replica_loss([self._losses[m] for m in range(self.num_micro_batch)])
-            outputs = [loss / self.num_micro_batch]
-            if self.loss_scaler is not None:
-                outputs = [self.loss_scaler.scale_loss(outputs[0])]
+            outputs = [self.step_update.scaled(loss / self.num_micro_batch, check=self.nonfinite)]
         self._in_flight[stage, m] = _InFlight(outputs, received)
 
     def _backward(self, stage: int, m: int, *, split: bool) -> None:
@@ -522,6 +499,19 @@ class PipelineStepRunner:
         if flight.outputs:
             backward(flight.outputs, grads)
         flight.outputs = flight.inputs = []
+
+
+def _clip(params: list[nn.Parameter], max_norm: float, topology: PipelineTopology) -> torch.Tensor:
+    """Scale ``params``' gradients to a 2-norm of at most ``max_norm`` over every stage of the lane and every shard
+    (a weight tied to an earlier stage's counted there); the norm before."""
+    return clip_grad_norm(
+        params,
+        max_norm,
+        topology.stage_peers,
+        topology.counted_elsewhere,
+        topology.stage_copies,
+        device=topology.device,
+    )
 
 
 def _flush(*channels: Channel | None) -> None:

@@ -268,12 +268,10 @@ class CarriesNonFiniteVerdict(Protocol):
 class LossScaler(Protocol):
     """Scales the loss before backward and skips updates whose gradients are not finite (mixed precision).
 
-    In every step the runner calls :meth:`start`, then :meth:`scale_loss` on each
-    micro-batch's loss before its backward, then :meth:`unscale` once the gradients are
-    complete (after the gradient reducer's ``finish``, or just before local clipping when
-    that comes first; a second call in the same step does nothing), then :meth:`update`,
-    and applies the optimizer only when ``update`` returns True. ``update`` may be a
-    collective: every rank of the job calls it once per step.
+    Step runners call it in the order of :class:`epl.runtime.update.StepUpdate` (where each of
+    these calls comes in a step): :meth:`unscale` may come twice in a step (before clipping, and once
+    the gradients are complete), the second call doing nothing; the optimizer is applied only when
+    :meth:`update` returns True. ``update`` may be a collective: every rank of the job calls it once per step.
 
     A scaler may instead offer ``found_nonfinite(params) -> Tensor`` (this rank's finding, above 0 when a
     gradient was not finite; no collective) and ``record(finite: bool) -> bool`` (adjust the scale by every
