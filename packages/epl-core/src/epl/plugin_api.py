@@ -26,6 +26,7 @@ What is here, by what a plugin does with it:
 * the data: :func:`data_position` (where this rank's ``epl.io`` sampler is, for checks across ranks);
 * data parallelism over copies: :class:`Copies`, :func:`copies_of`, :func:`every_copy_group`;
 * pipelines: :class:`Action`, :class:`ActionKind`, :data:`Schedule`, :class:`ScheduleGenerator`,
+  :class:`PipelinePlacement` (what the pipeline plugin tells the others of this rank's stages),
   :class:`TaskGraph`, :func:`replicate` and :func:`split` (to build TaskGraphs of a partition),
   :func:`holders_of`, :class:`Plan`;
 * split rules: :class:`ShardContext`, :class:`ShardGroup`, :data:`ShardRole`, :class:`SplitRule`, and a split
@@ -71,6 +72,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.interfaces.nonfinite_verdict import NonFiniteVerdict
     from epl.interfaces.optimizer_groups import group_options
     from epl.interfaces.phases import TransformPhase, WrapperPhase
+    from epl.interfaces.pipeline_placement import PipelinePlacement
     from epl.interfaces.schedule import Action, ActionKind, Schedule, ScheduleGenerator
     from epl.interfaces.shard_group import ShardGroup, shard_sizes, shard_slice
     from epl.interfaces.slurm import slurm_step
@@ -173,6 +175,7 @@ _EXPORTS: dict[str, str] = {
     "Communication": "epl.interfaces.facts",
     "MemoryTechniques": "epl.interfaces.facts",
     "PipelineChoices": "epl.interfaces.facts",
+    "PipelinePlacement": "epl.interfaces.pipeline_placement",
     "config_facts": "epl.plugins.facts",
     "ChecksNonFiniteSteps": "epl.plugins.capabilities",
     "ClippingRunner": "epl.plugins.capabilities",

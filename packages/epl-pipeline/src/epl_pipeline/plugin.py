@@ -97,13 +97,15 @@ class KeepLocalStage:
         owner = {id(t): tg.index for tg in context.taskgraphs for t in tg.tensors}
         program = stage_program(model, roots, plan.num_stages, owner, context.example_inputs)
         _check_same_call_order(program, context)
-        context.pipeline_stages = local
-        context.stage_modules = tuple(name for name, owner_stage in roots.items() if owner_stage in local)
-        from epl.plugin_api import ActionKind
+        from epl.plugin_api import ActionKind, PipelinePlacement
 
         schedule = _schedule(context, plan.num_stages, plan.num_micro_batch)
         weights = ActionKind.BACKWARD_WEIGHT
-        context.split_backward = any(a is not None and a.kind is weights for lane in schedule for a in lane)
+        context.pipeline = PipelinePlacement(
+            stages=local,
+            stage_modules=tuple(name for name, owner_stage in roots.items() if owner_stage in local),
+            split_backward=any(a is not None and a.kind is weights for lane in schedule for a in lane),
+        )
         state = context.state(PipelineState)
         state.program, state.schedule = program, schedule
         device = context.cluster.device
@@ -153,7 +155,7 @@ def epl_make_step_runner(context: ParallelContext) -> StepRunner | None:
 
     state = context.state(PipelineState)
     program, schedule = state.program, state.schedule
-    assert context.pipeline_stages and program is not None and schedule is not None, (
+    assert context.pipeline.stages and program is not None and schedule is not None, (
         "KeepLocalStage (a model transform) runs first"
     )
     _check_clipping(context)

@@ -77,7 +77,7 @@ class PipelineTopology:
 
         plan, rank = context.plan, context.cluster.rank
         lane = plan.lane_of(rank)
-        local = context.pipeline_stages
+        local = context.pipeline.stages
         stages, shapes = plan.num_stages, stage_shapes(plan)
         world = context.communicator
         # Every device of a lane (a replica without context parallelism): the global gradient norm adds their
