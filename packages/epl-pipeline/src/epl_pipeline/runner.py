@@ -147,7 +147,6 @@ class PipelineStepRunner:
         self._in_flight: dict[tuple[int, int], _InFlight] = {}  # by (stage, micro-batch)
         self._losses: dict[int, torch.Tensor] = {}
         params = [p for p in model.parameters() if p.requires_grad]
-        self._params = params
         #: What comes around the actions of a step, in every runner's order. Its step-end listeners are told once
         #: the step's last action has run, before the gradients are reduced (ZeRO under a zero-bubble schedule
         #: reduces its stages' gradients there; see ``listen_to_step_ends``). The gradient reducer never decides
