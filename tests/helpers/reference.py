@@ -52,7 +52,7 @@ def pipeline_rank_result(engine: Any, losses: list[float], norms: list[float | N
     how many elements it holds, its losses and gradient norms, the whole model's state (a collective: every rank
     calls it), and ``extra``."""
     return {
-        "stage": engine.context.pipeline_stages[0],
+        "stage": engine.context.pipeline.stages[0],
         "replica": engine.replica_index,
         "held": sum(p.numel() for p in engine.parameters()),
         "losses": losses,

@@ -91,7 +91,7 @@ def train_with_epl(config: dict[str, Any], model: nn.Module, rows_per_rank: bool
     state = engine.state_dict(full=True)["model"]  # every rank calls it (ZeRO gathers its chunks)
     return {
         "replica": engine.replica_index,
-        "stage": min(engine.context.pipeline_stages, default=None),
+        "stage": min(engine.context.pipeline.stages, default=None),
         "held": sum(p.numel() for p in engine.parameters()),
         "norms": norms,
         "losses": losses,

@@ -2,7 +2,7 @@
 
 NCCL runs the messages between two ranks on one stream in the order they are posted, so EPL
 sends the gradients going back between stages on a second communicator over the same ranks
-(``epl_pipeline.plugin.gradients_apart``; gloo keeps one). No GPU is needed to check that the
+(``epl_pipeline.topology.gradients_apart``; gloo keeps one). No GPU is needed to check that the
 two communicators carry every message to the right place: each rank here takes the CUDA choice
 on the CPU, and the runs of the plain pipeline tests must still equal one process.
 """
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.multiprocess
 
 def with_gradients_apart(train: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
     """One rank: ``train(*args)`` with gradients on their own communicator; how often the pipeline asked."""
-    import epl_pipeline.plugin as plugin
+    import epl_pipeline.topology as topology
 
     asked: list[str] = []
 
@@ -31,14 +31,14 @@ def with_gradients_apart(train: Callable[..., dict[str, Any]], *args: Any) -> di
         asked.append(str(device))
         return True
 
-    plugin.gradients_apart = apart
+    topology.gradients_apart = apart
     return {**train(*args), "asked": asked}
 
 
 def test_the_cpu_keeps_one_communicator_and_cuda_takes_two() -> None:
     import torch
 
-    from epl_pipeline.plugin import gradients_apart
+    from epl_pipeline.topology import gradients_apart
 
     assert not gradients_apart(torch.device("cpu"))
     assert gradients_apart(torch.device("cuda", 0))

@@ -57,7 +57,7 @@ def train(extra: dict[str, Any]) -> dict[str, Any]:
     x, y = batches(engine.num_replicas)[0]
     prediction = engine.predict(x[share])
     return {
-        "stages": engine.context.pipeline_stages,
+        "stages": engine.context.pipeline.stages,
         "replica": engine.replica_index,
         "losses": losses,
         "norms": norms,

@@ -11,7 +11,8 @@ What is here, by what a plugin does with it:
 * extend ``epl.parallelize``: :class:`ParallelContext` and the protocols hooks return
   (:class:`ModelTransform` with its :class:`TransformPhase`, :class:`OptimizerWrapper` with its
   :class:`WrapperPhase`, :class:`GradientReducer`, :class:`LossScaler`, :class:`StepRunner`),
-  the core's :class:`LocalStepRunner` to build on, and the helpers runners share
+  the core's :class:`LocalStepRunner` to build on, :class:`StepUpdate` (the order of what comes around a runner's
+  forwards and backwards: reduction, clipping, loss scale, update), and the helpers runners share
   (:func:`micro_batches`, :func:`split_batch`, :func:`batch_size`, :func:`to_device`, :func:`as_arguments`,
   :func:`call_model`, :func:`compute_loss`, :func:`example_input`, :func:`tensors_in`, :func:`forked_rng`,
   :func:`shapes_only`, :func:`meta_copy`, :func:`inside`, :func:`step_or_skip` with the
@@ -25,6 +26,7 @@ What is here, by what a plugin does with it:
 * the data: :func:`data_position` (where this rank's ``epl.io`` sampler is, for checks across ranks);
 * data parallelism over copies: :class:`Copies`, :func:`copies_of`, :func:`every_copy_group`;
 * pipelines: :class:`Action`, :class:`ActionKind`, :data:`Schedule`, :class:`ScheduleGenerator`,
+  :class:`PipelinePlacement` (what the pipeline plugin tells the others of this rank's stages),
   :class:`TaskGraph`, :func:`replicate` and :func:`split` (to build TaskGraphs of a partition),
   :func:`holders_of`, :class:`Plan`;
 * split rules: :class:`ShardContext`, :class:`ShardGroup`, :data:`ShardRole`, :class:`SplitRule`, and a split
@@ -48,7 +50,7 @@ from epl.lazy import lazy_exports
 if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keeps them equal to _EXPORTS
     from epl.annotations.strategies import Strategy, replicate, split
     from epl.annotations.taskgraph import TaskGraph, holders_of
-    from epl.builtin.local_runner import ForwardContext, LocalStepRunner, inside, step_or_skip
+    from epl.builtin.local_runner import ForwardContext, LocalStepRunner, inside
     from epl.compiling.blocks import repeated_blocks
     from epl.config import Config
     from epl.errors import (
@@ -70,6 +72,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.interfaces.nonfinite_verdict import NonFiniteVerdict
     from epl.interfaces.optimizer_groups import group_options
     from epl.interfaces.phases import TransformPhase, WrapperPhase
+    from epl.interfaces.pipeline_placement import PipelinePlacement
     from epl.interfaces.schedule import Action, ActionKind, Schedule, ScheduleGenerator
     from epl.interfaces.shard_group import ShardGroup, shard_sizes, shard_slice
     from epl.interfaces.slurm import slurm_step
@@ -106,6 +109,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.runtime.batch import as_arguments, batch_size, call_model, micro_batches, split_batch, to_device
     from epl.runtime.loss import compute_loss
     from epl.runtime.nonfinite import NonFiniteCheck
+    from epl.runtime.update import StepUpdate, step_or_skip
     from epl.sharding.collectives import gradient_summed_over_shards
     from epl.sharding.data_shards import (
         MicroBatchListener,
@@ -154,7 +158,8 @@ _EXPORTS: dict[str, str] = {
     "LocalStepRunner": "epl.builtin.local_runner",
     "ForwardContext": "epl.builtin.local_runner",
     "inside": "epl.builtin.local_runner",
-    "step_or_skip": "epl.builtin.local_runner",
+    "step_or_skip": "epl.runtime.update",
+    "StepUpdate": "epl.runtime.update",
     "NonFiniteCheck": "epl.runtime.nonfinite",
     "NonFiniteVerdict": "epl.interfaces.nonfinite_verdict",
     "micro_batches": "epl.runtime.batch",
@@ -170,6 +175,7 @@ _EXPORTS: dict[str, str] = {
     "Communication": "epl.interfaces.facts",
     "MemoryTechniques": "epl.interfaces.facts",
     "PipelineChoices": "epl.interfaces.facts",
+    "PipelinePlacement": "epl.interfaces.pipeline_placement",
     "config_facts": "epl.plugins.facts",
     "ChecksNonFiniteSteps": "epl.plugins.capabilities",
     "ClippingRunner": "epl.plugins.capabilities",

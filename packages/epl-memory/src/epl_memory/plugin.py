@@ -50,7 +50,7 @@ class GradientCheckpointing:
             return end < 0 or all(index <= end for index in indices)
 
         if config["gradient_checkpoint.type"] == "auto":
-            plan = plan_auto(model, allowed, context.stage_modules)
+            plan = plan_auto(model, allowed, context.pipeline.stage_modules)
         else:
             plan = plan_collection(model, allowed)
         check = GradientCheck() if config["gradient_checkpoint.check_gradients"] else None

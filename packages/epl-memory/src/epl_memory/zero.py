@@ -138,7 +138,7 @@ class ZeroSharding:
         hybrid = HybridGroups.of(context, degree=None if sharding else 1)
         meshes: dict[Any, Any] = {}
         # not under a zero-bubble schedule, whose stages keep the weights through a step (epl_memory.step_end_reduction)
-        split_backward = context.split_backward
+        split_backward = context.pipeline.split_backward
         reshard = drops_weights and not split_backward
         precision = mixed_precision(context)
         home = torch.device("cpu") if offload else None

@@ -39,7 +39,7 @@ def gather_timeline(engine: Any) -> list[Event]:
     runner = _runner(engine)
     if not runner.last_timeline:
         raise EplError("No step has run yet: call engine.step(...) before recording its timeline.")
-    group = runner.stage_peers or runner.replica  # the replica's lane: its stages, once each
+    group = runner.topology.stage_peers  # the replica's lane: its stages, once each
     mine = torch.tensor(
         [
             [e.action.stage, _KINDS.index(e.action.kind), e.action.micro_batch, e.start, e.end]
@@ -78,7 +78,7 @@ def save_timeline(engine: Any, prefix: str | Path, picture: str | None = ".png")
     events = gather_timeline(engine)
     lanes = runner.lanes
     _, idle = bubble(events, lanes)
-    if (runner.stage_peers or runner.replica).rank == 0:
+    if runner.topology.stage_peers.rank == 0:
         prefix.parent.mkdir(parents=True, exist_ok=True)
         prefix.with_suffix(".json").write_text(chrome_trace(events, lanes, unit_seconds=1.0))
         if picture_path is not None:

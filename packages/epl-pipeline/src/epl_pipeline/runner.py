@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.utils._pytree as pytree
@@ -15,14 +15,15 @@ from epl.plugin_api import (
     Action,
     ActionKind,
     BatchError,
-    Communicator,
     EplError,
     ForwardContext,
     GradientReducer,
     LossFn,
     LossScaler,
     NonFiniteCheck,
+    ParallelContext,
     Schedule,
+    StepUpdate,
     Work,
     batch_size,
     clip_grad_norm,
@@ -31,7 +32,6 @@ from epl.plugin_api import (
     micro_batches,
     split_batch,
     step_end_listeners,
-    step_or_skip,
     to_device,
 )
 from epl_pipeline.channel import Channel
@@ -40,23 +40,9 @@ from epl_pipeline.program import StageProgram
 from epl_pipeline.resharding import Boundary, ReshardingChannel
 from epl_pipeline.schedules import Event, micro_batch_order
 from epl_pipeline.split_backward import PendingWeights, backward, backward_input, backward_weight
+from epl_pipeline.topology import PipelineTopology, StageLink
 
 I, W = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT  # noqa: E741
-
-
-@dataclass(frozen=True)
-class Link:
-    """The way to a neighbouring stage's device: a communicator, and that device's member index in it; and the
-    communicator over the same ranks that carries the gradients going the other way, when not the same one."""
-
-    communicator: Communicator
-    peer: int
-    gradients: Communicator | None = None
-
-
-#: The way to a neighbouring stage: one device (stages that run the micro-batch alike), or the devices that
-#: hold this device's rows (stages that share it out differently).
-StageLink = Link | Boundary
 
 
 class _StageChannels:
@@ -103,22 +89,18 @@ class _InFlight:
 class PipelineStepRunner:
     """Runs this rank's stages of one replica batch by the schedule's actions.
 
-    A rank runs one stage, or several (``pipeline.stages_per_rank``: interleaved pipelines);
-    ``links`` gives each of its stages the way to its previous and next stage's devices.
-    ``shares`` gives each stage that shares every micro-batch out over its devices
-    (``replicate(k)``) this device's part: (index, count); its loss is then weighted by
-    ``loss_share`` in the replica's mean, and ``predict`` joins the parts over ``last_stage``;
-    every micro-batch's rows must be a multiple of ``rows_multiple`` (every stage's parts divide it).
+    Where this rank's stages stand (their links to the neighbouring stages' devices, the groups
+    it meets in, its part of each micro-batch and of the replica's loss) is its ``topology``
+    (:class:`~epl_pipeline.topology.PipelineTopology`); every micro-batch's rows must be a
+    multiple of its ``rows_multiple``, and ``predict`` joins the last stage's parts.
 
     Each stage forward and the last stage's loss run inside ``forward_contexts`` (e.g.
-    AMP's autocast), the backward outside them. With a ``loss_scaler`` the last stage
-    scales each micro-batch's loss before its backward; after the reduction the gradients
-    are unscaled. The update is skipped on every rank when any rank of the job found a loss
-    or gradients that are not finite (``nonfinite``, the core's ``NonFiniteCheck``; the loss
-    scaler's check folded in).
+    AMP's autocast), the backward outside them. What comes around the actions (the gradient
+    reducer, clipping, AMP's loss scale, the update or its skip on every rank: ``nonfinite``)
+    is :attr:`step_update`'s, in the order the core's ``StepUpdate`` gives every runner.
     With ``max_grad_norm`` the gradients are clipped by their 2-norm over every stage of the
-    replica (``stage_peers``: the devices at this position of every stage) and every shard;
-    a weight tied between stages (each holds a copy) is counted once, by its first stage.
+    replica (the topology's ``stage_peers``) and every shard; a weight tied between stages
+    (each holds a copy) is counted once, by its first stage.
     """
 
     def __init__(
@@ -129,41 +111,31 @@ class PipelineStepRunner:
         loss_fn: LossFn | None,
         program: StageProgram,
         schedule: Schedule,
-        links: dict[int, tuple[StageLink | None, StageLink | None]],
+        topology: PipelineTopology,
         num_micro_batch: int,
-        replica: Communicator,
-        loss_share: float,
-        device: torch.device,
         gradient_reducer: GradientReducer | None,
         loss_scaler: LossScaler | None = None,
         forward_contexts: Sequence[ForwardContext] = (),
         max_grad_norm: float | None = None,
-        stage_peers: Communicator | None = None,
-        counted_elsewhere: frozenset[int] = frozenset(),
         clip_after_reduction: bool = False,
-        shares: dict[int, tuple[int, int]] | None = None,
-        last_stage: Communicator | None = None,
-        stage_copies: int = 1,
-        rows_multiple: int = 1,
         nonfinite: NonFiniteCheck | None = None,
     ) -> None:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.program, self.num_micro_batch = program, num_micro_batch
+        self.topology = topology
         #: This rank's stages, in order (the first is its place along the pipeline, its lane in ``schedule``).
-        self.stages = sorted(links)
+        self.stages = list(topology.stages)
         #: The ranks along the pipeline (the schedule's lanes; each runs one or more stages).
         self.lanes = len(schedule)
         self.actions = schedule[self.stages[0]]
         self._actions = [action for action in self.actions if action is not None]
-        #: This device's share of the replica's loss: 1/parts on one device of each part of the last stage.
-        self.replica, self.loss_share = replica, loss_share
-        self.shares = {stage: (shares or {}).get(stage, (0, 1)) for stage in self.stages}
-        self.last_stage = last_stage
-        #: Every micro-batch's rows must share out over each stage of the pipeline: a multiple of this.
-        self.rows_multiple = rows_multiple
-        self.device, self.gradient_reducer = device, gradient_reducer
+        self.device, self.gradient_reducer = topology.device, gradient_reducer
         self.loss_scaler, self.forward_contexts = loss_scaler, list(forward_contexts)
-        self.channels = {stage: _StageChannels(stage, *links[stage], device) for stage in self.stages}
+        self.max_grad_norm = max_grad_norm
+        #: Clip after the gradient reduction whatever the config says: a tied weight's gradient is whole only
+        #: once reduced between its stages.
+        self.clip_after_reduction = clip_after_reduction
+        self.channels = {stage: _StageChannels(stage, *topology.links[stage], self.device) for stage in self.stages}
         #: Stages without a previous stage whose W's run in the order of their I's: their I's compute and send
         #: nothing, so their W's receive the gradients (in the order the I's would have).
         self._whole_at_weight = {
@@ -174,23 +146,25 @@ class PipelineStepRunner:
         }
         self._in_flight: dict[tuple[int, int], _InFlight] = {}  # by (stage, micro-batch)
         self._losses: dict[int, torch.Tensor] = {}
-        self._params = [p for p in model.parameters() if p.requires_grad]
-        #: What is told once the step's last action has run, before the gradients are reduced (ZeRO under a
-        #: zero-bubble schedule reduces its stages' gradients there; see ``listen_to_step_ends``).
-        self._step_ends = step_end_listeners(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        #: What comes around the actions of a step, in every runner's order. Its step-end listeners are told once
+        #: the step's last action has run, before the gradients are reduced (ZeRO under a zero-bubble schedule
+        #: reduces its stages' gradients there; see ``listen_to_step_ends``). The gradient reducer never decides
+        #: non-finite steps here: it covers one stage's copies, and the loss is the last stage's alone.
+        self.step_update = StepUpdate(
+            params=lambda: params,
+            gradient_reducer=gradient_reducer,
+            loss_scaler=loss_scaler,
+            clip_norm=None if max_grad_norm is None else lambda: _clip(params, max_grad_norm, topology),
+            clip_after_reduction=clip_after_reduction,
+            step_ends=step_end_listeners(model),
+        )
         #: The actions of the last step with their start (after their inputs arrived) and end (``time.time``).
         self.last_timeline: list[Event] = []
         #: Most micro-batches whose activations this stage held at once, in the last step.
         self.peak_in_flight = 0
         self._started = 0.0  # when the running action's inputs had arrived
         self._following: Action | None = None  # the action after the running one, whose inputs are received ahead
-        self.max_grad_norm, self.stage_peers, self.stage_copies = max_grad_norm, stage_peers, stage_copies
-        #: ids of parameters tied to an earlier stage's (that stage counts them in the norm).
-        self.counted_elsewhere = counted_elsewhere
-        #: Clip after the gradient reduction whatever the config says: a tied weight's gradient is whole only
-        #: once reduced between its stages.
-        self.clip_after_reduction = clip_after_reduction
-        self._grad_norm: torch.Tensor | None = None
         #: The step's loss all-reduce over the replica, once started, and the tensor it fills.
         self._loss_sum: tuple[Work, torch.Tensor] | None = None
         #: Decides with every rank whether each step's update is applied (None: the loss scaler alone decides).
@@ -198,24 +172,36 @@ class PipelineStepRunner:
         #: This rank's micro-batch losses of the step (the last stage's; None elsewhere), for ``nonfinite``.
         self._own_losses: torch.Tensor | None = None
 
+    @classmethod
+    def from_context(cls, context: ParallelContext, program: StageProgram, schedule: Schedule) -> Self:
+        """The runner of ``program`` by ``schedule`` for the model, optimizer and loss of ``context``, over this rank's
+        :class:`~epl_pipeline.topology.PipelineTopology` (made here: a collective of every rank)."""
+        return cls(
+            model=context.model,
+            optimizer=context.optimizer,
+            loss_fn=context.loss_fn,
+            program=program,
+            schedule=schedule,
+            topology=PipelineTopology.from_context(context, schedule),
+            num_micro_batch=context.plan.num_micro_batch,
+            gradient_reducer=context.gradient_reducer,
+            loss_scaler=context.loss_scaler,
+            forward_contexts=context.forward_contexts,
+            max_grad_norm=context.config["optimizer.max_grad_norm"],
+            # a tied weight's copies, and ZeRO's gradients (reduced in the backward), are whole only once reduced
+            clip_after_reduction=bool(context.plan.shared) or bool(context.reduced_in_backward),
+            nonfinite=NonFiniteCheck.from_context(context),
+        )
+
     @property
     def grad_norm(self) -> float | None:
         """The last step's gradient 2-norm before clipping, over every stage (None without ``max_grad_norm``)."""
-        return None if self._grad_norm is None else float(self._grad_norm)
+        norm = self.step_update.grad_norm
+        return None if norm is None else float(norm)
 
     def clip_gradients(self) -> None:
         """Scale the gradients so that the 2-norm over every stage and shard is at most ``max_grad_norm``."""
-        assert self.max_grad_norm is not None
-        if self.loss_scaler is not None:
-            self.loss_scaler.unscale(self._params)  # clip the true gradients
-        self._grad_norm = clip_grad_norm(
-            self._params,
-            self.max_grad_norm,
-            self.stage_peers,
-            self.counted_elsewhere,
-            self.stage_copies,
-            device=self.device,
-        ).detach()
+        self.step_update.clip()
 
     @property
     def stage(self) -> int:
@@ -234,11 +220,15 @@ class PipelineStepRunner:
         pieces = self._micro_batches(inputs, targets)
         for channels in self.channels.values():
             channels.begin(training=True)  # a batch of another size than the last step's is described again
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.gradient_reducer is not None:
-            self.gradient_reducer.start()
-        if self.loss_scaler is not None:
-            self.loss_scaler.start()
+        self.step_update.run(self.optimizer, lambda: self._run_actions(pieces), check=self.nonfinite)
+        assert self._loss_sum is not None, "the last stage starts the loss all-reduce after its last loss"
+        (work, loss), self._loss_sum = self._loss_sum, None
+        work.wait()
+        return loss
+
+    def _run_actions(self, pieces: list[tuple[Any, Any]]) -> tuple[None, torch.Tensor | None]:
+        """The step's actions in the schedule's order, timed, and every send waited for; returns this rank's
+        micro-batch losses (the last stage's; None elsewhere) for the check of non-finite steps."""
         timeline, self.peak_in_flight = [], 0
         self._loss_sum = None
         if not self.last:  # adds nothing to the replica's loss: its share of the all-reduce can start now
@@ -254,31 +244,8 @@ class PipelineStepRunner:
         for channels in self.channels.values():
             channels.flush()
         self.last_timeline = timeline
-        for listener in self._step_ends:
-            listener()
-        clip = self.clip_gradients if self.max_grad_norm is not None else None
-        self._grad_norm = None
-        if self.gradient_reducer is not None:
-            self.gradient_reducer.finish(None if self.clip_after_reduction else clip)
-            if self.clip_after_reduction and clip is not None:
-                clip()
-        elif clip is not None:
-            clip()
-        if self.loss_scaler is not None:
-            self.loss_scaler.unscale(self._params)
         own_losses, self._own_losses = self._own_losses, None
-        step_or_skip(
-            self.optimizer,
-            self.loss_scaler,
-            self._params,
-            check=self.nonfinite,
-            loss=own_losses,
-            grad_norm=self._grad_norm,
-        )
-        assert self._loss_sum is not None, "the last stage starts the loss all-reduce after its last loss"
-        (work, loss), self._loss_sum = self._loss_sum, None
-        work.wait()
-        return loss
+        return None, own_losses
 
     @torch.no_grad()
     def evaluate(self, inputs: Any, targets: Any = None) -> torch.Tensor:
@@ -289,21 +256,21 @@ class PipelineStepRunner:
         """
         results, pieces = self._forward_only(inputs, targets, call="engine.evaluate")
         loss = torch.zeros((), dtype=torch.float64, device=self.device)  # every member's on the replica's device
-        if self.last and self.loss_share and results:
-            _, parts = self.shares[self.stages[-1]]
+        if self.last and self.topology.loss_share and results:
+            _, parts = self.topology.shares[self.stages[-1]]
             rows = torch.tensor([real for _, real in results], dtype=torch.float64, device=self.device)
             losses = torch.stack([value for value, _ in results]).to(torch.float64)
-            loss = (losses * rows).sum() * (parts / pieces.total) * self.loss_share
-        self.replica.all_reduce(loss).wait()
+            loss = (losses * rows).sum() * (parts / pieces.total) * self.topology.loss_share
+        self.topology.replica.all_reduce(loss).wait()
         return loss
 
     def _replica_loss(self, losses: list[torch.Tensor]) -> tuple[Work, torch.Tensor]:
         """Start summing the mean of the last stage's micro-batch ``losses`` over its parts, on every stage of the
         replica: the all-reduce, and the tensor that holds the replica's loss once it completes."""
         loss = torch.zeros((), dtype=torch.float64, device=self.device)  # every member's on the replica's device
-        if self.last and self.loss_share:
-            loss = torch.stack(losses).mean().to(torch.float64) * self.loss_share
-        return self.replica.all_reduce(loss), loss
+        if self.last and self.topology.loss_share:
+            loss = torch.stack(losses).mean().to(torch.float64) * self.topology.loss_share
+        return self.topology.replica.all_reduce(loss), loss
 
     def _start_replica_loss(self, losses: list[torch.Tensor]) -> None:
         """Start the step's loss all-reduce over the replica, which :meth:`step` waits for when it returns.
@@ -319,11 +286,11 @@ class PipelineStepRunner:
     def _micro_batches(self, inputs: Any, targets: Any) -> list[tuple[Any, Any]]:
         """``inputs`` and ``targets`` on this device, cut into micro-batches whose rows share out over every stage."""
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
-        size, multiple = batch_size(inputs), self.num_micro_batch * self.rows_multiple
+        size, multiple = batch_size(inputs), self.num_micro_batch * self.topology.rows_multiple
         if size is not None and size % multiple:
             shared = (
-                f" that each share out over the pipeline's replicate stages ({self.rows_multiple} equal parts)"
-                if self.rows_multiple > 1
+                f" that each share out over the pipeline's replicate stages ({self.topology.rows_multiple} equal parts)"
+                if self.topology.rows_multiple > 1
                 else ""
             )
             raise BatchError(
@@ -336,7 +303,7 @@ class PipelineStepRunner:
 
     def _own_part(self, stage: int, values: Any) -> Any:
         """This device's part of one micro-batch's ``values`` on ``stage`` (all of them unless it shares them out)."""
-        index, count = self.shares[stage]
+        index, count = self.topology.shares[stage]
         if count == 1 or values is None:
             return values
         return split_batch(values, count, what=f"pipeline stage {stage}")[index]
@@ -360,17 +327,17 @@ class PipelineStepRunner:
 
     def _whole_micro_batch(self, output: Any) -> Any:
         """The last stage's output of a whole micro-batch: its parts gathered from the devices that share it out."""
-        _, count = self.shares[self.stages[-1]]
+        _, count = self.topology.shares[self.stages[-1]]
         if count == 1:
             return output
-        assert self.last_stage is not None, "a last stage that shares micro-batches out has its group"
+        assert self.topology.last_stage is not None, "a last stage that shares micro-batches out has its group"
         leaves, structure = pytree.tree_flatten(output)
         rows = batch_size([leaf for leaf in leaves if isinstance(leaf, torch.Tensor)])
         whole = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == rows:
-                gathered = leaf.new_empty((rows * self.last_stage.world_size, *leaf.shape[1:]))
-                self.last_stage.all_gather(gathered, leaf.contiguous()).wait()
+                gathered = leaf.new_empty((rows * self.topology.last_stage.world_size, *leaf.shape[1:]))
+                self.topology.last_stage.all_gather(gathered, leaf.contiguous()).wait()
                 leaf = gathered
             whole.append(leaf)
         return pytree.tree_unflatten(whole, structure)
@@ -383,7 +350,7 @@ class PipelineStepRunner:
         with_loss = call == "engine.evaluate"
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         own_loss = with_loss and self.loss_fn is None and targets is None
-        pieces = cut(inputs, targets, self.num_micro_batch, self.rows_multiple, call=call, own_loss=own_loss)
+        pieces = cut(inputs, targets, self.num_micro_batch, self.topology.rows_multiple, call=call, own_loss=own_loss)
         for channels in self.channels.values():
             channels.begin(training=False)  # a batch of another size than the last call's is described again
         results = []
@@ -411,7 +378,7 @@ class PipelineStepRunner:
     def _rows_on(self, stage: int, rows: int, real: int) -> tuple[int, int]:
         """This device's rows of a micro-batch of ``rows`` on ``stage``, and how many of them are not padding (the
         micro-batch's first ``real`` rows are the batch's)."""
-        index, count = self.shares[stage]
+        index, count = self.topology.shares[stage]
         own = rows // count
         return own, min(max(real - index * own, 0), own)
 
@@ -427,7 +394,7 @@ class PipelineStepRunner:
                     f"pipeline.num_micro_batch={self.num_micro_batch} micro-batches, so its last micro-batch is "
                     f"padded; the model's output ({type(output).__name__}) holds no tensor with a row per sample, so "
                     "EPL cannot leave the padding rows out before loss_fn. Pass a batch size that is a multiple of "
-                    f"{self.num_micro_batch * self.rows_multiple}."
+                    f"{self.num_micro_batch * self.topology.rows_multiple}."
                 )
         return self._loss(output, targets)
 
@@ -485,9 +452,7 @@ class PipelineStepRunner:
             self._losses[m] = loss.detach()
             if len(self._losses) == self.num_micro_batch:  # the step's last loss: the replica's loss can travel
                 self._start_replica_loss([self._losses[m] for m in range(self.num_micro_batch)])
-            outputs = [loss / self.num_micro_batch]
-            if self.loss_scaler is not None:
-                outputs = [self.loss_scaler.scale_loss(outputs[0])]
+            outputs = [self.step_update.scaled(loss / self.num_micro_batch, check=self.nonfinite)]
         self._in_flight[stage, m] = _InFlight(outputs, received)
 
     def _backward(self, stage: int, m: int, *, split: bool) -> None:
@@ -535,7 +500,20 @@ class PipelineStepRunner:
         flight.outputs = flight.inputs = []
 
 
-def _flush(*channels: Channel | ReshardingChannel | None) -> None:
+def _clip(params: list[nn.Parameter], max_norm: float, topology: PipelineTopology) -> torch.Tensor:
+    """Scale ``params``' gradients to a 2-norm of at most ``max_norm`` over every stage of the lane and every shard
+    (a weight tied to an earlier stage's counted there); the norm before."""
+    return clip_grad_norm(
+        params,
+        max_norm,
+        topology.stage_peers,
+        topology.counted_elsewhere,
+        topology.stage_copies,
+        device=topology.device,
+    )
+
+
+def _flush(*channels: Channel | None) -> None:
     """Wait for every send started on ``channels`` (None: no such link)."""
     for channel in channels:
         if channel is not None:

@@ -29,14 +29,14 @@ class CompileBlocks:
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """``model``, its chosen forwards compiled in place; the report kept for ``engine.compile_report``."""
         config = context.config
-        if context.split_backward:
+        if context.pipeline.split_backward:
             report = CompileReport(str(config["compile.backend"]), eager={"every block": SPLIT_BACKWARD})
             context.state(CompileState).report = report
             _log.warning("compile: every block stays eager: %s", SPLIT_BACKWARD)
             return model
-        blocks = repeated_blocks(model, context.stage_modules)
+        blocks = repeated_blocks(model, context.pipeline.stage_modules)
         if not blocks:
-            roots = context.stage_modules or ("",)
+            roots = context.pipeline.stage_modules or ("",)
             blocks = [(root, model.get_submodule(root) if root else model) for root in roots]
         changed = without_kv_cache(model)
         if changed:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Self
 
 import torch
@@ -13,7 +13,8 @@ from epl.errors import EplError
 from epl.plugins.context import CarriesNonFiniteVerdict, GradientReducer, LossFn, LossScaler, ParallelContext
 from epl.runtime.batch import call_model, micro_batches, to_device
 from epl.runtime.loss import compute_loss
-from epl.runtime.nonfinite import NonFiniteCheck, NonFiniteVerdict
+from epl.runtime.nonfinite import NonFiniteCheck
+from epl.runtime.update import StepUpdate
 from epl.sharding.data_shards import micro_batch_listeners, step_end_listeners
 from epl.sharding.norms import clip_grad_norm
 
@@ -40,51 +41,13 @@ def _entered(forward_contexts: Sequence[ForwardContext]) -> Iterator[None]:
         yield
 
 
-def step_or_skip(
-    optimizer: torch.optim.Optimizer,
-    loss_scaler: LossScaler | None,
-    params: Iterable[nn.Parameter],
-    *,
-    check: NonFiniteCheck | None = None,
-    loss: torch.Tensor | None = None,
-    grad_norm: torch.Tensor | None = None,
-    verdict: NonFiniteVerdict | None = None,
-) -> bool:
-    """The optimizer step, unless some rank's loss or gradients are not finite (then drop them); True: applied.
-
-    With ``check`` (the runners': :class:`~epl.runtime.nonfinite.NonFiniteCheck`) every rank of the job agrees
-    from this rank's ``loss`` (None where it has none), the norm clipping computed (``grad_norm``; None: not
-    clipped) and the loss scaler's check of the gradients, or from the gradient reduction's ``verdict`` when it
-    carries one; without, the loss scaler alone decides (no scaler: applied). Every rank of the job reaches the
-    same verdict (by a collective, or from the reduction's numbers), so all of them skip together. A skipped step
-    leaves the weights and the optimizer's state as they were.
-    """
-    params = list(params)
-    if check is not None:
-        applied = check.decide(params, loss=loss, grad_norm=grad_norm, loss_scaler=loss_scaler, verdict=verdict).applied
-    else:
-        applied = loss_scaler is None or loss_scaler.update(params)
-    if applied:
-        optimizer.step()
-        return True
-    optimizer.zero_grad(set_to_none=True)
-    for param in params:  # also those the optimizer does not hold: nothing of this step reaches the next one
-        param.grad = None
-    return False
-
-
 class LocalStepRunner:
     """Runs a one-stage plan: ``num_micro_batch`` forward/backward passes, then one optimizer step.
 
-    Between the last backward and the update, the gradient reducer (data parallelism)
-    finishes and gradients are clipped to ``optimizer.max_grad_norm`` if set.
-
-    The forward and the loss run inside ``forward_contexts`` (AMP's autocast), the
-    backward outside them. With a loss scaler (AMP), each loss is scaled before its
-    backward, the gradients are unscaled once, before clipping (which the reducer may
-    call before or after its reduction) or else after the reduction. The update is
-    skipped (gradients dropped) on every rank when any rank's loss or gradients are not
-    finite (``nonfinite``, :mod:`epl.runtime.nonfinite`; the loss scaler's check folded in).
+    What comes around the passes (the gradient reducer, clipping to ``optimizer.max_grad_norm``,
+    AMP's loss scale, the update or its skip on every rank when some rank's loss or gradients are
+    not finite) is :attr:`step_update`'s, in the order :mod:`epl.runtime.update` gives every runner.
+    The forward and the loss run inside ``forward_contexts`` (AMP's autocast), the backward outside them.
 
     Each micro-batch's loss is divided by the number of micro-batches before its
     backward, so the accumulated gradients are those of the mean loss over the
@@ -116,18 +79,24 @@ class LocalStepRunner:
         self.forward_contexts = list(forward_contexts)
         #: Decides with every rank whether each step's update is applied (None: the loss scaler alone decides).
         self.nonfinite = nonfinite
-        #: The reducer, when it can carry the non-finite verdict (plain data parallelism; see its docs).
-        self._verdicts = gradient_reducer if isinstance(gradient_reducer, CarriesNonFiniteVerdict) else None
-        self._grad_norm: torch.Tensor | None = None
+        #: What comes around the forwards and backwards of a step, in every runner's order.
+        self.step_update = StepUpdate(
+            params=model.parameters,
+            gradient_reducer=gradient_reducer,
+            loss_scaler=loss_scaler,
+            clip_norm=None if max_grad_norm is None else lambda: clip_grad_norm(model.parameters(), max_grad_norm),
+            step_ends=step_end_listeners(model),  # told once a step's last backward has run (listen_to_step_ends)
+            # the reducer, when it can carry the non-finite verdict (plain data parallelism; see its docs)
+            verdicts=gradient_reducer if isinstance(gradient_reducer, CarriesNonFiniteVerdict) else None,
+        )
         #: What is told before each micro-batch (ZeRO v0 reduces in the last; offload sums gradients meanwhile).
         self._listeners = micro_batch_listeners(model) if num_micro_batch > 1 else []
-        #: What is told once a step's last backward has run (see ``listen_to_step_ends``).
-        self._step_ends = step_end_listeners(model)
 
     @property
     def grad_norm(self) -> float | None:
         """The total gradient norm before clipping of the last step (None without ``optimizer.max_grad_norm``)."""
-        return None if self._grad_norm is None else float(self._grad_norm)
+        norm = self.step_update.grad_norm
+        return None if norm is None else float(norm)
 
     @classmethod
     def from_context(cls, context: ParallelContext, **extra: Any) -> Self:
@@ -151,19 +120,16 @@ class LocalStepRunner:
         if self.optimizer is None:
             raise EplError("Engine.step needs an optimizer: pass optimizer=... to epl.parallelize().")
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
-        self.optimizer.zero_grad(set_to_none=True)
-        self._grad_norm = None
-        if self.gradient_reducer is not None:
-            self.gradient_reducer.start()
-        if self.loss_scaler is not None:
-            self.loss_scaler.start()
+        return self.step_update.run(self.optimizer, lambda: self._passes(inputs, targets), check=self.nonfinite)
+
+    def _passes(self, inputs: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's forwards and backwards (one per micro-batch); its mean loss, detached: what the step returns,
+        and this rank's loss for the check of non-finite steps."""
         parts = self.num_micro_batch
         if parts == 1:
             loss = self.loss(inputs, targets)
             self.backward(loss)
-            self.finish_gradients()
-            self.update(loss.detach())
-            return loss.detach()
+            return loss.detach(), loss.detach()
         losses = []
         pieces = list(micro_batches(inputs, targets, parts))
         for index, (micro_inputs, micro_targets) in enumerate(pieces):
@@ -172,42 +138,22 @@ class LocalStepRunner:
             loss = self.loss(micro_inputs, micro_targets)
             self.backward(loss / parts)
             losses.append(loss.detach())
-        self.finish_gradients()
         mean = torch.stack(losses).mean()
-        self.update(mean)
-        return mean
+        return mean, mean
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (multiplied by the loss scale under AMP)."""
-        if self._verdicts is not None and self.nonfinite is not None:
-            self._verdicts.observe_loss(loss)
-        (loss if self.loss_scaler is None else self.loss_scaler.scale_loss(loss)).backward()
+        self.step_update.scaled(loss, check=self.nonfinite).backward()
 
     def update(self, loss: torch.Tensor | None = None) -> bool:
         """The optimizer step, unless some rank's loss (``loss``: this rank's) or gradients are not finite (then
         none, on every rank); True: applied."""
         assert self.optimizer is not None
-        return step_or_skip(
-            self.optimizer,
-            self.loss_scaler,
-            self.model.parameters(),
-            check=self.nonfinite,
-            loss=loss,
-            grad_norm=self._grad_norm,
-            verdict=self._verdicts.nonfinite_verdict() if self._verdicts is not None else None,
-        )
+        return self.step_update.apply(self.optimizer, loss, check=self.nonfinite)
 
     def finish_gradients(self) -> None:
         """Reduce gradients over parameter copies (if any), clip them (if configured) and unscale them (AMP)."""
-        for listener in self._step_ends:
-            listener()
-        clip = self.clip_gradients if self.max_grad_norm is not None else None
-        if self.gradient_reducer is not None:
-            self.gradient_reducer.finish(clip)
-        elif clip is not None:
-            clip()
-        if self.loss_scaler is not None:
-            self.loss_scaler.unscale(self.model.parameters())  # nothing left to do when clipping unscaled them
+        self.step_update.finish_gradients()
 
     def clip_gradients(self) -> None:
         """Scale the gradients so that their total 2-norm is at most ``optimizer.max_grad_norm``; keep the norm.
@@ -216,10 +162,7 @@ class LocalStepRunner:
         :mod:`epl.sharding.norms`), of the reduced gradient or, when clipping comes before the
         data-parallel reduction, of the gradient of this rank's rows.
         """
-        assert self.max_grad_norm is not None
-        if self.loss_scaler is not None:
-            self.loss_scaler.unscale(self.model.parameters())  # clip the true gradients
-        self._grad_norm = clip_grad_norm(self.model.parameters(), self.max_grad_norm).detach()
+        self.step_update.clip()
 
     @torch.no_grad()
     def evaluate(self, inputs: Any, targets: Any = None) -> torch.Tensor:

@@ -18,11 +18,13 @@ from torch import nn
 
 from epl.annotations.taskgraph import holders_of
 from epl.interfaces.collectives import Group, broadcast_tensors, communicators_for
+from epl.interfaces.pipeline_placement import PipelinePlacement
 from epl.placement.copies import Copies, copies_of, copies_of_shared, every_copy_group
 
 if TYPE_CHECKING:
     from epl.annotations.taskgraph import TaskGraph
     from epl.config import Config
+    from epl.context.ring import ContextGroup
     from epl.interfaces.cluster import Cluster
     from epl.interfaces.communicator import Communicator
     from epl.interfaces.nonfinite_verdict import NonFiniteVerdict
@@ -99,21 +101,13 @@ class ParallelContext:
     forward_contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
     #: The step runner ``Engine.step`` calls (set last, from ``epl_make_step_runner``).
     step_runner: StepRunner | None = None
-    #: This rank's pipeline stages (several with ``pipeline.stages_per_rank``), set by the transform that keeps
-    #: them (epl-pipeline); empty: one stage.
-    pipeline_stages: tuple[int, ...] = ()
-    #: The qualified names of the modules this rank's pipeline stages run whole (their roots), set with
-    #: ``pipeline_stages``; the rest of the model is not called as such. Empty: the whole model runs.
-    stage_modules: tuple[str, ...] = ()
-    #: Whether the step runner splits each backward into input gradients and, later, weight gradients
-    #: (zero-bubble schedules), set with ``stage_modules``. A compiled block's backward is one graph that
-    #: computes both, so ``compile.enabled`` keeps the blocks eager then.
-    split_backward: bool = False
+    #: This rank's part of a pipeline (its stages, the modules they run, whether their backward is split), set by
+    #: the transform that keeps the stages (epl-pipeline); the defaults without a pipeline: one stage, the whole model.
+    pipeline: PipelinePlacement = PipelinePlacement()
     #: The shard group of each split TaskGraph this rank runs, by TaskGraph index (set by the split transform).
     shard_groups: dict[int, ShardGroup] = field(default_factory=dict)
-    #: This rank's context group (``epl.context.ring.ContextGroup``) under ``context.degree`` > 1, set by the
-    #: context transform; None otherwise.
-    context_group: Any = None
+    #: This rank's context group under ``context.degree`` > 1, set by the context transform; None otherwise.
+    context_group: ContextGroup | None = None
     #: Tensors a split rule made: id -> (TaskGraph index, whether the tensor is a shard).
     split_tensors: dict[int, tuple[int, bool]] = field(default_factory=dict)
     #: Tensors a split rule made from a tensor several TaskGraphs hold (an embedding tied to the head of another
@@ -271,12 +265,10 @@ class CarriesNonFiniteVerdict(Protocol):
 class LossScaler(Protocol):
     """Scales the loss before backward and skips updates whose gradients are not finite (mixed precision).
 
-    In every step the runner calls :meth:`start`, then :meth:`scale_loss` on each
-    micro-batch's loss before its backward, then :meth:`unscale` once the gradients are
-    complete (after the gradient reducer's ``finish``, or just before local clipping when
-    that comes first; a second call in the same step does nothing), then :meth:`update`,
-    and applies the optimizer only when ``update`` returns True. ``update`` may be a
-    collective: every rank of the job calls it once per step.
+    Step runners call it in the order of :class:`epl.runtime.update.StepUpdate` (where each of
+    these calls comes in a step): :meth:`unscale` may come twice in a step (before clipping, and once
+    the gradients are complete), the second call doing nothing; the optimizer is applied only when
+    :meth:`update` returns True. ``update`` may be a collective: every rank of the job calls it once per step.
 
     A scaler may instead offer ``found_nonfinite(params) -> Tensor`` (this rank's finding, above 0 when a
     gradient was not finite; no collective) and ``record(finite: bool) -> bool`` (adjust the scale by every

@@ -153,9 +153,9 @@ def epl_make_loss_scaler(context: ParallelContext) -> LossScaler | None:
 
     Called once per ``epl.parallelize``, after the optimizer wrappers and the gradient
     reducer, before the step runner; the result is stored on ``context.loss_scaler`` and
-    the runner uses it every step (scale each loss, unscale the gradients once they are
-    reduced and before clipping, skip the update when ``update`` says so, or, with
-    ``found_nonfinite`` and ``record``, when the runner's check of non-finite steps says so).
+    the runner uses it every step, in the order of :class:`epl.runtime.update.StepUpdate`
+    (the update is skipped when ``update`` says so, or, with ``found_nonfinite`` and
+    ``record``, when the runner's check of non-finite steps says so).
     *firstresult*. Return None for no loss scaling (the core has no implementation).
     """
 

@@ -92,8 +92,8 @@ _STEP_END_LISTENERS = "_epl_step_end_listeners"
 
 def listen_to_step_ends(module: nn.Module, listener: Callable[[], None]) -> None:
     """Call ``listener()`` when a training step's last backward on this rank has run, before its gradients are
-    reduced over copies, clipped and unscaled. Every step runner calls it: the local one and a pipeline's (after its
-    last action, so after a zero-bubble schedule's last weight gradient)."""
+    reduced over copies, clipped and unscaled. Every step runner's ``StepUpdate`` calls it (:mod:`epl.runtime.update`;
+    a pipeline's after its last action, so after a zero-bubble schedule's last weight gradient)."""
     module.__dict__.setdefault(_STEP_END_LISTENERS, []).append(listener)
 
 
