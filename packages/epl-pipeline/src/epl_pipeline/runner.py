@@ -513,7 +513,7 @@ def _clip(params: list[nn.Parameter], max_norm: float, topology: PipelineTopolog
     )
 
 
-def _flush(*channels: Channel | None) -> None:
+def _flush(*channels: Channel | ReshardingChannel | None) -> None:
     """Wait for every send started on ``channels`` (None: no such link)."""
     for channel in channels:
         if channel is not None:

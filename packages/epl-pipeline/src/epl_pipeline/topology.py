@@ -150,7 +150,10 @@ def _links(
             peer = communicator.ranks.index(plan.lane_devices(to, lane)[position])
             return Link(communicator, peer, gradients)
         first, second = sorted((stage, to))
-        members = tuple([communicator.ranks.index(d) for d in plan.lane_devices(s, lane)] for s in (first, second))
+        first_members, second_members = (
+            [communicator.ranks.index(d) for d in plan.lane_devices(s, lane)] for s in (first, second)
+        )
+        members = (first_members, second_members)
         return boundary(communicator, members, (shapes[first], shapes[second]), stage == first, position, gradients)
 
     last = plan.num_stages - 1
