@@ -83,7 +83,7 @@ def test_plain_mpiexec_job_trains_data_parallel_with_the_address_shared_over_mpi
 FAILING = """
 import sys, torch, epl
 from torch import nn
-epl.init(epl.Config({"communication.timeout": 10}))
+epl.init(epl.Config({"communication.timeout": 5}))
 engine = epl.parallelize(nn.Linear(4, 4), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.MSELoss())
 engine.step(torch.randn(8, 4), torch.randn(8, 4))
 if epl.Env.get().cluster.rank == 1:
@@ -121,7 +121,7 @@ def test_plain_mpiexec_ends_the_whole_job_when_a_rank_fails(tmp_path: Path, fail
     if failure == "raise":
         assert "[epl] rank 1 failed; ending the MPI job." in output and "RuntimeError: rank 1 broke" in output
         assert seconds < 30, seconds
-    else:  # rank 0's collective times out after 10 s naming rank 1, which ends the job
+    else:  # rank 0's collective times out after 5 s naming rank 1, which ends the job
         assert "[epl] rank 0 failed; ending the MPI job." in output and "ranks [1] did not arrive" in output
         assert seconds < 10 + 30, seconds
     assert str(script) not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout

@@ -5,7 +5,7 @@ SIGKILL, leaves with ``os._exit``, or gets stuck in a Python loop (outside any c
 in its forward, its backward, its optimizer step or its checkpoint save. Each fault runs
 under every launcher: ``epl launch``, ``epl launch --mpi``, torchrun and plain ``mpiexec``.
 Each job must end with a non-zero code within seconds (a stuck rank: once the others'
-``communication.timeout`` of 10 s has named it), the output must name rank 1, and no process
+``communication.timeout`` of 5 s has named it), the output must name rank 1, and no process
 of the job may be left. The seconds each took are printed (docs/reliability.md). The same
 faults in the second stage of a 2-stage pipeline end the job the same way under ``epl launch``.
 """
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.multiprocess
 BIN = Path(sys.executable).parent
 EPL = str(BIN / "epl")
 MPIEXEC = shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")
-TIMEOUT = 10  # communication.timeout in the job: how long the others wait for a stuck rank
+TIMEOUT = 5  # communication.timeout in the job: how long the others wait for a stuck rank
 
 FAULTY = f"""
 import os, signal, sys, time, torch, epl

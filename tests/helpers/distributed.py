@@ -11,14 +11,19 @@ models and EPL once (:data:`PRELOADED`), not ``spawn``ed: a spawned rank spent a
 CPU importing them, and the suite starts several hundred ranks on 2 cores. Each rank is still
 a new process that never ran anything (the server only imports), with the calling process's
 environment and working directory as of the call, as a spawned one would have. A call made
-while a glibc ``MALLOC_`` setting is in the environment spawns its ranks instead: glibc reads it
-only when a process starts (``benchmarks.resident.allocation_tracking_children``).
+while a glibc ``MALLOC_`` setting is in the environment forks its ranks from a second server, started
+with those settings: glibc reads them only when a process starts, and a fork keeps what they set
+(``benchmarks.resident.allocation_tracking_children``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.popen_forkserver
+import multiprocessing.process
 import os
 import pickle
 import signal
@@ -26,7 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,14 +158,72 @@ def init_gloo(timeout_seconds: float = 60.0) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
 
 
-def _process_context() -> multiprocessing.context.BaseContext:
-    """The fork server's context (started on first use, with :data:`PRELOADED`), or ``spawn`` while a glibc
-    setting that only a starting process reads is in the environment."""
-    if any(key.startswith("MALLOC_") for key in os.environ):
-        return multiprocessing.get_context("spawn")
+def _process_context() -> Any:
+    """What makes the ranks' processes: the fork server's context (started on first use, with :data:`PRELOADED`),
+    or, while a glibc ``MALLOC_`` setting is in the environment, a second fork server's, started with it."""
+    settings = tuple(sorted((key, value) for key, value in os.environ.items() if key.startswith("MALLOC_")))
+    if settings:
+        _malloc_server(settings)
+        return _ServerContext(settings)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOADED)
     return context
+
+
+#: The fork servers started with glibc settings, by those settings.
+_MALLOC_SERVERS: dict[tuple[tuple[str, str], ...], multiprocessing.forkserver.ForkServer] = {}
+
+
+def _malloc_server(settings: tuple[tuple[str, str], ...]) -> multiprocessing.forkserver.ForkServer:
+    """A fork server of its own for ``settings`` (it starts at its first fork, with the environment of then)."""
+    if settings not in _MALLOC_SERVERS:
+        server = multiprocessing.forkserver.ForkServer()
+        server.set_forkserver_preload(PRELOADED)
+        _MALLOC_SERVERS[settings] = server
+    return _MALLOC_SERVERS[settings]
+
+
+class _ServerContext:
+    """A ``multiprocessing`` context whose ``Process`` forks from the server for ``settings``."""
+
+    def __init__(self, settings: tuple[tuple[str, str], ...]) -> None:
+        self.settings = settings
+
+    def Process(self, **options: Any) -> _ServerProcess:  # noqa: N802 - a context's name
+        process = _ServerProcess(**options)
+        process.settings = self.settings
+        return process
+
+
+class _ServerPopen(multiprocessing.popen_forkserver.Popen):
+    """A fork server's process, asked of the server for the process's settings."""
+
+    def _launch(self, process_obj: Any) -> None:
+        with _forking_from(_MALLOC_SERVERS[process_obj.settings]):
+            super()._launch(process_obj)
+
+
+class _ServerProcess(multiprocessing.process.BaseProcess):
+    """A process forked by the server for its ``settings`` (pickled with it, so defined at module level)."""
+
+    _start_method = "forkserver"
+    settings: tuple[tuple[str, str], ...] = ()
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:  # noqa: N802 - multiprocessing's name
+        return _ServerPopen(process_obj)
+
+
+@contextlib.contextmanager
+def _forking_from(server: multiprocessing.forkserver.ForkServer) -> Iterator[None]:
+    """``multiprocessing.popen_forkserver`` asks ``server`` for its next process (it asks the module's function)."""
+    module = multiprocessing.forkserver
+    default = module.connect_to_new_process
+    module.connect_to_new_process = server.connect_to_new_process  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        module.connect_to_new_process = default  # type: ignore[assignment]
 
 
 def _rank_main(
