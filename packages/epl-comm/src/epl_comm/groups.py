@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epl.plugin_api import Communicator, Copies, ParallelContext, communicators_for, every_copy_group
+from epl_comm.settings import CommSettings
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class _MadeGroups:
 def _make_groups(context: ParallelContext) -> DataParallelGroups:
     plan, world = context.plan, context.communicator
     copies = {group: [communicator] for group, communicator in context.copy_communicators().items()}
-    for _ in range(context.config["communication.num_communicators"] - 1):
+    for _ in range(CommSettings.from_config(context.config).communication.num_communicators - 1):
         for group, communicator in communicators_for(world, every_copy_group(plan)).items():
             copies[group].append(communicator)
     replica_groups = [plan.devices(tg.index, r) for tg in plan.taskgraphs for r in range(plan.num_replicas)]

@@ -36,13 +36,15 @@ def epl_config_keys() -> Sequence[ConfigKey]:
 def epl_config_facts(config: Config) -> list[object]:
     """What the core and the other plugins need of this package's keys (:class:`epl.plugin_api.Communication`)."""
     from epl.plugin_api import Communication
+    from epl_comm.settings import CommSettings
 
+    settings = CommSettings.from_config(config).communication
     return [
         Communication(
-            mean=config["communication.gradients_reduce_method"] == "mean",
-            float16=bool(config["communication.fp16"]),
-            clip_after_reduction=bool(config["communication.clip_after_allreduce"]),
-            timeout_s=float(config["communication.timeout"]),
+            mean=settings.gradients_reduce_method == "mean",
+            float16=settings.fp16,
+            clip_after_reduction=settings.clip_after_allreduce,
+            timeout_s=settings.timeout,
         )
     ]
 
@@ -51,17 +53,17 @@ def epl_config_facts(config: Config) -> list[object]:
 def epl_make_communicator(cluster: Cluster, config: Config) -> Communicator | None:
     """torch.distributed (``auto``/``torch``) or CuPy NCCL (``cupy``) over the job's processes."""
     from epl_comm.cupy_communicator import CupyCommunicator, load_nccl
+    from epl_comm.settings import CommSettings
     from epl_comm.torch_communicator import TorchCommunicator
 
-    backend = config["communication.backend"]
-    if backend == "cupy":
+    settings = CommSettings.from_config(config).communication
+    if settings.backend == "cupy":
         load_nccl()  # a clear error on a machine where it cannot work, whatever the world size
     if cluster.world_size == 1:
         return None
-    timeout = float(config["communication.timeout"])
-    if backend == "cupy":
-        return CupyCommunicator.join(cluster, timeout=timeout)
-    return TorchCommunicator.join(cluster, timeout=timeout)
+    if settings.backend == "cupy":
+        return CupyCommunicator.join(cluster, timeout=settings.timeout)
+    return TorchCommunicator.join(cluster, timeout=settings.timeout)
 
 
 class BroadcastInitialWeights:
@@ -93,22 +95,24 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
     """Bucketed, overlapped gradient reduction over every copy of this rank's parameters."""
     from torch import nn
 
+    from epl.plugin_api import CoreSettings
     from epl_comm.data_parallel import DataParallelReducer, ReducePolicy, ReducerSet
     from epl_comm.groups import groups_for
+    from epl_comm.settings import CommSettings
     from epl_comm.step_check import StepCheck
 
     if context.plan.local:
         return None
     groups = groups_for(context)
-    config = context.config
+    settings = CommSettings.from_config(context.config).communication
     sparse = {
         id(module.weight)
         for module in context.model.modules()
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
     }
     # Under ZeRO some gradients are reduced inside the backward: clipping can only follow every reduction.
-    clip_after = config["communication.clip_after_allreduce"] or bool(context.reduced_in_backward)
-    clip_first = config["optimizer.max_grad_norm"] is not None and not clip_after
+    clip_after = settings.clip_after_allreduce or bool(context.reduced_in_backward)
+    clip_first = CoreSettings.from_config(context.config).optimizer.max_grad_norm is not None and not clip_after
     reducers = []
     trainable = [p for p in context.model.parameters() if p.requires_grad]
     mine = [p for p in context.model.parameters() if id(p) not in context.reduced_in_backward]
@@ -118,13 +122,13 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
         policy = ReducePolicy(
             copies=copies.divisor,
             num_micro_batch=context.plan.num_micro_batch,
-            max_splits=config["communication.max_splits"],
-            bucket_bytes=config["communication.bucket_size_mb"] * 2**20,
-            mean=config["communication.gradients_reduce_method"] == "mean",
-            fp16=config["communication.fp16"],
-            fp16_scale=float(config["communication.fp16_scale"]),
+            max_splits=settings.max_splits,
+            bucket_bytes=settings.bucket_size_mb * 2**20,
+            mean=settings.gradients_reduce_method == "mean",
+            fp16=settings.fp16,
+            fp16_scale=float(settings.fp16_scale),
             clip_after_allreduce=clip_after,
-            sparse_as_dense=config["communication.sparse_as_dense"],
+            sparse_as_dense=settings.sparse_as_dense,
         )
         reducers.append(
             DataParallelReducer(
@@ -133,7 +137,7 @@ def epl_make_gradient_reducer(context: ParallelContext) -> GradientReducer | Non
                 policy,
                 sparse=[p for p in params if id(p) in sparse],
                 defer_until_finish=clip_first,
-                step_check=StepCheck(groups.communicators(copies)[0]) if config["communication.check_steps"] else None,
+                step_check=StepCheck(groups.communicators(copies)[0]) if settings.check_steps else None,
                 # every rank, every trainable parameter: the reduction can decide non-finite steps for the job
                 carries_verdict=len(copies.devices) == context.cluster.world_size
                 and len([p for p in params if p.requires_grad]) == len(trainable),

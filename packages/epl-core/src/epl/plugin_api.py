@@ -7,7 +7,8 @@ epl-launch's ``epl launch``) does not import PyTorch.
 
 What is here, by what a plugin does with it:
 
-* declare hooks and config keys: :data:`hookimpl`, :class:`ConfigKey`, :class:`Config`;
+* declare hooks and config keys: :data:`hookimpl`, :class:`ConfigKey`, :class:`Config`; read the core's keys:
+  :class:`CoreSettings` (its frozen, typed view of them, ``CoreSettings.from_config(config)``);
 * extend ``epl.parallelize``: :class:`ParallelContext` and the protocols hooks return
   (:class:`ModelTransform` with its :class:`TransformPhase`, :class:`OptimizerWrapper` with its
   :class:`WrapperPhase`, :class:`GradientReducer`, :class:`LossScaler`, :class:`StepRunner`),
@@ -53,6 +54,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.builtin.local_runner import ForwardContext, LocalStepRunner, inside
     from epl.compiling.blocks import repeated_blocks
     from epl.config import Config
+    from epl.config.settings import CoreSettings
     from epl.errors import (
         AnnotationError,
         BatchError,
@@ -145,6 +147,7 @@ _EXPORTS: dict[str, str] = {
     "get_plugin_manager": "epl.plugins",
     "Config": "epl.config",
     "ConfigKey": "epl.interfaces.config_key",
+    "CoreSettings": "epl.config.settings",
     # extending epl.parallelize
     "ParallelContext": "epl.plugins.context",
     "ModelTransform": "epl.plugins.context",
@@ -283,6 +286,7 @@ __all__ = [
     "ConfigError",
     "ConfigKey",
     "Copies",
+    "CoreSettings",
     "CountsSkippedSteps",
     "EplError",
     "EstimatedTensor",

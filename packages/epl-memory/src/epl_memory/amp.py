@@ -60,14 +60,17 @@ class AmpPolicy:
     @classmethod
     def from_config(cls, config: Config, device: torch.device) -> AmpPolicy:
         """The policy of ``config``'s ``amp.*`` keys for a model on ``device``."""
-        name = config["amp.dtype"] or ("float16" if device.type == "cuda" else "bfloat16")
-        scale = config["amp.loss_scale"]
+        from epl_memory.settings import MemorySettings
+
+        settings = MemorySettings.from_config(config).amp
+        name = settings.dtype or ("float16" if device.type == "cuda" else "bfloat16")
+        scale = settings.loss_scale
         return cls(
             device_type=device.type,
             dtype=getattr(torch, name),
             loss_scale=None if scale == "dynamic" else float(scale),
-            growth_interval=config["amp.growth_interval"],
-            debug_log=config["amp.debug_log"],
+            growth_interval=settings.growth_interval,
+            debug_log=settings.debug_log,
         )
 
     @property

@@ -44,7 +44,11 @@ CPU_NOTE = (
 def offloads(context: ParallelContext) -> bool:
     """Whether ``offload.level`` moves anything: set, and not a job of one process on the CPU (whose host memory is
     its device memory; several processes on the CPU go through the same FSDP2 path as on GPUs)."""
-    return bool(context.config["offload.level"]) and not (context.plan.local and context.cluster.device.type == "cpu")
+    from epl_memory.settings import MemorySettings
+
+    return bool(MemorySettings.from_config(context.config).offload.level) and not (
+        context.plan.local and context.cluster.device.type == "cpu"
+    )
 
 
 #: torch optimizers with a fused CPU kernel, which steps the host chunks about 4x faster than the per-tensor loop

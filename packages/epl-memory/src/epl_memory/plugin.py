@@ -6,6 +6,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from epl.plugin_api import TransformPhase, WrapperPhase, hookimpl
+from epl_memory.settings import MemorySettings
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -40,8 +41,8 @@ class GradientCheckpointing:
             plan_collection,
         )
 
-        config = context.config
-        end = config["gradient_checkpoint.end_taskgraph"]
+        settings = MemorySettings.from_config(context.config).gradient_checkpoint
+        end = settings.end_taskgraph
         owner = {id(t): tg.index for tg in context.taskgraphs for t in tg.tensors}
         owner.update({key: taskgraph for key, (taskgraph, _) in context.split_tensors.items()})
 
@@ -49,11 +50,11 @@ class GradientCheckpointing:
             indices = [owner.get(id(t), 0) for t in [*module.parameters(), *module.buffers()]]
             return end < 0 or all(index <= end for index in indices)
 
-        if config["gradient_checkpoint.type"] == "auto":
+        if settings.type == "auto":
             plan = plan_auto(model, allowed, context.pipeline.stage_modules)
         else:
             plan = plan_collection(model, allowed)
-        check = GradientCheck() if config["gradient_checkpoint.check_gradients"] else None
+        check = GradientCheck() if settings.check_gradients else None
         apply_plan(model, plan, check)
         state = context.state(CheckpointingState)
         state.plan, state.check = plan, check
@@ -70,7 +71,7 @@ class ApplyGroups:
         """Make the optimizer step in groups; return ``optimizer``."""
         from epl_memory.apply_groups import apply_in_groups
 
-        apply_in_groups(optimizer, context.config["optimizer.num_apply_group"])
+        apply_in_groups(optimizer, MemorySettings.from_config(context.config).num_apply_group)
         return optimizer
 
 
@@ -104,11 +105,12 @@ def epl_config_facts(config: Config) -> list[object]:
     """What the planner and the pipeline need of this package's keys (:class:`epl.plugin_api.MemoryTechniques`)."""
     from epl.plugin_api import MemoryTechniques
 
+    settings = MemorySettings.from_config(config)
     return [
         MemoryTechniques(
-            zero=config["zero.level"],
-            recompute=config["gradient_checkpoint.type"],
-            mixed_precision=bool(config["amp.level"]),
+            zero=settings.zero.level,
+            recompute=settings.gradient_checkpoint.type,
+            mixed_precision=bool(settings.amp.level),
         )
     ]
 
@@ -119,12 +121,13 @@ def epl_optimizer_wrappers(context: ParallelContext) -> list[OptimizerWrapper] |
     the optimizer steps the chunks it is given)."""
     from epl_memory.offload import OffloadAdvice, offloads
 
+    settings = MemorySettings.from_config(context.config)
     wrappers: list[OptimizerWrapper] = []
-    if context.config["optimizer.num_apply_group"] > 1:
+    if settings.num_apply_group > 1:
         wrappers.append(ApplyGroups())
     if offloads(context):
         wrappers.append(OffloadAdvice())
-        if context.config["offload.overlap_step"]:
+        if settings.offload.overlap_step:
             wrappers.append(OverlapStep())
     return wrappers or None
 
@@ -139,7 +142,7 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
     from epl_memory.offload import CPU_NOTE, offloads
     from epl_memory.zero import ZeroSharding, shards_over_copies
 
-    config = context.config
+    config, settings = context.config, MemorySettings.from_config(context.config)
     _check_combinations(context)
     _check_amp(context)
     for key, off in NOT_YET.items():
@@ -149,13 +152,13 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
                 f"(gradient checkpointing is). Leave {key} at {off!r} for now."
             )
     transforms: list[ModelTransform] = []
-    if config["gradient_checkpoint.type"]:
+    if settings.gradient_checkpoint.type:
         transforms.append(GradientCheckpointing())
     if shards_over_copies(context) or offloads(context):
         transforms.append(ZeroSharding())
-    elif config["offload.level"]:
+    elif settings.offload.level:
         _log.warning(CPU_NOTE)
-    if config["amp.level"]:
+    if settings.amp.level:
         from epl_memory.amp import Autocast
 
         transforms.append(Autocast())
@@ -166,8 +169,8 @@ def _check_combinations(context: ParallelContext) -> None:
     """One clear error for a combination of memory keys that cannot work."""
     from epl.plugin_api import ConfigError
 
-    config = context.config
-    if not config["zero.level"] and not config["offload.level"]:
+    config, settings = context.config, MemorySettings.from_config(context.config)
+    if not settings.zero.level and not settings.offload.level:
         for key in ("zero.param_dtype", "zero.reduce_dtype"):
             if config[key]:
                 raise ConfigError(
@@ -180,7 +183,7 @@ def _check_combinations(context: ParallelContext) -> None:
 @hookimpl
 def epl_make_loss_scaler(context: ParallelContext) -> LossScaler | None:
     """AMP's loss scaler (dynamic or ``amp.loss_scale``) when ``amp.level = O1``."""
-    if not context.config["amp.level"]:
+    if not MemorySettings.from_config(context.config).amp.level:
         return None
     from epl_memory.amp import make_loss_scaler
 
@@ -192,7 +195,7 @@ def _check_amp(context: ParallelContext) -> None:
     from epl.plugin_api import ConfigError
 
     config = context.config
-    if config["amp.level"]:
+    if MemorySettings.from_config(config).amp.level:
         return
     for key, default in AMP_OPTIONS.items():
         if config[key] != default:

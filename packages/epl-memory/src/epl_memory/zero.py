@@ -55,6 +55,7 @@ from epl.plugin_api import (
     mark_data_sharded,
     reduce_at_last_micro_batch,
 )
+from epl_memory.settings import MemorySettings
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -87,11 +88,12 @@ class ZeroSharding:
         from epl_memory.blocks import find_units, outermost, stage_entries
 
         refuse_unsupported(context)
-        offload = bool(context.config["offload.level"])
+        settings = MemorySettings.from_config(context.config)
+        offload = bool(settings.offload.level)
         sharding = shards_over_copies(context)
         entries = stage_entries(model, context)
         # v2, and offload without zero.level: weights on the device only while a block uses them
-        drops_weights = context.config["zero.level"] == "v2" or not sharding
+        drops_weights = settings.zero.level == "v2" or not sharding
         # v0/v1 keep the blocks' weights whole through the backward: the embedding and head go to the root. Not in a
         # pipeline, whose runner may call modules below the stage roots it finds (never the roots themselves).
         units = find_units(model, entries, loose=drops_weights or bool(entries))
@@ -145,7 +147,7 @@ class ZeroSharding:
         policy = offload_policy(context)
         # v0 shards only the optimizer state: gradients accumulate whole over micro-batches, reduced in the last
         # (not under offload, whose gradients must leave the device)
-        accumulate_whole = sharding and context.config["zero.level"] == "v0" and not offload and not split_backward
+        accumulate_whole = sharding and settings.zero.level == "v0" and not offload and not split_backward
         sum_mean = context.facts(Communication).mean
         sharded: list[nn.Module] = []
         # The modules the runner calls (the model, or a pipeline's stage roots) are sharded even when they hold no
@@ -196,14 +198,17 @@ class ZeroSharding:
 
 def shards_over_copies(context: ParallelContext) -> bool:
     """Whether ``zero.level`` shards this job's tensors (set, several processes: one process has nothing to share)."""
-    return bool(context.config["zero.level"]) and not context.plan.local
+    return bool(MemorySettings.from_config(context.config).zero.level) and not context.plan.local
 
 
 def refuse_unsupported(context: ParallelContext) -> None:
     """One clear error for what ZeRO and offload on FSDP2 cannot do (yet)."""
-    config = context.config
-    key = "zero.level" if shards_over_copies(context) else "offload.level"
-    setting = f"{key} {config[key]!r}"
+    settings = MemorySettings.from_config(context.config)
+    if shards_over_copies(context):
+        key, value = "zero.level", settings.zero.level
+    else:
+        key, value = "offload.level", settings.offload.level
+    setting = f"{key} {value!r}"
     if not context.plan.local and context.communicator.process_group() is None:
         raise ConfigError(
             f"{setting} shards tensors with torch's FSDP2, which needs a torch.distributed process group; the "
@@ -306,7 +311,7 @@ class HybridGroups:
 
         if context.plan.local:
             return cls()
-        degree = context.config["zero.shard_degree"] if degree is None else degree
+        degree = MemorySettings.from_config(context.config).zero.shard_degree if degree is None else degree
         groups = [group for group in every_copy_group(context.plan) if len(group) > 1]
         if degree == 0 or all(len(group) <= degree for group in groups):
             return cls()
@@ -385,7 +390,7 @@ def _shard(
 
 def offload_policy(context: ParallelContext) -> Any:
     """FSDP2's ``CPUOffloadPolicy`` under ``offload.level`` (pinned host memory on CUDA), else None."""
-    if not context.config["offload.level"]:
+    if not MemorySettings.from_config(context.config).offload.level:
         return None
     from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -427,9 +432,9 @@ def mixed_precision(context: ParallelContext) -> Any:
     ``communication.fp16``: gradients reduced in float16, as EPL's data parallelism sends them)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    config = context.config
-    param = DTYPES.get(config["zero.param_dtype"])
-    reduce = DTYPES.get(config["zero.reduce_dtype"])
+    settings = MemorySettings.from_config(context.config).zero
+    param = DTYPES.get(settings.param_dtype)
+    reduce = DTYPES.get(settings.reduce_dtype)
     if reduce is None and param is None and context.facts(Communication).float16:
         reduce = torch.float16
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)

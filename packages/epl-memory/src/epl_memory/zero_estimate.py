@@ -25,7 +25,9 @@ LEVELS = ("v0", "v1", "v2")
 
 def adjust_for_zero(estimate: MemoryEstimate, context: MemoryEstimateContext) -> MemoryEstimate | None:
     """``estimate`` with this rank's chunk of each tensor with several copies; None without ZeRO."""
-    level = context.config["zero.level"]
+    from epl_memory.settings import MemorySettings
+
+    level = MemorySettings.from_config(context.config).zero.level
     if level not in LEVELS or context.plan.local:  # one process: ZeRO does not apply
         return None
     parameters = gradients = states = 0

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from epl.plugin_api import TransformPhase, hookimpl
+from epl.plugin_api import CoreSettings, TransformPhase, hookimpl
+from epl_pipeline.settings import PipelineSettings
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -47,7 +48,8 @@ def epl_config_facts(config: Config) -> list[object]:
     """What the planner needs of this package's keys (:class:`epl.plugin_api.PipelineChoices`)."""
     from epl.plugin_api import PipelineChoices
 
-    return [PipelineChoices(schedule=config["pipeline.strategy"], planned=config["auto.auto_parallel"] == "plan")]
+    settings = PipelineSettings.from_config(config)
+    return [PipelineChoices(schedule=settings.strategy, planned=settings.auto_parallel == "plan")]
 
 
 @hookimpl
@@ -125,15 +127,16 @@ def epl_partition_model(
     from epl.plugin_api import ConfigError
     from epl_pipeline.auto import partition, partition_at
 
-    stages, points = config["pipeline.num_stages"], config["pipeline.split_points"]
+    settings = PipelineSettings.from_config(config)
+    stages, points = settings.num_stages, settings.split_points
     if points is not None:
         if stages is not None and stages != len(points) + 1:
             raise ConfigError(
                 f"pipeline.split_points names {len(points)} points, which make {len(points) + 1} stages, but "
                 f"pipeline.num_stages is {stages}. Leave pipeline.num_stages unset (the points decide it)."
             )
-        return partition_at(model, taskgraphs, points, example_inputs)
-    if not config["auto.auto_parallel"]:
+        return partition_at(model, taskgraphs, list(points), example_inputs)
+    if not settings.auto_parallel:
         return None
     if stages is None:
         raise ConfigError("auto.auto_parallel needs pipeline.num_stages: how many stages to cut the model into.")
@@ -199,8 +202,9 @@ def _check_clipping(context: ParallelContext) -> None:
     with several replicas, and stages that share micro-batches out (``replicate(k)``), need it after."""
     from epl.plugin_api import Communication, ConfigError, MemoryTechniques
 
-    config, plan = context.config, context.plan
-    if config["optimizer.max_grad_norm"] is None or context.facts(Communication).clip_after_reduction:
+    plan = context.plan
+    clipping = CoreSettings.from_config(context.config).optimizer.max_grad_norm is not None
+    if not clipping or context.facts(Communication).clip_after_reduction:
         return
     if context.facts(MemoryTechniques).zero:  # ZeRO always clips the reduced gradient
         return
@@ -227,11 +231,11 @@ def _schedule(context: ParallelContext, stages: int, micro_batches: int) -> Sche
 
     try:
         return build(
-            context.config["pipeline.strategy"],
+            PipelineSettings.from_config(context.config).strategy,
             context.plugins.pipeline_schedules(),
             stages,
             micro_batches,
-            stages_per_rank=context.config["pipeline.stages_per_rank"],
+            stages_per_rank=CoreSettings.from_config(context.config).pipeline.stages_per_rank,
         )
     except ValueError as error:
         raise EplError(f"pipeline.strategy: {error}") from None

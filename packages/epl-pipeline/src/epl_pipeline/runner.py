@@ -15,6 +15,7 @@ from epl.plugin_api import (
     Action,
     ActionKind,
     BatchError,
+    CoreSettings,
     EplError,
     ForwardContext,
     GradientReducer,
@@ -187,7 +188,7 @@ class PipelineStepRunner:
             gradient_reducer=context.gradient_reducer,
             loss_scaler=context.loss_scaler,
             forward_contexts=context.forward_contexts,
-            max_grad_norm=context.config["optimizer.max_grad_norm"],
+            max_grad_norm=CoreSettings.from_config(context.config).optimizer.max_grad_norm,
             # a tied weight's copies, and ZeRO's gradients (reduced in the backward), are whole only once reduced
             clip_after_reduction=bool(context.plan.shared) or bool(context.reduced_in_backward),
             nonfinite=NonFiniteCheck.from_context(context),

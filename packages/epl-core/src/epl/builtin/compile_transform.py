@@ -8,6 +8,7 @@ import logging
 from torch import nn
 
 from epl.compiling import CompileReport, CompileState, compile_blocks, repeated_blocks, without_kv_cache
+from epl.config.settings import CoreSettings
 from epl.interfaces.phases import TransformPhase
 from epl.plugins.context import ParallelContext
 
@@ -28,9 +29,9 @@ class CompileBlocks:
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """``model``, its chosen forwards compiled in place; the report kept for ``engine.compile_report``."""
-        config = context.config
+        settings = CoreSettings.from_config(context.config).compile
         if context.pipeline.split_backward:
-            report = CompileReport(str(config["compile.backend"]), eager={"every block": SPLIT_BACKWARD})
+            report = CompileReport(settings.backend, eager={"every block": SPLIT_BACKWARD})
             context.state(CompileState).report = report
             _log.warning("compile: every block stays eager: %s", SPLIT_BACKWARD)
             return model
@@ -41,7 +42,7 @@ class CompileBlocks:
         changed = without_kv_cache(model)
         if changed:
             _log.info("compile: %s run with use_cache=False (a KV cache recompiles every block)", changed)
-        report = compile_blocks(blocks, str(config["compile.backend"]), str(config["compile.mode"]))
+        report = compile_blocks(blocks, settings.backend, settings.mode)
         context.state(CompileState).report = report
         _log.info("compile: %s", report.describe())
         return model

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from epl.config.settings import CoreSettings
 from epl.context.proof import prove_context_parallel
 from epl.context.ring import ContextGroup
 from epl.context.transformers_models import ATTENTION, check_installable, gathered_outputs, install
@@ -25,7 +26,7 @@ class ProveContextParallel:
 
     def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
         """``model`` unchanged, once proven."""
-        if context.config["context.verify"]:
+        if CoreSettings.from_config(context.config).context.verify:
             check_installable(model)
             prove_context_parallel(model, context.plan.context_degree, ATTENTION)
         return model
@@ -45,8 +46,9 @@ class SpreadSequences:
         communicator = communicators_for(context.communicator, plan.context_groups())[tuple(sorted(mine))]
         group = ContextGroup(communicator)
         context.context_group = group
-        presliced = bool(context.config["context.presliced"])
-        install(model, group, str(context.config["context.mode"]), presliced=presliced)
+        settings = CoreSettings.from_config(context.config).context
+        presliced = settings.presliced
+        install(model, group, settings.mode, presliced=presliced)
         user_loss = context.loss_fn
         if user_loss is not None and presliced:
             raise AnnotationError(

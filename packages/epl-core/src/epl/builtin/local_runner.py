@@ -9,6 +9,7 @@ from typing import Any, Self
 import torch
 from torch import nn
 
+from epl.config.settings import CoreSettings
 from epl.errors import EplError
 from epl.plugins.context import CarriesNonFiniteVerdict, GradientReducer, LossFn, LossScaler, ParallelContext
 from epl.runtime.batch import call_model, micro_batches, to_device
@@ -109,7 +110,7 @@ class LocalStepRunner:
             num_micro_batch=context.plan.num_micro_batch,
             device=context.cluster.device,
             gradient_reducer=context.gradient_reducer,
-            max_grad_norm=context.config["optimizer.max_grad_norm"],
+            max_grad_norm=CoreSettings.from_config(context.config).optimizer.max_grad_norm,
             loss_scaler=context.loss_scaler,
             forward_contexts=context.forward_contexts,
             nonfinite=NonFiniteCheck.from_context(context),

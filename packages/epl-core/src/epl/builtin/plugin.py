@@ -57,6 +57,7 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
     from epl.builtin.context_transform import ProveContextParallel, SpreadSequences
     from epl.builtin.materialize_transform import MaterializeKept
     from epl.builtin.split_transform import DecideSplitLayout, ShardSplitTaskGraphs
+    from epl.config.settings import CoreSettings
 
     transforms: list[ModelTransform] = []
     if any(tg.strategy.kind == "split" for tg in context.taskgraphs):
@@ -65,7 +66,7 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
         transforms.append(MaterializeKept())
     if context.plan.context_degree > 1 and not context.plan.local:
         transforms += [ProveContextParallel(), SpreadSequences()]
-    if context.config["compile.enabled"]:
+    if CoreSettings.from_config(context.config).compile.enabled:
         from epl.builtin.compile_transform import CompileBlocks
 
         transforms.append(CompileBlocks())

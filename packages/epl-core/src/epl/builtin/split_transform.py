@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from epl.annotations.taskgraph import TaskGraph, holders_of
+from epl.config.settings import CoreSettings
 from epl.errors import AnnotationError, ConfigError
 from epl.interfaces.collectives import broadcast_tensors, communicators_for
 from epl.interfaces.facts import Communication
@@ -96,7 +97,7 @@ def _decide_layout(model: nn.Module, context: ParallelContext) -> SplitLayout:
     # into the pipeline's collectives and wait there for ranks that have left.
     found = {tg.index: find_targets(model, tg, rules) for tg in context.taskgraphs if tg.strategy.kind == "split"}
     targets = [t for index, listed in found.items() if index in mine for t in listed]
-    sequence_parallel = bool(context.config.get("split.sequence_parallel"))
+    sequence_parallel = CoreSettings.from_config(context.config).split.sequence_parallel
     plan = context.plan
     if sequence_parallel and any(plan.batch_parts(i) > 1 for i in mine if plan.taskgraphs[i].strategy == "split"):
         raise AnnotationError(sequence.BATCH_SPLIT_REFUSED)
@@ -243,7 +244,7 @@ class ShardSplitTaskGraphs:
             if len(groups) == 1 and not (group := next(iter(groups.values()))).batch_split:
                 sum_gradient_over_shards(model.get_parameter(name), group)
                 summed.add(id(model.get_parameter(name)))
-        if context.config.get("split.sequence_parallel"):
+        if CoreSettings.from_config(context.config).split.sequence_parallel:
             stack_groups = [context.shard_groups[tg.index] for tg in mine]
             for stack_group in stack_groups:
                 sequence.install(model, stack_group, summed)
@@ -351,9 +352,9 @@ def _start_alike(tensors: list[torch.Tensor], group: ShardGroup) -> None:
 
 
 def _check_supported(context: ParallelContext) -> None:
-    plan, config = context.plan, context.config
+    plan = context.plan
     clip_after_reduction = context.facts(Communication).clip_after_reduction
-    if config["optimizer.max_grad_norm"] is not None and not clip_after_reduction:
+    if CoreSettings.from_config(context.config).optimizer.max_grad_norm is not None and not clip_after_reduction:
         splitting = [tg.name for tg in plan.taskgraphs if tg.strategy == "split" and plan.batch_parts(tg.index) > 1]
         if splitting:
             raise ConfigError(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 from torch.utils.data import Dataset, Subset
 
 from epl.config import Config
+from epl.config.settings import CoreSettings
 from epl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -50,14 +51,15 @@ def shard(
         from epl.runtime.env import Env
 
         config = Env.get().config
+    settings = CoreSettings.from_config(config).io
     count = len(cast(Sized, data))  # a map-style dataset has a length, as a sequence does
     indices = share_indices(
         count,
         num_replicas,
         replica_index,
-        slicing=bool(config["io.slicing"]) or not _is_file_list(data),
-        drop_last=bool(config["io.drop_last_files"]),
-        unbalanced=bool(config["io.unbalanced_io_slicing"]),
+        slicing=settings.slicing or not _is_file_list(data),
+        drop_last=settings.drop_last_files,
+        unbalanced=settings.unbalanced_io_slicing,
     )
     if isinstance(data, Dataset) and not isinstance(data, Sequence):
         return Subset(data, indices)

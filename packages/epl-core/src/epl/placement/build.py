@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from epl.config.settings import CoreSettings
 from epl.errors import PlacementError
 from epl.placement.plan import Plan, TaskGraphSpec
 
@@ -24,10 +25,11 @@ def build_plan(
     gpu_per_worker = gpu_per_worker or world_size
     if world_size < 1 or world_size % gpu_per_worker:
         raise PlacementError(f"World size {world_size} is not a multiple of {gpu_per_worker} devices per worker.")
-    colocated = bool(config["cluster.colocate_split_and_replicate"])
-    row_major = bool(config["cluster.device_place_prefer_intra_node"])
-    per_rank = int(config["pipeline.stages_per_rank"])
-    context = int(config["context.degree"])
+    settings = CoreSettings.from_config(config)
+    colocated = settings.cluster.colocate_split_and_replicate
+    row_major = settings.cluster.device_place_prefer_intra_node
+    per_rank = settings.pipeline.stages_per_rank
+    context = settings.context.degree
     specs, lane_width, slots = _replica_layout(taskgraphs, colocated, per_rank)
     width = lane_width * context
     if world_size % width:
@@ -45,7 +47,7 @@ def build_plan(
         gpu_per_worker=gpu_per_worker,
         devices_per_replica=width,
         num_replicas=replicas,
-        num_micro_batch=int(config["pipeline.num_micro_batch"]),
+        num_micro_batch=settings.pipeline.num_micro_batch,
         colocated=colocated,
         row_major=row_major,
         taskgraphs=tuple(specs),
@@ -74,8 +76,9 @@ def build_local_plan(taskgraphs: Sequence[TaskGraphSpec], *, config: Config) -> 
     The annotations are still checked: the placement they ask for must be valid
     on one replica's worth of devices.
     """
-    colocated = bool(config["cluster.colocate_split_and_replicate"])
-    per_rank = int(config["pipeline.stages_per_rank"])
+    settings = CoreSettings.from_config(config)
+    colocated = settings.cluster.colocate_split_and_replicate
+    per_rank = settings.pipeline.stages_per_rank
     specs, width, _ = _replica_layout(taskgraphs, colocated, per_rank)
     note = (
         f"One process runs every TaskGraph locally; launched on a multiple of {width} devices "
@@ -86,7 +89,7 @@ def build_local_plan(taskgraphs: Sequence[TaskGraphSpec], *, config: Config) -> 
         gpu_per_worker=1,
         devices_per_replica=1,
         num_replicas=1,
-        num_micro_batch=int(config["pipeline.num_micro_batch"]),
+        num_micro_batch=settings.pipeline.num_micro_batch,
         colocated=colocated,
         row_major=True,
         taskgraphs=tuple(specs),

@@ -19,6 +19,7 @@ from torch import nn
 from epl.annotations.strategies import split
 from epl.annotations.taskgraph import TaskGraph
 from epl.config import Config
+from epl.config.settings import CoreSettings
 from epl.errors import EplError
 from epl.interfaces.facts import MemoryTechniques, PipelineChoices
 from epl.planner.devices import PROFILES, DeviceProfile, device_profile
@@ -43,7 +44,7 @@ def wants_plan(config: Config) -> bool:
 
 def device_of(config: Config) -> DeviceProfile:
     """``planner.device``'s profile, or the profile of this machine's GPU when the planner knows it."""
-    named = config.get("planner.device") or ""
+    named = CoreSettings.from_config(config).planner.device
     if named:
         return device_profile(named)
     if torch.cuda.is_available():
@@ -65,7 +66,8 @@ def choose_layout(
 ) -> Estimate:
     """The fastest layout that fits for ``model`` on ``world_size`` devices, by the planner's estimate; ``own_loss``:
     the model computes its loss on whole logits (no ``loss_fn``), which split gathers."""
-    batch, sequence = config.get("planner.global_batch_size"), config.get("planner.sequence_length")
+    planner = CoreSettings.from_config(config).planner
+    batch, sequence = planner.global_batch_size, planner.sequence_length
     if not batch or not sequence:
         raise EplError(
             'auto.auto_parallel: "plan" chooses a layout for a job: set planner.global_batch_size (sequences per '

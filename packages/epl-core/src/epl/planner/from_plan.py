@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import cast
 
 from epl.config import Config
+from epl.config.settings import CoreSettings
 from epl.errors import EplError
 from epl.interfaces.facts import MemoryTechniques, PipelineChoices
 from epl.placement.plan import Plan
@@ -41,6 +42,6 @@ def layout_of(plan: Plan, config: Config, global_batch: int) -> Layout:
         gradient_checkpoint=checkpoint,
         schedule=schedule,
         virtual_stages=plan.stages_per_rank,
-        sequence_parallel=bool(config.get("split.sequence_parallel", False)) and tensor > 1,
+        sequence_parallel=CoreSettings.from_config(config).split.sequence_parallel and tensor > 1,
         context=context,
     )

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from epl.config.settings import CoreSettings
 from epl.placement.plan import Plan
 from epl.plugins.capabilities import (
     ChecksNonFiniteSteps,
@@ -138,7 +139,7 @@ class Engine:
                 what,
                 self._skipped,
             )
-        limit = self.context.config["optimizer.raise_after_skips"]
+        limit = CoreSettings.from_config(self.context.config).optimizer.raise_after_skips
         if limit is None or self._skips_in_a_row < limit:
             return
         assert self._first_skip is not None
@@ -199,7 +200,7 @@ class Engine:
         times ``context.degree`` under ``context.presliced``, each rank given its share); None when the batch has
         none."""
         tokens = self._last_batch[1]
-        shares = self.plan.context_degree if self.context.config["context.presliced"] else 1
+        shares = self.plan.context_degree if CoreSettings.from_config(self.context.config).context.presliced else 1
         return None if tokens is None else tokens * self.num_replicas * shares
 
     @property

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 from epl.annotations.capture import AnnotationRecorder
 from epl.annotations.strategies import set_active_recorder
 from epl.config import Config
+from epl.config.settings import CoreSettings
 from epl.errors import ConfigError, NotInitializedError
 from epl.interfaces.cluster import Cluster
 from epl.interfaces.communicator import Communicator
@@ -95,12 +96,13 @@ def init(config: Config | Mapping[str, Any] | None = None) -> Env:
     if request is not None:
         config = config.with_overrides(request.overrides)
     config.check_plugins(plugins)
+    settings = CoreSettings.from_config(config)
     communicator: Communicator | None
     if request is not None:
         cluster = Cluster.virtual(request.world_size, request.gpu_per_worker)
         communicator = None
     else:
-        cluster = Cluster.from_environ(visible_devices=config["cluster.run_visible_devices"])
+        cluster = Cluster.from_environ(visible_devices=settings.cluster.run_visible_devices)
         if cluster.launcher in ("mpi", "slurm") and cluster.world_size > 1:  # mpiexec, srun: nothing else ends it
             from epl.runtime.failure import end_job_on_uncaught_exception
 
@@ -112,7 +114,7 @@ def init(config: Config | Mapping[str, Any] | None = None) -> Env:
             plain_tracebacks()  # the launcher labels the lines and shows the error once
         communicator = plugins.make_communicator(cluster, config)
     # epl plan never gives a parameter memory: plan-only runs build the model on meta.
-    annotations = AnnotationRecorder(meta_parameters=request is not None or bool(config["model.meta_init"]))
+    annotations = AnnotationRecorder(meta_parameters=request is not None or settings.model.meta_init)
     annotations.install()
     set_active_recorder(annotations)
     env = Env(cluster=cluster, config=config, plugins=plugins, communicator=communicator, annotations=annotations)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from epl.config.settings import CoreSettings
 from epl.interfaces.communicator import Communicator
 from epl.interfaces.nonfinite_verdict import NonFiniteVerdict
 from epl.sharding.data_shards import local_tensor
@@ -92,7 +93,7 @@ class NonFiniteCheck:
         return cls(
             context.communicator,
             context.cluster.device,
-            check_gradients=context.config["optimizer.check_finite_gradients"],
+            check_gradients=CoreSettings.from_config(context.config).optimizer.check_finite_gradients,
         )
 
     @torch.no_grad()

@@ -11,6 +11,7 @@ from torch import nn
 
 from epl.annotations.taskgraph import TaskGraph, holders_of
 from epl.config import Config
+from epl.config.settings import CoreSettings
 from epl.errors import EplError, PlacementError
 from epl.interfaces.collectives import broadcast_tensors
 from epl.materialize.streaming import StreamedInit, streamed
@@ -107,14 +108,14 @@ def parallelize(
     context.loss_scaler = env.plugins.make_loss_scaler(context)
     context.step_runner = env.plugins.make_step_runner(context)
     engine = Engine(context, context.step_runner)
-    config = env.config
+    settings = CoreSettings.from_config(env.config)
     engine.batch_check = batch_check(
         plan,
         env.communicator,
         env.cluster.rank,
-        bool(config["io.check_batches"]),
-        config["io.check_batches_every"],
-        presliced=bool(config["context.presliced"]),
+        settings.io.check_batches,
+        settings.io.check_batches_every,
+        presliced=settings.context.presliced,
     )
     engine.vocabulary_check = vocabulary_check(context, vocabulary)
     if lr_scheduler is not None:
