@@ -70,7 +70,8 @@ def tests(session: nox.Session) -> None:
     short mode and their report, as ``bench-short`` runs them: in this one environment, which has everything
     they need, CI saves a second install of the same packages (about 2 minutes)."""
     install_packages(session, *TEST_TOOLS, *BENCH_TOOLS, *EXAMPLE_PLUGINS)
-    session.run("pytest", "tests", *session.posargs, env=SINGLE_THREAD)
+    # the 20 slowest tests, printed at the end: where CI's minutes go (CI must finish within 30 minutes)
+    session.run("pytest", "tests", "--durations=20", *session.posargs, env=SINGLE_THREAD)
     _short_benchmarks(session)
 
 
