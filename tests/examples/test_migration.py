@@ -71,20 +71,20 @@ def _run(command: list[str], cwd: Path, timeout: float = 150, **env: str) -> str
     return output
 
 
-#: What the original Accelerate script's rank 1 printed as it aborted at exit, after training and writing its results
-#: (accelerate 1.15, torch 2.13, gloo): the baseline's own exit. Seen once in three full runs of the suite, and twice
-#: in a row in one run on 2026-11-28; never in 6 runs of the script alone.
+#: What the original Accelerate or DeepSpeed script's rank 1 printed as it aborted at exit, after training and writing
+#: its results (accelerate 1.15, deepspeed, torch 2.13, gloo): the baseline's own exit. On 2026-11-28: twice in a row
+#: for Accelerate in one fresh-clone CI run, once for DeepSpeed in another; never in 6 runs of the script alone.
 _BASELINE_EXIT_ABORT = "terminate called without an active exception"
 #: Runs of the baseline before its abort at exit fails the test.
 _BASELINE_RUNS = 3
 
 
-def _run_baseline(command: list[str], cwd: Path, **env: str) -> str:
+def _run_baseline(command: list[str], cwd: Path, timeout: float = 150, **env: str) -> str:
     """``_run`` for a framework's original script (the baseline, not EPL): run again, up to :data:`_BASELINE_RUNS`
     times in all, while it aborts at exit."""
     for attempt in range(1, _BASELINE_RUNS + 1):
         try:
-            return _run(command, cwd, **env)
+            return _run(command, cwd, timeout, **env)
         except AssertionError as failure:
             if _BASELINE_EXIT_ABORT not in str(failure) or attempt == _BASELINE_RUNS:
                 raise
@@ -184,7 +184,7 @@ def test_accelerate_port_trains_as_accelerate(tmp_path: Path) -> None:
 )
 def test_deepspeed_port_trains_as_deepspeed(tmp_path: Path, flags: list[str]) -> None:
     original = MIGRATION / "deepspeed" / "train_deepspeed.py"
-    _run(_torchrun(original, *flags, "--metrics-out", "deepspeed.json"), tmp_path, timeout=600)
+    _run_baseline(_torchrun(original, *flags, "--metrics-out", "deepspeed.json"), tmp_path, timeout=600)
     _run(_epl_launch(MIGRATION / "deepspeed" / "train_epl.py", *flags, "--metrics-out", "epl.json"), tmp_path)
     deepspeed = _metrics(tmp_path / "deepspeed.json")
     assert len(deepspeed["loss"]) == 16  # 2 micro-batches of 8 per step and process
