@@ -102,6 +102,7 @@ def test_a_view_is_frozen_typed_built_once_and_defaults_as_its_keys(view: type) 
     config = epl.Config({})
     built = view.from_config(config)  # type: ignore[attr-defined]
     assert built is view.from_config(config)  # type: ignore[attr-defined]
+    assert built is not view.read(config)  # type: ignore[attr-defined]  # read builds anew; from_config keeps one
     with pytest.raises(dataclasses.FrozenInstanceError):
         setattr(built, dataclasses.fields(built)[0].name, None)
     for name, hint in typing.get_type_hints(view).items():

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from epl.plugin_api import ConfigView
+
 if TYPE_CHECKING:
     from epl.plugin_api import Config
 
@@ -32,19 +34,14 @@ class CommunicationSettings:
 
 
 @dataclass(frozen=True)
-class CommSettings:
+class CommSettings(ConfigView):
     """Every key epl-comm declares, by section: ``CommSettings.from_config(config).communication.timeout``."""
 
     communication: CommunicationSettings = field(default_factory=CommunicationSettings)
 
     @classmethod
-    def from_config(cls, config: Config) -> CommSettings:
-        """The view of ``config``: built on the first call, the same object afterwards (``Config.derived``)."""
-        view: CommSettings = config.derived(f"{__name__}.{cls.__qualname__}", lambda: cls._read(config))
-        return view
-
-    @classmethod
-    def _read(cls, config: Config) -> CommSettings:
+    def read(cls, config: Config) -> CommSettings:
+        """A new view of ``config``\'s values."""
         return cls(
             communication=CommunicationSettings(
                 num_communicators=config["communication.num_communicators"],

@@ -8,7 +8,8 @@ epl-launch's ``epl launch``) does not import PyTorch.
 What is here, by what a plugin does with it:
 
 * declare hooks and config keys: :data:`hookimpl`, :class:`ConfigKey`, :class:`Config`; read the core's keys:
-  :class:`CoreSettings` (its frozen, typed view of them, ``CoreSettings.from_config(config)``);
+  :class:`CoreSettings` (its frozen, typed view of them, ``CoreSettings.from_config(config)``), and
+  :class:`ConfigView`, the base of such a view of a plugin's own keys;
 * extend ``epl.parallelize``: :class:`ParallelContext` and the protocols hooks return
   (:class:`ModelTransform` with its :class:`TransformPhase`, :class:`OptimizerWrapper` with its
   :class:`WrapperPhase`, :class:`GradientReducer`, :class:`LossScaler`, :class:`StepRunner`),
@@ -55,6 +56,7 @@ if TYPE_CHECKING:  # the names for type checkers; tests/core/test_layers.py keep
     from epl.compiling.blocks import repeated_blocks
     from epl.config import Config
     from epl.config.settings import CoreSettings
+    from epl.config.view import ConfigView
     from epl.errors import (
         AnnotationError,
         BatchError,
@@ -148,6 +150,7 @@ _EXPORTS: dict[str, str] = {
     "Config": "epl.config",
     "ConfigKey": "epl.interfaces.config_key",
     "CoreSettings": "epl.config.settings",
+    "ConfigView": "epl.config.view",
     # extending epl.parallelize
     "ParallelContext": "epl.plugins.context",
     "ModelTransform": "epl.plugins.context",
@@ -285,6 +288,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "ConfigKey",
+    "ConfigView",
     "Copies",
     "CoreSettings",
     "CountsSkippedSteps",

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from epl.plugin_api import ConfigView
+
 if TYPE_CHECKING:
     from epl.plugin_api import Config
 
@@ -56,7 +58,7 @@ class AmpSettings:
 
 
 @dataclass(frozen=True)
-class MemorySettings:
+class MemorySettings(ConfigView):
     """Every key epl-memory declares, by section: ``MemorySettings.from_config(config).zero.level``."""
 
     gradient_checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
@@ -67,13 +69,8 @@ class MemorySettings:
     num_apply_group: int = 1
 
     @classmethod
-    def from_config(cls, config: Config) -> MemorySettings:
-        """The view of ``config``: built on the first call, the same object afterwards (``Config.derived``)."""
-        view: MemorySettings = config.derived(f"{__name__}.{cls.__qualname__}", lambda: cls._read(config))
-        return view
-
-    @classmethod
-    def _read(cls, config: Config) -> MemorySettings:
+    def read(cls, config: Config) -> MemorySettings:
+        """A new view of ``config``\'s values."""
         return cls(
             gradient_checkpoint=CheckpointSettings(
                 type=config["gradient_checkpoint.type"],

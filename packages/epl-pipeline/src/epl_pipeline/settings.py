@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from epl.plugin_api import ConfigView
+
 if TYPE_CHECKING:
     from epl.plugin_api import Config
 
 
 @dataclass(frozen=True)
-class PipelineSettings:
+class PipelineSettings(ConfigView):
     """The keys epl-pipeline declares: ``pipeline.num_stages``, ``pipeline.strategy``, ``pipeline.split_points``
     and ``auto.auto_parallel``."""
 
@@ -27,13 +29,8 @@ class PipelineSettings:
     auto_parallel: bool | Literal["plan"] = False
 
     @classmethod
-    def from_config(cls, config: Config) -> PipelineSettings:
-        """The view of ``config``: built on the first call, the same object afterwards (``Config.derived``)."""
-        view: PipelineSettings = config.derived(f"{__name__}.{cls.__qualname__}", lambda: cls._read(config))
-        return view
-
-    @classmethod
-    def _read(cls, config: Config) -> PipelineSettings:
+    def read(cls, config: Config) -> PipelineSettings:
+        """A new view of ``config``\'s values."""
         points = config["pipeline.split_points"]
         return cls(
             num_stages=config["pipeline.num_stages"],

@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from epl.config.view import ConfigView
+
 if TYPE_CHECKING:
     from epl.config.config import Config
 
 
 @dataclass(frozen=True)
-class PipelineSettings:
+class CorePipelineSettings:
     """The core's ``pipeline.*`` keys (the schedule's are epl-pipeline's)."""
 
     num_micro_batch: int = 1
@@ -94,14 +96,14 @@ class SplitSettings:
 
 
 @dataclass(frozen=True)
-class CoreSettings:
+class CoreSettings(ConfigView):
     """Every key the core declares, by section: ``CoreSettings.from_config(config).optimizer.max_grad_norm``.
 
     Each field is named after its key (``<section>.<field>``); the keys' docs are in ``epl/config/catalogue.py``
     and ``epl config``.
     """
 
-    pipeline: PipelineSettings = field(default_factory=PipelineSettings)
+    pipeline: CorePipelineSettings = field(default_factory=CorePipelineSettings)
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
     compile: CompileSettings = field(default_factory=CompileSettings)
@@ -112,16 +114,11 @@ class CoreSettings:
     split: SplitSettings = field(default_factory=SplitSettings)
 
     @classmethod
-    def from_config(cls, config: Config) -> CoreSettings:
-        """The view of ``config``: built on the first call, the same object afterwards (``Config.derived``)."""
-        view: CoreSettings = config.derived(f"{__name__}.{cls.__qualname__}", lambda: cls._read(config))
-        return view
-
-    @classmethod
-    def _read(cls, config: Config) -> CoreSettings:
+    def read(cls, config: Config) -> CoreSettings:
+        """A new view of ``config``\'s values."""
         max_grad_norm = config["optimizer.max_grad_norm"]
         return cls(
-            pipeline=PipelineSettings(
+            pipeline=CorePipelineSettings(
                 num_micro_batch=config["pipeline.num_micro_batch"],
                 stages_per_rank=config["pipeline.stages_per_rank"],
             ),
