@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Self
 
 if TYPE_CHECKING:
     from epl.config.config import Config
 
 
-class ConfigView:
+class ConfigView(ABC):
     """Base of a package's frozen, typed view of its keys (a frozen dataclass that defines :meth:`read`).
 
     ``View.from_config(config)`` reads the keys once per ``config`` (``Config.derived``) and returns the same
@@ -22,6 +23,6 @@ class ConfigView:
         return view
 
     @classmethod
+    @abstractmethod
     def read(cls, config: Config) -> Self:
         """A new view of ``config``'s values (each key read by name, here only)."""
-        raise NotImplementedError(f"{cls.__qualname__} must define read(config)")
