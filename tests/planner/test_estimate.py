@@ -25,9 +25,36 @@ def test_an_estimate_has_the_contract_keys() -> None:
     assert set(result["layout"]) == {
         "data", "tensor", "pipeline", "micro_batches", "micro_batch_size", "zero", "gradient_checkpoint", "schedule"
     }  # fmt: skip
-    assert set(result["memory_per_device"]) == {"parameters", "gradients", "optimizer", "activations", "peak"}
+    memory = result["memory_per_device"]
+    assert set(memory) == {"parameters", "gradients", "optimizer", "activations", "peak", "peak_stage", "peak_moment",
+                           "peak_terms"}  # fmt: skip
+    assert sum(memory["peak_terms"].values()) == pytest.approx(memory["peak"], abs=len(memory["peak_terms"]))
     assert {"step_time_s", "tokens_per_second", "mfu", "fits"} <= set(result)
     assert 0 < result["mfu"] < 1 and result["fits"] is True
+
+
+def test_the_printed_terms_add_up_to_the_peak_in_every_searched_layout() -> None:
+    """Every byte of the peak is a named term, at whichever stage and moment the peak is: the terms the text prints
+    and ``--json``'s ``peak_terms`` add up to ``peak``."""
+    from epl.planner.render import describe
+
+    work, device = Workload(global_batch=64, sequence=4096), PROFILES["h100-sxm"]
+    for plan in search(LLAMA_8B, work, device, 32).plans[::97]:
+        assert sum(plan.memory.terms.values()) == pytest.approx(plan.peak)
+        assert plan.memory.terms["parameters"] == plan.parameters
+        text = describe(plan, device)
+        assert all(name.replace("_", " ") in text for name in plan.memory.terms)
+
+
+def test_uneven_stages_are_each_evaluated() -> None:
+    """Llama 3's first and last stages hold one block fewer: the peak is that of the stage that holds the most."""
+    work, device = Workload(global_batch=64, sequence=4096), PROFILES["h100-sxm"]
+    even = Layout(1, 1, 4, 64, 1)
+    uneven = replace(even, stage_layers=(7, 9, 9, 7))
+    assert estimate(LLAMA_8B, uneven, work, device).peak < estimate(LLAMA_8B, replace(even, stage_layers=(9, 7, 7, 9)),
+                                                                    work, device).peak  # fmt: skip
+    with pytest.raises(EplError, match="stage_layers"):
+        Layout(1, 1, 4, 64, 1, stage_layers=(8, 8))
 
 
 def test_zero_levels_chunk_every_tensor_and_differ_in_the_step() -> None:

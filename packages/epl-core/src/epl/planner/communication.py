@@ -39,13 +39,32 @@ from epl.planner.layout import Layout, Workload
 from epl.planner.shape import ModelShape
 
 
-def weights_per_device(shape: ModelShape, layout: Layout) -> float:
-    """Weights one device of the first (or last) pipeline stage holds: ``ceil(L/p)`` blocks and the embedding (or
-    head) divided over the tensor devices, the norms whole on each."""
+def stage_blocks(shape: ModelShape, layout: Layout, stage: int | None = None) -> int:
+    """Blocks pipeline ``stage`` holds: ``Layout.stage_layers``'s count, or ``ceil(L/p)`` (the automatic
+    partition's most loaded stage); ``stage`` None: the most of any stage."""
+    if layout.stage_layers:
+        return max(layout.stage_layers) if stage is None else layout.stage_layers[stage]
+    return math.ceil(shape.layers / layout.pipeline)
+
+
+def stages_to_check(layout: Layout) -> tuple[int, ...]:
+    """The stages whose peak may be the highest: every stage of uneven ``stage_layers``, else the first (the
+    embedding, the most micro-batches in flight) and the last (the head and the logits)."""
     p = layout.pipeline
-    blocks = math.ceil(shape.layers / p)
-    embedding = shape.vocab * shape.hidden * (1 if p > 1 or shape.tied else 2)
-    norms = 2 * shape.hidden * blocks + (shape.hidden if p == 1 else 0)
+    if layout.stage_layers:
+        return tuple(range(p))
+    return (0,) if p == 1 else (0, p - 1)
+
+
+def weights_per_device(shape: ModelShape, layout: Layout, stage: int | None = None) -> float:
+    """Weights one device of pipeline ``stage`` holds: its blocks (:func:`stage_blocks`) and the embedding on the
+    first stage or the head on the last, divided over the tensor devices, the norms whole; ``stage`` None: the most
+    loaded, a stage of the most blocks with the embedding."""
+    p = layout.pipeline
+    blocks = stage_blocks(shape, layout, stage)
+    ends = 1 if stage is None or p == 1 else (stage == 0) + (stage == p - 1)
+    embedding = shape.vocab * shape.hidden * (2 if p == 1 and not shape.tied else ends)
+    norms = 2 * shape.hidden * blocks + (shape.hidden if stage == p - 1 or p == 1 else 0)
     return (blocks * (shape.layer_parameters() - 2 * shape.hidden) + embedding) / layout.tensor + norms
 
 
@@ -75,10 +94,10 @@ def largest_tensor(shape: ModelShape, layout: Layout) -> float:
     return max(shape.vocab * shape.hidden / layout.tensor, shape.hidden * shape.ffn / layout.tensor)
 
 
-def updated_weights(shape: ModelShape, layout: Layout) -> float:
+def updated_weights(shape: ModelShape, layout: Layout, stage: int | None = None) -> float:
     """Weights one device's optimizer updates: those it holds (:func:`weights_per_device`), or under ZeRO (v0-v2)
     its share of them over the data devices."""
-    weights = weights_per_device(shape, layout)
+    weights = weights_per_device(shape, layout, stage)
     return weights / layout.data if layout.zero in ("v0", "v1", "v2") else weights
 
 
@@ -110,7 +129,7 @@ def tensor_parallel_all_reduces(shape: ModelShape, layout: Layout) -> float:
     all-gather or a reduce-scatter counts half)."""
     if layout.tensor == 1:
         return 0.0
-    blocks = math.ceil(shape.layers / layout.pipeline)
+    blocks = stage_blocks(shape, layout)
     full = layout.gradient_checkpoint == "full"
     per_block = 6 if full else 4  # recomputing a block repeats its forward's 2
     outside: float = 2 if layout.pipeline == 1 else 1  # the embedding on the first stage, the head's input on the last
@@ -172,7 +191,7 @@ def zero_units(shape: ModelShape, layout: Layout) -> int:
     and (``epl_memory.blocks.find_units``) under v2 the embedding, the final norm and the head, each a unit of its
     own (a tied embedding and head are one matrix, gathered with the model's root); under v0 and v1 on one stage
     the root, which holds them (:func:`zero_root_holds_ends`)."""
-    blocks = math.ceil(shape.layers / layout.pipeline)
+    blocks = stage_blocks(shape, layout)
     if zero_root_holds_ends(layout):
         return blocks + 1
     return blocks + ((2 if shape.tied else 3) if layout.pipeline == 1 else 1)
@@ -184,7 +203,7 @@ def collective_calls(shape: ModelShape, layout: Layout, workload: Workload) -> d
     under ZeRO a reduce-scatter per block (:func:`zero_units`) and micro-batch; ZeRO's all-gathers, one per block
     and micro-batch under v0 and v1, two under v2."""
     t, p, d, m = layout.tensor, layout.pipeline, layout.data, layout.micro_batches
-    blocks = math.ceil(shape.layers / p)
+    blocks = stage_blocks(shape, layout)
     tensor = 0.0
     if t > 1:
         per_block = 6 if layout.gradient_checkpoint == "full" else 4  # recomputing a block repeats its forward's 2

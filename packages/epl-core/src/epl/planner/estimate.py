@@ -1,23 +1,6 @@
 """One layout's predicted memory per device, step time and its parts, tokens/s and MFU.
 
-**Memory** of the most loaded device (the first pipeline stage, or the last when its head is larger): the
-weights of ``ceil(L/p)`` blocks and the embedding or head, divided over the tensor devices, the norms whole
-(:func:`epl.planner.communication.weights_per_device`); in bf16/fp16 a
-float32 master copy besides; float32 gradients; the optimizer's states (float32); under ZeRO (v0-v2 alike, on
-FSDP2: ``epl_memory.zero``) a chunk of each weight (the float32 master in bf16), gradient and state per data
-device. Activations: a block's per
-micro-batch (:mod:`epl.planner.activations`) times the stage's blocks times the micro-batches the schedule keeps,
-plus, on the last stage, the float32 logits of one micro-batch and their gradient. Peak: weights, gradients and
-optimizer states, plus the larger of the backward's working set (the activations, one block's more for
-recomputation or its backward, and what data parallelism holds to communicate: without ZeRO one tensor's fresh
-gradient, the largest, before it moves into its flat bucket; under ZeRO the weights gathered whole, every block's
-under v0/v1 and the largest block's under v2, and the largest block's gradients twice, unsharded and in the
-reduce-scatter's buffer; under a zero-bubble schedule the stage's weights and gradients whole, every level), the
-end of the backward under v0/v1 on one stage (the root's embedding and head weights, and their gradients twice,
-the activations gone) and the optimizer step's float32 temporary the size of what it updates (torch's foreach
-Adam). Checked against
-resident memory in tests/planner/test_measured_memory.py and, under ZeRO, in
-benchmarks/test_zero_memory.py.
+**Memory**: :mod:`epl.planner.memory`, the peak of the most loaded device as named terms that add up to it.
 
 **Time.** Model FLOPs are PaLM's (Chowdhery et al. 2022, appendix B): ``6·N + 12·L·h·s`` per token, N the
 weights of the blocks and the head, recomputation not counted; MFU is model FLOPs per second over the devices'
@@ -60,23 +43,18 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from epl.planner import memory_traffic
-from epl.planner.activations import block_activations, micro_batches_in_flight
 from epl.planner.communication import (
     collective_calls,
-    largest_tensor,
-    largest_unit,
     payload_bytes,
-    root_unit,
+    stage_blocks,
     updated_weights,
     weights_per_device,
-    zero_accumulates_whole,
     zero_collectives,
-    zero_holds_whole_stage,
-    zero_root_holds_ends,
     zero_shards,
 )
 from epl.planner.devices import DeviceProfile
 from epl.planner.layout import Layout, Workload
+from epl.planner.memory import MemoryBreakdown, memory_breakdown
 from epl.planner.shape import ModelShape
 
 #: Bytes a device keeps for itself (CUDA context, allocator slack) when deciding whether a plan fits.
@@ -104,6 +82,8 @@ class Estimate:
     tokens_per_second: float
     mfu: float
     fits: bool
+    #: The peak's stage, moment and terms (bytes by name), which add up to ``peak``.
+    memory: MemoryBreakdown
     time_parts: dict[str, float] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
 
@@ -114,6 +94,8 @@ class Estimate:
             "memory_per_device": {
                 "parameters": int(self.parameters), "gradients": int(self.gradients),
                 "optimizer": int(self.optimizer), "activations": int(self.activations), "peak": int(self.peak),
+                "peak_stage": self.memory.stage, "peak_moment": self.memory.moment,
+                "peak_terms": {name: int(size) for name, size in self.memory.terms.items()},
             },
             "step_time_s": self.step_time_s,
             "tokens_per_second": self.tokens_per_second,
@@ -129,21 +111,22 @@ def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: Devi
     """The predictions for ``layout`` of ``shape`` training ``workload`` on devices like ``device``."""
     if layout.context > 1:
         return _with_context(shape, layout, workload, device)
-    memory = _memory(shape, layout, workload, device)
+    memory = memory_breakdown(shape, layout, workload)
     tokens = workload.global_batch * workload.sequence
     parts, model_flops = _step_parts(shape, layout, workload, device)
     step = sum(parts.values())
     return Estimate(
         layout=layout,
-        parameters=memory.parameters,
-        gradients=memory.gradients,
-        optimizer=memory.optimizer,
+        parameters=memory.terms["parameters"],
+        gradients=memory.terms["gradients"],
+        optimizer=memory.terms["optimizer"],
         activations=memory.activations,
         peak=memory.peak,
         step_time_s=step,
         tokens_per_second=tokens / step,
         mfu=model_flops / step / layout.devices / device.peak(workload.dtype),
         fits=memory.peak <= device.memory_bytes - RESERVED_BYTES,
+        memory=memory,
         time_parts=parts,
     )
 
@@ -183,79 +166,11 @@ def _ring_seconds(shape: ModelShape, layout: Layout, workload: Workload, device:
     forward_hops = (c - 1) * (2 if layout.gradient_checkpoint == "full" else 1)
     per_block = forward_hops * 2 * share + ((c - 1) * 4 + 2) * share
     hops = forward_hops + c
-    blocks = math.ceil(shape.layers / layout.pipeline) * layout.micro_batches
+    blocks = stage_blocks(shape, layout) * layout.micro_batches
     # A context group's devices are a lane (t x p devices) apart: within a node while c lanes fit in it.
     lanes_in_node = c * layout.tensor * layout.pipeline <= workload.devices_per_node
     bandwidth = device.intra_node_bandwidth if lanes_in_node else device.inter_node_bandwidth
     return blocks * (per_block / bandwidth + hops * device.collective_latency_s / 2)
-
-
-@dataclass(frozen=True)
-class _Memory:
-    """Bytes one device holds: weights, gradients, optimizer states, activations, and the peak of a step."""
-
-    parameters: float
-    gradients: float
-    optimizer: float
-    activations: float
-    peak: float
-
-
-def _memory(shape: ModelShape, layout: Layout, workload: Workload, device: DeviceProfile) -> _Memory:
-    """What the most loaded device holds (the module's documentation says what is counted)."""
-    t, p, d, b = layout.tensor, layout.pipeline, layout.data, layout.micro_batch_size
-    s, e = workload.sequence, workload.dtype_bytes
-    sequence_parallel = layout.sequence_parallel and t > 1
-    blocks = math.ceil(shape.layers / p)
-    weights = weights_per_device(shape, layout)
-    master = 4 if workload.mixed else 0
-    parameter_bytes = weights * (e + master)
-    gradient_bytes = weights * 4
-    updated = updated_weights(shape, layout)
-    optimizer_bytes = updated * 4 * workload.optimizer_states
-    zero = layout.zero in ("v0", "v1", "v2")
-    if zero:  # every tensor chunked over the data devices, at every level; in bf16 the chunks are the float32 masters
-        parameter_bytes = weights * (master or e) / d
-        gradient_bytes /= d
-
-    block = block_activations(shape, b, s, dtype_bytes=e, sdpa=workload.sdpa, checkpoint=layout.gradient_checkpoint)
-    per_block = block.per_device(t, sequence_parallel)
-    whole_block = block_activations(shape, b, s, dtype_bytes=e, sdpa=workload.sdpa).per_device(t, sequence_parallel)
-    # gradient accumulation (one stage, several micro-batches) keeps one micro-batch at a time
-    in_flight = micro_batches_in_flight(layout) if p > 1 else 1.0
-    vocab_share = shape.vocab if workload.gathered_logits else shape.vocab / t
-    logits = 2 * b * s * vocab_share * 4  # the last stage's float32 logits and their gradient
-    first_stage = blocks * per_block * in_flight
-    last_stage = blocks * per_block * micro_batches_in_flight(layout, stage=p - 1) + logits
-    activations = max(first_stage, last_stage if p > 1 else first_stage + logits)
-    # Transients: without ZeRO, each gradient is a view into its flat bucket (epl_comm.data_parallel), and one that
-    # autograd makes is moved there as it lands: one tensor's fresh gradient at a time, the largest (the embedding
-    # or the head) at most. Under ZeRO
-    # (FSDP2, epl_memory.zero) the weights are whole while a block computes: v0 and v1 every block's from its forward
-    # to the end of its backward, so the stage's whole weights at the start of backward; v2 one block's at a time
-    # (two where the next one's gather is prefetched). A block's gradients are whole from its backward until they
-    # are reduce-scattered: the unsharded gradients and the reduce-scatter's buffer (the previous block's buffer is
-    # released as this one's is made), float32, of the largest block. The optimizer's step makes a float32 temporary
-    # the size of what it updates (torch's foreach Adam: the square roots' denominators), after backward freed the
-    # activations.
-    # Under v0 and v1 on one stage the embedding and head are the root's, reduced as the backward ends: the root's
-    # weights (each block's were dropped after its backward) and its gradients and buffer, the activations gone.
-    reducing = end_of_backward = 0.0
-    if zero and d > 1:
-        unit = largest_unit(shape, layout)
-        whole_weights = layout.zero in ("v0", "v1") or zero_holds_whole_stage(layout)
-        gathered = weights if whole_weights else unit * (2 if workload.weights_prefetched else 1)
-        reducing = gathered * e + 2 * unit * 4
-        if zero_accumulates_whole(layout):  # v0 over micro-batches, zero bubble: every gradient whole until the last
-            reducing += weights * 4
-        if zero_root_holds_ends(layout):  # each block resharded after its backward: only the root's weights whole
-            end_of_backward = root_unit(shape, layout) * (e + 2 * 4)
-    elif d > 1:
-        reducing = largest_tensor(shape, layout) * 4
-    update_temporary = updated * 4 if workload.optimizer_states >= 2 else 0.0
-    working = max(activations + whole_block + reducing, end_of_backward, update_temporary)
-    peak = parameter_bytes + gradient_bytes + optimizer_bytes + working
-    return _Memory(parameter_bytes, gradient_bytes, optimizer_bytes, activations, peak)
 
 
 def _step_parts(
@@ -265,7 +180,7 @@ def _step_parts(
     t, p, d, m = layout.tensor, layout.pipeline, layout.data, layout.micro_batches
     s = workload.sequence
     span = workload.attention_length or s  # the keys each query attends over
-    blocks = math.ceil(shape.layers / p)
+    blocks = stage_blocks(shape, layout)
     weights = weights_per_device(shape, layout)
     tokens = workload.global_batch * s
     head = 6 * shape.vocab * shape.hidden  # per token
@@ -335,14 +250,14 @@ def _memory_bound_seconds(
     """Seconds one device spends on memory-bound work in a step: its blocks' elementwise kernels (a forward more
     under full recomputation) and the loss on the last stage; and the optimizer's update of its weights (a ZeRO
     share)."""
-    t, p, d = layout.tensor, layout.pipeline, layout.data
+    t, d = layout.tensor, layout.data
     tokens = workload.global_batch // d * workload.sequence
     block = memory_traffic.block_bytes(shape, tokens, workload.sequence, workload.dtype_bytes, workload.sdpa)
     per_block = block.per_device(t, layout.sequence_parallel and t > 1)
     if layout.gradient_checkpoint == "full":
         per_block *= 4 / 3
     loss = memory_traffic.loss_bytes(shape, tokens, t, workload.gathered_logits)
-    kernels = math.ceil(shape.layers / p) * per_block + loss
+    kernels = stage_blocks(shape, layout) * per_block + loss
     update = memory_traffic.optimizer_bytes(updated_weights(shape, layout), workload.optimizer_states)
     update /= device.optimizer_bandwidth or device.memory_bandwidth
     if d > 1:

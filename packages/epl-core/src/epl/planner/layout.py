@@ -43,6 +43,9 @@ class Layout:
     sequence_parallel: bool = False
     #: Devices each sequence's tokens are spread over (``context.degree``), on top of data x tensor x pipeline.
     context: int = 1
+    #: Blocks on each pipeline stage where they are uneven (Llama 3 gives its first and last stages one fewer);
+    #: empty: the automatic partition's, at most ``ceil(L/p)`` on every stage.
+    stage_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("data", "tensor", "pipeline", "micro_batches", "micro_batch_size", "virtual_stages", "context"):
@@ -52,6 +55,11 @@ class Layout:
             raise EplError(f"Unknown ZeRO level {self.zero!r} or checkpointing {self.gradient_checkpoint!r}.")
         if self.schedule not in SCHEDULES:
             raise EplError(f"Unknown schedule {self.schedule!r}: one of {', '.join(SCHEDULES)}.")
+        if self.stage_layers and (len(self.stage_layers) != self.pipeline or min(self.stage_layers) < 0):
+            raise EplError(
+                f"A layout's stage_layers {self.stage_layers} must give a count of at least 0 blocks for each of its "
+                f"{self.pipeline} pipeline stages."
+            )
 
     @property
     def devices(self) -> int:
@@ -67,6 +75,10 @@ class Layout:
             data.pop("sequence_parallel")
         if self.context == 1:
             data.pop("context")
+        if self.stage_layers:
+            data["stage_layers"] = list(self.stage_layers)
+        else:
+            data.pop("stage_layers")
         return data
 
     def annotation(self) -> str:
@@ -81,6 +93,11 @@ class Layout:
             raise EplError(
                 f"EPL cannot run {self} yet: selective recomputation comes with the long-context work. The planner "
                 "estimates it for published runs only."
+            )
+        if self.stage_layers:
+            raise EplError(
+                f"The planner cannot write {self} as an epl.Config: uneven stages are cut at "
+                "`pipeline.split_points`, which name the model's own modules."
             )
         config: dict[str, Any] = {}
         if self.sequence_parallel and self.tensor > 1:

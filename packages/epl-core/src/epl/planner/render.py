@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from epl.placement.render import format_bytes
 from epl.planner.devices import DeviceProfile
-from epl.planner.estimate import MFU_FORMULA, Estimate
+from epl.planner.estimate import MFU_FORMULA, RESERVED_BYTES, Estimate
 from epl.planner.layout import Layout, Workload
+from epl.planner.memory import TERM_MEANINGS
 from epl.planner.search import SearchResult
 
 
@@ -23,16 +24,21 @@ def describe_layout(layout: Layout) -> str:
 
 
 def describe(result: Estimate, device: DeviceProfile) -> str:
-    """The estimate's lines: layout, memory of the most loaded device, step time and its parts, tokens/s, MFU."""
+    """The estimate's lines: layout, the peak memory of the most loaded device term by term (they add up to the
+    peak), step time and its parts, tokens/s, MFU."""
     parts = ", ".join(f"{name.replace('_', ' ')} {seconds:.3g} s" for name, seconds in result.time_parts.items())
     fits = "fits" if result.fits else "DOES NOT FIT"
+    memory = result.memory
+    stage = f"stage {memory.stage}, " if result.layout.pipeline > 1 else ""
     return "\n".join(
         [
             f"  layout: {describe_layout(result.layout)}",
-            f"  memory per device (most loaded stage): parameters {format_bytes(int(result.parameters))}, "
-            f"gradients {format_bytes(int(result.gradients))}, optimizer {format_bytes(int(result.optimizer))}, "
-            f"activations {format_bytes(int(result.activations))}; peak {format_bytes(int(result.peak))} of "
-            f"{format_bytes(device.memory_bytes)}: {fits}",
+            f"  peak memory per device {format_bytes(int(result.peak))} ({stage}{memory.moment}) of "
+            f"{format_bytes(device.memory_bytes)}, {format_bytes(RESERVED_BYTES)} kept for the runtime: {fits}",
+            *(
+                f"    {name.replace('_', ' ')} {format_bytes(int(size))}: {TERM_MEANINGS[name]}"
+                for name, size in memory.terms.items()
+            ),
             f"  step time {result.step_time_s:.3g} s: {parts}",
             f"  {result.tokens_per_second:,.0f} tokens/s, MFU {100 * result.mfu:.1f}%",
             *(f"  note: {note}" for note in result.notes),

@@ -1,0 +1,142 @@
+"""A layout's memory per device at its peak, as named terms that add up to the peak.
+
+Each pipeline stage is evaluated (the first and the last, or every stage where ``Layout.stage_layers`` makes them
+uneven); the stage whose peak is highest is the one reported. A stage's peak is what it holds all step plus the
+largest of three moments:
+
+- **held all step**: ``parameters`` (the weights in the compute dtype and, in bf16/fp16, a float32 master copy;
+  under ZeRO v0-v2 on FSDP2 only each weight's chunk over the data devices, the float32 master in bf16),
+  ``gradients`` (float32; a chunk under ZeRO) and ``optimizer`` (the optimizer's float32 states of what the device
+  updates);
+- **the start of the backward**: ``activations`` (what the stage's blocks saved for the micro-batches the schedule
+  keeps in flight, :mod:`epl.planner.activations`), ``logits`` (the last stage's float32 logits of one micro-batch
+  and their gradient), ``block_backward`` (one block's backward working set: its whole activations again, made by
+  recomputation under checkpointing or held by autograd without it), and what data parallelism holds to
+  communicate: ``gathered_weights`` (ZeRO: the weights whole while blocks compute, every block's under v0/v1, the
+  largest block's under v2, two where the next one's gather is prefetched), ``gradient_buffers`` (ZeRO: the
+  largest block's gradients whole and the reduce-scatter's buffer; without ZeRO one tensor's fresh gradient, the
+  largest, before it moves into its flat bucket), and ``accumulated_gradients`` (ZeRO v0 over micro-batches and
+  zero-bubble schedules: every gradient whole until the last micro-batch);
+- **the end of the backward** under ZeRO v0/v1 on one stage: the root's embedding and head weights gathered
+  (``gathered_weights``) and their gradients twice (``gradient_buffers``), the activations gone;
+- **the optimizer step**: ``optimizer_temporary``, a float32 tensor the size of what it updates (torch's foreach
+  Adam: the square roots' denominators), the activations gone.
+
+Checked against resident memory in tests/planner/test_measured_memory.py and ``nox -s planner-memory``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epl.planner.activations import block_activations, micro_batches_in_flight
+from epl.planner.communication import (
+    largest_tensor,
+    largest_unit,
+    root_unit,
+    stage_blocks,
+    stages_to_check,
+    updated_weights,
+    weights_per_device,
+    zero_accumulates_whole,
+    zero_holds_whole_stage,
+    zero_root_holds_ends,
+)
+from epl.planner.layout import Layout, Workload
+from epl.planner.shape import ModelShape
+
+#: What each term of :attr:`MemoryBreakdown.terms` is, for ``epl plan``'s lines and docs/planner.md.
+TERM_MEANINGS: dict[str, str] = {
+    "parameters": "the weights held (the float32 master copy besides in bf16/fp16; ZeRO's chunk)",
+    "gradients": "float32 gradients held (ZeRO's chunk)",
+    "optimizer": "the optimizer's float32 states",
+    "activations": "saved for backward by the stage's blocks, for the micro-batches in flight",
+    "logits": "the last stage's float32 logits of one micro-batch and their gradient",
+    "block_backward": "one block's backward working set (its activations recomputed, or held by autograd)",
+    "gathered_weights": "weights gathered whole by ZeRO",
+    "gradient_buffers": "gradients whole before their reduction and the reduction's buffer",
+    "accumulated_gradients": "every gradient whole until the last micro-batch's reduction",
+    "optimizer_temporary": "the optimizer step's float32 temporary (foreach Adam's denominators)",
+}
+#: The moment of a step each peak is at.
+MOMENTS = ("start of the backward", "end of the backward", "optimizer step")
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """The peak of the most loaded device: its pipeline ``stage``, the ``moment`` of the step, and ``terms`` (bytes
+    by name, :data:`TERM_MEANINGS`) that add up to :attr:`peak`."""
+
+    stage: int
+    moment: str
+    terms: dict[str, float]
+    #: What the stage's blocks saved at the start of its backward (a term only when that is the peak's moment).
+    activations: float = 0.0
+
+    @property
+    def peak(self) -> float:
+        """Bytes at the peak: the sum of the terms."""
+        return sum(self.terms.values())
+
+    def largest(self) -> tuple[str, float]:
+        """The largest term and its bytes."""
+        name = max(self.terms, key=self.terms.__getitem__)
+        return name, self.terms[name]
+
+
+def memory_breakdown(shape: ModelShape, layout: Layout, workload: Workload) -> MemoryBreakdown:
+    """The peak of the most loaded device of ``layout`` (the module's documentation says what is counted)."""
+    return max(
+        (_stage_peak(shape, layout, workload, stage) for stage in stages_to_check(layout)),
+        key=lambda breakdown: breakdown.peak,
+    )
+
+
+def _stage_peak(shape: ModelShape, layout: Layout, workload: Workload, stage: int) -> MemoryBreakdown:
+    t, p, d, b = layout.tensor, layout.pipeline, layout.data, layout.micro_batch_size
+    s, e = workload.sequence, workload.dtype_bytes
+    sequence_parallel = layout.sequence_parallel and t > 1
+    blocks = stage_blocks(shape, layout, stage)
+    weights = weights_per_device(shape, layout, stage)
+    master = 4 if workload.mixed else 0
+    updated = updated_weights(shape, layout, stage)
+    zero = layout.zero in ("v0", "v1", "v2")
+    held = {
+        "parameters": weights * (master or e) / d if zero else weights * (e + master),
+        "gradients": weights * 4 / d if zero else weights * 4,
+        "optimizer": updated * 4 * workload.optimizer_states,
+    }
+
+    block = block_activations(shape, b, s, dtype_bytes=e, sdpa=workload.sdpa, checkpoint=layout.gradient_checkpoint)
+    whole_block = block_activations(shape, b, s, dtype_bytes=e, sdpa=workload.sdpa).per_device(t, sequence_parallel)
+    # gradient accumulation (one stage, several micro-batches) keeps one micro-batch at a time
+    in_flight = micro_batches_in_flight(layout, stage) if p > 1 else 1.0
+    vocab_share = shape.vocab if workload.gathered_logits else shape.vocab / t
+    backward = {
+        "activations": blocks * block.per_device(t, sequence_parallel) * in_flight,
+        "logits": 2 * b * s * vocab_share * 4 if stage == p - 1 else 0.0,
+        "block_backward": whole_block,
+    }
+    end_of_backward: dict[str, float] = {}
+    if zero and d > 1:
+        # FSDP2 (epl_memory.zero): v0 and v1 keep every block's weights whole from its forward to the end of its
+        # backward, so the stage's at the start of backward; v2 one block's at a time. A block's gradients are whole
+        # from its backward until they are reduce-scattered, with the reduce-scatter's buffer (the previous block's
+        # released as this one's is made), float32, of the largest block.
+        unit = largest_unit(shape, layout)
+        whole_weights = layout.zero in ("v0", "v1") or zero_holds_whole_stage(layout)
+        gathered = weights if whole_weights else unit * (2 if workload.weights_prefetched else 1)
+        backward["gathered_weights"] = gathered * e
+        backward["gradient_buffers"] = 2 * unit * 4
+        if zero_accumulates_whole(layout):
+            backward["accumulated_gradients"] = weights * 4
+        if zero_root_holds_ends(layout):  # each block resharded after its backward: only the root's weights whole
+            root = root_unit(shape, layout)
+            end_of_backward = {"gathered_weights": root * e, "gradient_buffers": 2 * root * 4}
+    elif d > 1:  # each gradient is a view into its flat bucket; a fresh one is moved there as it lands
+        backward["gradient_buffers"] = largest_tensor(shape, layout) * 4
+    step = {"optimizer_temporary": updated * 4 if workload.optimizer_states >= 2 else 0.0}
+    moments = ((MOMENTS[0], backward), (MOMENTS[1], end_of_backward), (MOMENTS[2], step))
+    moment, extra = max(moments, key=lambda item: sum(item[1].values()))
+    terms = {**held, **{name: size for name, size in extra.items() if size}}
+    return MemoryBreakdown(stage, moment, terms, backward["activations"])
