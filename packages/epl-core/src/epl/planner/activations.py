@@ -18,7 +18,9 @@ With GPT's shapes (h_kv = h, f = 4h, no gate, LayerNorm, dropout, eager attentio
 Korthikanti's 34·s·b·h + 5·a·s²·b bytes, and under tensor parallelism of t without sequence parallelism
 s·b·h·(10 + 24/t + 5·a·s/(h·t)) (tests/planner/test_activations.py checks both). Sequence parallelism divides
 everything by t. ``full`` checkpointing keeps a block's input only; ``auto`` (selective) drops the attention
-core's score-sized tensors.
+core's score-sized tensors. With Megatron-Core's fused kernels (``fused``), the flash kernel's output is the output
+projection's input (one tensor: its layout is already ``[s, b, h]``, where transformers copies it), and a SwiGLU
+kernel saves its input (gate and up, 2f) instead of the gate's activation, its output and the up projection (3f).
 """
 
 from __future__ import annotations
@@ -53,8 +55,10 @@ def block_activations(
     sdpa: bool = True,
     dropout: bool = False,
     checkpoint: str = "none",
+    fused: bool = False,
 ) -> BlockActivations:
-    """What one block saves for backward for one micro-batch of ``micro_batch`` sequences of ``sequence`` tokens."""
+    """What one block saves for backward for one micro-batch of ``micro_batch`` sequences of ``sequence`` tokens;
+    ``fused``: with Megatron-Core's kernels (:attr:`epl.planner.layout.Workload.fused_kernels`)."""
     tokens = micro_batch * sequence
     h, f, a = shape.hidden, shape.ffn, shape.heads
     kv = shape.kv_heads * shape.head_dim
@@ -66,11 +70,14 @@ def block_activations(
     scores = 0.0
     if sdpa:
         core = tokens * (h + 2 * kv) * e  # q, k, v
-        core += tokens * h * e  # the fused kernel's output (its log-sum-exp is a few floats per row)
+        if not fused:  # the fused kernel's output (its log-sum-exp is a few floats per row), copied to [s, b, h]
+            core += tokens * h * e
     else:  # eager: k and v repeated to every head, the softmax's output and its dropout's (even at p=0)
         core = tokens * 3 * h * e
         scores = tokens * a * sequence * e * 2 + (tokens * a * sequence if dropout else 0)
     mlp = tokens * (shape.activation_saves + (2 if shape.gated else 0)) * f * e
+    if fused and shape.gated:  # one SwiGLU kernel saves its input, gate and up (2f), and recomputes the rest
+        mlp = tokens * 2 * f * e
     if dropout:  # the masks of the attention's and the MLP's residual dropouts, a byte per element
         replicated += 2 * tokens * h
     if checkpoint == "auto":  # selective: the score-sized tensors are recomputed

@@ -163,13 +163,15 @@ def zero_collectives(layout: Layout, workload: Workload) -> tuple[int, int]:
     and gathers for every micro-batch's forward under v0 and v1 (the
     weights stay whole until its backward ends: ``reshard_after_forward=False``) and again for its backward under v2.
     ``Workload.zero_once_per_step`` (Megatron-LM's distributed optimizer) reduces once a step and, under v0 and v1,
-    gathers once a step."""
+    gathers once a step; ``Workload.weights_gathered_once`` gathers once a step and still reduces in every
+    micro-batch."""
     m = layout.micro_batches
     once = workload.zero_once_per_step
+    gathered_once = once or workload.weights_gathered_once
     reduced_once = once or zero_accumulates_whole(layout)
     if zero_holds_whole_stage(layout):
         return 1, 1
-    return (1 if reduced_once else m), (2 * m if layout.zero == "v2" else 1 if once else m)
+    return (1 if reduced_once else m), (2 * m if layout.zero == "v2" else 1 if gathered_once else m)
 
 
 def zero_accumulates_whole(layout: Layout) -> bool:

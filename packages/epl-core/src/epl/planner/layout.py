@@ -143,6 +143,13 @@ class Workload:
     #: micro-batches (Megatron-LM's distributed optimizer accumulates whole gradients); EPL's ZeRO (FSDP2, as
     #: ``epl_memory.zero`` sets it up) reduce-scatters and gathers each block in every micro-batch.
     zero_once_per_step: bool = False
+    #: ZeRO v0/v1's weights gathered once a step and kept whole through its micro-batches, the gradients still
+    #: reduce-scattered in each (FSDP not resharding between micro-batches, as Llama 3's pipeline stages run it).
+    weights_gathered_once: bool = False
+    #: The block's kernels are Megatron-Core's (Transformer Engine): the flash kernel's output is the output
+    #: projection's input, and SwiGLU is one kernel that saves its input
+    #: (:func:`epl.planner.activations.block_activations`); transformers' modules, which EPL runs, save both (False).
+    fused_kernels: bool = False
 
     @property
     def dtype_bytes(self) -> int:

@@ -15,8 +15,9 @@ largest of three moments:
   communicate: ``gathered_weights`` (ZeRO: the weights whole while blocks compute, every block's under v0/v1, the
   largest block's under v2, two where the next one's gather is prefetched), ``gradient_buffers`` (ZeRO: the
   largest block's gradients whole and the reduce-scatter's buffer; without ZeRO one tensor's fresh gradient, the
-  largest, before it moves into its flat bucket), and ``accumulated_gradients`` (ZeRO v0 over micro-batches and
-  zero-bubble schedules: every gradient whole until the last micro-batch);
+  largest, before it moves into its flat bucket), and ``accumulated_gradients`` (ZeRO v0 over micro-batches,
+  zero-bubble schedules and Megatron-LM's distributed optimizer, ``Workload.zero_once_per_step``: every gradient
+  whole, float32, until the last micro-batch);
 - **the end of the backward** under ZeRO v0/v1 on one stage: the root's embedding and head weights gathered
   (``gathered_weights``) and their gradients twice (``gradient_buffers``), the activations gone;
 - **the optimizer step**: ``optimizer_temporary``, a float32 tensor the size of what it updates (torch's foreach
@@ -107,8 +108,9 @@ def _stage_peak(shape: ModelShape, layout: Layout, workload: Workload, stage: in
         "optimizer": updated * 4 * workload.optimizer_states,
     }
 
-    block = block_activations(shape, b, s, dtype_bytes=e, sdpa=workload.sdpa, checkpoint=layout.gradient_checkpoint)
-    whole_block = block_activations(shape, b, s, dtype_bytes=e, sdpa=workload.sdpa).per_device(t, sequence_parallel)
+    sdpa, fused = workload.sdpa, workload.fused_kernels
+    block = block_activations(shape, b, s, dtype_bytes=e, sdpa=sdpa, checkpoint=layout.gradient_checkpoint, fused=fused)
+    whole_block = block_activations(shape, b, s, dtype_bytes=e, sdpa=sdpa, fused=fused).per_device(t, sequence_parallel)
     # gradient accumulation (one stage, several micro-batches) keeps one micro-batch at a time
     in_flight = micro_batches_in_flight(layout, stage) if p > 1 else 1.0
     vocab_share = shape.vocab if workload.gathered_logits else shape.vocab / t
@@ -128,7 +130,8 @@ def _stage_peak(shape: ModelShape, layout: Layout, workload: Workload, stage: in
         gathered = weights if whole_weights else unit * (2 if workload.weights_prefetched else 1)
         backward["gathered_weights"] = gathered * e
         backward["gradient_buffers"] = 2 * unit * 4
-        if zero_accumulates_whole(layout):
+        if zero_accumulates_whole(layout) or (workload.zero_once_per_step and layout.micro_batches > 1):
+            # Megatron-LM's distributed optimizer (zero_once_per_step) accumulates into whole float32 buffers too
             backward["accumulated_gradients"] = weights * 4
         if zero_root_holds_ends(layout):  # each block resharded after its backward: only the root's weights whole
             root = root_unit(shape, layout)
