@@ -25,6 +25,7 @@ SOURCES = {
     "epl-memory": ROOT / "packages" / "epl-memory" / "src",
     "epl-pipeline": ROOT / "packages" / "epl-pipeline" / "src",
     "epl-launch": ROOT / "packages" / "epl-launch" / "src",
+    "epl-example-plugin": ROOT / "examples" / "plugin" / "src",
 }
 #: A read of a config key by name: ``config["a.b"]`` or ``config.get("a.b"`` (not an assignment: the planner writes
 #: the config that realises a layout, keys of every package included).
@@ -55,6 +56,7 @@ VIEWS = {
     "epl-comm": "epl_comm/settings.py",
     "epl-memory": "epl_memory/settings.py",
     "epl-pipeline": "epl_pipeline/settings.py",
+    "epl-example-plugin": "epl_example_plugin/settings.py",
 }
 
 #: The Config class, whose docs show a read by name.
@@ -82,6 +84,7 @@ def _views() -> dict[str, type]:
     """Each package's view, by the package (epl-launch declares no key, so has none)."""
     from epl.config.settings import CoreSettings
     from epl_comm.settings import CommSettings
+    from epl_example_plugin.settings import ExamplePluginSettings
     from epl_memory.settings import MemorySettings
     from epl_pipeline.settings import PipelineSettings
 
@@ -90,6 +93,7 @@ def _views() -> dict[str, type]:
         "epl-comm": CommSettings,
         "epl-memory": MemorySettings,
         "epl-pipeline": PipelineSettings,
+        "epl-example-plugin": ExamplePluginSettings,
     }
 
 
