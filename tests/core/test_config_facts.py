@@ -117,6 +117,9 @@ def test_a_view_is_frozen_typed_built_once_and_defaults_as_its_keys(view: type) 
     assert built is not view.read(config)  # type: ignore[attr-defined]  # read builds anew; from_config keeps one
     with pytest.raises(dataclasses.FrozenInstanceError):
         setattr(built, dataclasses.fields(built)[0].name, None)
+    for section in [getattr(built, f.name) for f in dataclasses.fields(built)]:  # its sections are frozen too
+        if dataclasses.is_dataclass(section):
+            assert section.__dataclass_params__.frozen, section  # type: ignore[attr-defined]
     for name, hint in typing.get_type_hints(view).items():
         assert hint is not typing.Any, (view.__name__, name)
     # every field is a declared key, with the key's default (a field named for its key, or its section's last part)
