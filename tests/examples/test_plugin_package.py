@@ -93,6 +93,18 @@ def test_its_key_is_declared_by_it() -> None:
     assert epl.Config({"example": {"check_finite": True}})[KEY] is True
 
 
+def test_its_hooks_read_the_key_through_its_view() -> None:
+    import epl
+    from epl.plugin_api import ConfigView
+    from epl_example_plugin.settings import ExamplePluginSettings
+
+    config = epl.Config({KEY: True}, environ={})
+    view = ExamplePluginSettings.from_config(config)
+    assert issubclass(ExamplePluginSettings, ConfigView) and view.example.check_finite is True
+    assert view is ExamplePluginSettings.from_config(config)  # built once per Config
+    assert ExamplePluginSettings.from_config(epl.Config({}, environ={})) == ExamplePluginSettings()
+
+
 @pytest.mark.parametrize("value", [1, "yes", None])
 def test_its_key_rejects_a_wrong_type(value: object) -> None:
     import epl

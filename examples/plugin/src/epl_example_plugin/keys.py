@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from epl.plugin_api import ConfigKey
 
-#: The name of the one key, used by the transform and the command.
+#: The name of the one key, as declared here and named in the transform's error.
 CHECK_FINITE = "example.check_finite"
 
 KEYS: tuple[ConfigKey, ...] = (

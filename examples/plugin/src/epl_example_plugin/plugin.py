@@ -45,9 +45,9 @@ def epl_cli_commands(cli: click.Group) -> None:
 @hookimpl
 def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | None:
     """``CheckFinite`` when ``example.check_finite`` is set; otherwise nothing."""
-    from epl_example_plugin.keys import CHECK_FINITE
+    from epl_example_plugin.settings import ExamplePluginSettings
 
-    if not context.config[CHECK_FINITE]:
+    if not ExamplePluginSettings.from_config(context.config).example.check_finite:
         return None
     from epl_example_plugin.transforms import CheckFinite
 

@@ -16,11 +16,8 @@ if TYPE_CHECKING:
 
     from epl.plugin_api import Config, ConfigKey, LossScaler, ModelTransform, OptimizerWrapper, ParallelContext
 
-PLUGIN = "epl-memory"
 _log = logging.getLogger("epl.memory")
 
-#: Keys this package declares but does not implement yet, with their "off" value.
-NOT_YET: dict[str, str] = {}
 #: AMP's numeric keys, with their default: setting one without amp.level = O1 is an error, not a no-op.
 AMP_OPTIONS = {"amp.loss_scale": "dynamic", "amp.dtype": "", "amp.growth_interval": 2000}
 
@@ -138,19 +135,12 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
 
     (The checks run here, the first memory hook ``epl.parallelize`` calls.)
     """
-    from epl.plugin_api import ConfigError
     from epl_memory.offload import CPU_NOTE, offloads
     from epl_memory.zero import ZeroSharding, shards_over_copies
 
-    config, settings = context.config, MemorySettings.from_config(context.config)
+    settings = MemorySettings.from_config(context.config)
     _check_combinations(context)
     _check_amp(context)
-    for key, off in NOT_YET.items():
-        if config[key] != off:
-            raise ConfigError(
-                f"Config key {key!r} = {config[key]!r}: epl-memory {_version()} does not implement it yet "
-                f"(gradient checkpointing is). Leave {key} at {off!r} for now."
-            )
     transforms: list[ModelTransform] = []
     if settings.gradient_checkpoint.type:
         transforms.append(GradientCheckpointing())
@@ -203,15 +193,6 @@ def _check_amp(context: ParallelContext) -> None:
                 f"Config key {key!r} = {config[key]!r} only applies to mixed precision: set amp.level to 'O1' "
                 f"too, or leave {key} at {default!r}."
             )
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(PLUGIN)
-    except PackageNotFoundError:
-        return "(source tree)"
 
 
 if TYPE_CHECKING:

@@ -52,7 +52,7 @@ class AmpSettings:
     level: Literal["", "O1"] = ""
     debug_log: bool = False
     #: ``"dynamic"``, or a fixed scale.
-    loss_scale: str | int = "dynamic"
+    loss_scale: Literal["dynamic"] | int = "dynamic"
     dtype: Literal["", "float16", "bfloat16"] = ""
     growth_interval: int = 2000
 
