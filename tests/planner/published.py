@@ -141,9 +141,13 @@ LLAMA3_STAGES = (7, *(8,) * 14, 7)
 #: Chunks per device: not stated. 8 is inferred: with one layer per chunk, 16 x 8 = 128 chunks are the 126 layers,
 #: the embedding's chunk and the head's, as the paper describes them.
 LLAMA3_CHUNKS = 8
+#: Micro-batches run in a row on a chunk: "allows setting N flexibly"; the production value is not given, N = 5 is
+#: the one printed (Figure 6's example). Megatron's default, N = PP = 16, predicts 80.1 GiB on stage 1, 1 GiB over.
+LLAMA3_GROUP = 5
 LLAMA3_ASSUMED = (
     "read: no activation checkpointing at 8K (3.3.2), 7/8/7 layers per stage, TP 8 with sequence parallelism; "
-    "inferred: 8 chunks per device (one layer each); assumed: Megatron-Core's fused kernels (flash attention, one "
+    "inferred: 8 chunks per device (one layer each); assumed: N = 5 micro-batches in a row per chunk (Figure 6's); "
+    "Megatron-Core's fused kernels (flash attention, one "
     "SwiGLU kernel), ZeRO v1 for its FSDP, which 'shards optimizer states and gradients' and does not reshard the "
     "weights after the forward: gathered once a step and kept, gradients reduce-scattered after each micro-batch's "
     "backward behind the compute"
@@ -153,7 +157,7 @@ LLAMA3_ASSUMED = (
 def _llama3(gpus: int, per_replica: int, mfu: float) -> PublishedRun:
     d = gpus // (8 * 16)
     layout = Layout(d, 8, 16, per_replica, 1, "v1", "none", "interleaved", LLAMA3_CHUNKS, sequence_parallel=True,
-                    stage_layers=LLAMA3_STAGES)  # fmt: skip
+                    stage_layers=LLAMA3_STAGES, interleave_group=LLAMA3_GROUP)  # fmt: skip
     workload = Workload(d * per_replica, 8192, weights_prefetched=True, weights_gathered_once=True, fused_kernels=True)
     return PublishedRun(f"405B, {gpus:,} GPUs", "Llama 3", LLAMA3, LLAMA3_405B, layout, workload, "h100-sxm", gpus,
                         "mfu", mfu, assumed=LLAMA3_ASSUMED)  # fmt: skip
@@ -164,7 +168,8 @@ def _llama3_long_context(checkpoint: str = "none") -> PublishedRun:
     with DP 4, which makes 8,192 GPUs, not 16,384, and 8M tokens a batch, not 16M: DP 8 is a correction. Its
     recomputation is not stated: ``checkpoint`` is each plausible one."""
     layout = Layout(8, 8, 16, 16, 1, "v1", checkpoint, "interleaved", LLAMA3_CHUNKS, sequence_parallel=True,
-                    context=16, stage_layers=LLAMA3_STAGES)  # type: ignore[arg-type]  # fmt: skip
+                    context=16, stage_layers=LLAMA3_STAGES,
+                    interleave_group=LLAMA3_GROUP)  # type: ignore[arg-type]  # fmt: skip
     return PublishedRun(f"405B, 16,384 GPUs, 128K tokens, checkpointing {checkpoint}", "Llama 3", LLAMA3,
                         LLAMA3_405B, layout,
                         Workload(8 * 16, 131072, weights_prefetched=True, weights_gathered_once=True,
@@ -221,3 +226,98 @@ RUNS: tuple[PublishedRun, ...] = (
 def profile_for(run: PublishedRun, efficiency: float) -> DeviceProfile:
     """``run``'s device profile with ``efficiency``."""
     return replace(PROFILES[run.device], efficiency=efficiency)
+
+
+@dataclass(frozen=True)
+class MemoryRun:
+    """A published run that states its memory per GPU (``published_gib``; None: it did not fit), what the figure
+    measures (``measure``) and on which pipeline stage (``stage``; None: the most of any)."""
+
+    name: str
+    source: str
+    shape: ModelShape
+    layout: Layout
+    workload: Workload
+    device: DeviceProfile
+    measure: str
+    published_gib: float | None
+    stage: int | None = None
+    assumed: str = ""
+
+
+MEGATRON_CI = (
+    "NVIDIA/Megatron-LM tests/functional_tests/test_cases/gpt/gpt3_7b_{}_memory_speed/ (model_config.yaml, "
+    "golden_values_dev_dgx_h100.json @6e091e1b): mem-max-allocated-bytes of the last rank"
+)
+BLOOM_PREQUEL = (
+    "bigscience-workshop/bigscience train/tr11-176B-ml/chronicles-prequel.md, {} (flags from the slurm scripts)"
+)
+TORCHTITAN_2412 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, {}: max over GPUs of reserved memory"
+#: torchtitan's end-of-2024 H100s: "96GB HBM2e" (500 W); what torch reports on them is not known here.
+H100_96GB = replace(PROFILES["h100-sxm"], name="h100-96gb", memory_bytes=96 * 10**9)
+
+
+def _megatron_ci(tensor: int, pipeline: int, micro: int) -> MemoryRun:
+    """Megatron-LM's CI test of a 7B GPT at 8K tokens on 8 H100s, DP 2, with its distributed optimizer, no
+    recomputation, Transformer Engine; ``--num-layers-per-virtual-pipeline-stage 1`` on 4 stages."""
+    vocab = 131200 if tensor == 1 else 131584  # 131,073 padded to a multiple of 128 x TP
+    shape = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=16384, vocab=vocab, gated=False)
+    virtual = 8 if pipeline > 1 else 1
+    layout = Layout(2, tensor, pipeline, 4 // micro, micro, "v1", "none", "interleaved" if virtual > 1 else "1F1B",
+                    virtual)  # fmt: skip
+    workload = Workload(8, 8192, zero_once_per_step=True, fused_kernels=True, dropout=True)
+    return MemoryRun(f"Megatron-LM CI, GPT 7B, TP {tensor} PP {pipeline}", MEGATRON_CI.format(
+        f"tp{tensor}_pp{pipeline}"), shape, layout, workload, PROFILES["h100-sxm"], "max allocated",
+        56.55 if pipeline > 1 else 53.22, stage=pipeline - 1,
+        assumed="defaults read from the code: GeLU MLP of 4h, LayerNorm, dropout 0.1; DP 2 from the 8-GPU "
+        "recipe")  # fmt: skip
+
+
+def _bloom_prequel(micro: int, gib: float) -> MemoryRun:
+    """The 181B (72 x 14336) contender on 48 nodes: TP 8 x PP 12 x DP 4, fp16, DeepSpeed ZeRO-1, every layer
+    recomputed, global batch 2048; the first node (stage 0, the embedding's)."""
+    layout = Layout(4, 8, 12, 512 // micro, micro, "v1", "full", "1F1B")
+    workload = Workload(2048, 2048, dtype="fp16", sdpa=False, zero_once_per_step=True, gradient_bytes=2)
+    return MemoryRun(f"BLOOM 181B contender, micro-batch {micro}", BLOOM_PREQUEL.format("48 node contenders"),
+                     _gpt(72, 14336, 64, vocab=250880), layout, workload, PROFILES["a100-80gb"], "nvidia-smi", gib,
+                     stage=0, assumed="vocabulary 250,880 (padded; '250k' printed); even stages")  # fmt: skip
+
+
+MEMORY_RUNS: tuple[MemoryRun, ...] = (
+    _megatron_ci(1, 4, 1),
+    _megatron_ci(4, 1, 2),
+    _bloom_prequel(1, 29),
+    _bloom_prequel(2, 37),
+    _bloom_prequel(4, 49),
+    _bloom_prequel(8, 69),
+    MemoryRun(
+        "BLOOM 176B, the final layout", BLOOM_PREQUEL.format("Rebalancing layers (02-28)"),
+        _gpt(70, 14336, 112, vocab=250880), Layout(8, 4, 12, 128, 2, "v1", "full", "1F1B",
+                                                   stage_layers=(5, *(6,) * 10, 5)),
+        Workload(2048, 2048, sdpa=False, zero_once_per_step=True, gradient_bytes=6), PROFILES["a100-80gb"],
+        "nvidia-smi", 59, stage=0,
+        assumed="the embedding counted as a layer by --pp-partition-method 'type:transformer|embedding' (5 blocks "
+        "on the first and last stages); the BF16 optimizer's gradients in bf16 and accumulated in float32, "
+        "'4bytes x params and it's not sharded'",
+    ),
+    MemoryRun(
+        "torchtitan Llama 3.1 70B, FSDP 32 x TP 8", TORCHTITAN_2412.format("Table 4"), LLAMA3_70B,
+        Layout(32, 8, 1, 1, 16, "v2", "full", sequence_parallel=True), Workload(512, 8192, weights_prefetched=True),
+        H100_96GB, "max reserved", 71.9,
+        assumed="bf16 (the run had float8 linears and torch.compile, not modelled); loss parallel",
+    ),
+    MemoryRun(
+        "torchtitan Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, 1F1B", TORCHTITAN_2412.format("Table 5"), LLAMA3_405B,
+        Layout(8, 8, 8, 8, 4, "v1", "full", "1F1B", sequence_parallel=True, stage_layers=(15, *(16,) * 6, 15)),
+        Workload(256, 8192, weights_prefetched=True, weights_gathered_once=True), H100_96GB, "max reserved", 82.5,
+        assumed="8 micro-batches of 4 (the default micro-batches, the pipeline degree); bf16 (float8, compile and "
+        "async TP not modelled); FSDP without resharding after the forward under a pipeline",
+    ),
+    MemoryRun(
+        "torchtitan Llama 3.1 405B, FSDP only", "pytorch/torchtitan docs/performance.md @3faaa1a0: 'We do see OOM "
+        "for 1D parallelism (FSDP2)'", LLAMA3_405B, Layout(128, 1, 1, 1, 2, "v2", "full"),
+        Workload(256, 8192, weights_prefetched=True), replace(PROFILES["h100-sxm"], memory_bytes=94 * 10**9),
+        "out of memory", None, assumed="local batch 2 as its 2D runs (not stated for the 1D attempt); full "
+        "recomputation; H100s of 94 GB",
+    ),
+)  # fmt: skip

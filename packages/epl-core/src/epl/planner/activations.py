@@ -89,15 +89,19 @@ def micro_batches_in_flight(layout: Layout, stage: int = 0) -> float:
     """Micro-batches whose activations pipeline ``stage`` holds at once, in units of its own layers' activations
     (measured on transformers' Llama in tests/planner/test_measured_memory.py): GPipe all of them; 1F1B
     ``p - stage``; EPL's ZeroBubble ``p`` on every stage (a stage keeps the inputs of its pending weight-gradient
-    passes: 2.0 and 1.95 measured on 2 stages, 4.0, 4.0, 4.0 and 3.86 on 4); interleaved 1F1B Korthikanti's
-    ``p·(1 + (p-1)/(p·v))`` on the first stage. Never more than the micro-batches."""
+    passes: 2.0 and 1.95 measured on 2 stages, 4.0, 4.0, 4.0 and 3.86 on 4); interleaved 1F1B with ``v`` chunks
+    Megatron-LM's warm-up plus one, ``2(p - 1 - stage) + (v - 1)·N + 1`` chunk micro-batches of ``1/v`` of the
+    stage's layers, ``N`` the micro-batches run in a row on a chunk (``Layout.interleave_group``, ``p`` by
+    default): Korthikanti's ``p·(1 + (p-1)/(p·v))`` on the first stage, and on the last ``(v-1)·p + 1`` chunks,
+    nearly ``p`` micro-batches where 1F1B keeps one. Never more than the micro-batches."""
     p, m = layout.pipeline, layout.micro_batches
     if p == 1:
         return 1.0
     if layout.schedule == "GPipe":
         return float(m)
-    if layout.schedule == "interleaved" and stage == 0:
-        return min(float(m), p * (1 + (p - 1) / (p * layout.virtual_stages)))
+    if layout.schedule == "interleaved":
+        v, group = layout.virtual_stages, layout.interleave_group or p
+        return min(float(m), (2 * (p - 1 - stage) + (v - 1) * group + 1) / v)
     if layout.schedule == "ZeroBubble":
         return float(min(m, p))
     return float(min(m, p - stage))

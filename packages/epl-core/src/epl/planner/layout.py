@@ -46,6 +46,9 @@ class Layout:
     #: Blocks on each pipeline stage where they are uneven (Llama 3 gives its first and last stages one fewer);
     #: empty: the automatic partition's, at most ``ceil(L/p)`` on every stage.
     stage_layers: tuple[int, ...] = ()
+    #: Interleaved 1F1B: micro-batches each chunk runs in a row (Megatron-Core's
+    #: ``--microbatch-group-size-per-virtual-pipeline-stage``, Llama 3's ``N``); 0: the pipeline degree.
+    interleave_group: int = 0
 
     def __post_init__(self) -> None:
         for name in ("data", "tensor", "pipeline", "micro_batches", "micro_batch_size", "virtual_stages", "context"):
@@ -79,6 +82,8 @@ class Layout:
             data["stage_layers"] = list(self.stage_layers)
         else:
             data.pop("stage_layers")
+        if not self.interleave_group:
+            data.pop("interleave_group")
         return data
 
     def annotation(self) -> str:
@@ -94,10 +99,11 @@ class Layout:
                 f"EPL cannot run {self} yet: selective recomputation comes with the long-context work. The planner "
                 "estimates it for published runs only."
             )
-        if self.stage_layers:
+        if self.stage_layers or self.interleave_group:
             raise EplError(
                 f"The planner cannot write {self} as an epl.Config: uneven stages are cut at "
-                "`pipeline.split_points`, which name the model's own modules."
+                "`pipeline.split_points`, which name the model's own modules, and EPL's interleaved schedule runs "
+                "the pipeline degree's micro-batches in a row on each chunk."
             )
         config: dict[str, Any] = {}
         if self.sequence_parallel and self.tensor > 1:
@@ -139,9 +145,10 @@ class Workload:
     devices_per_node: int = 8
     weights_prefetched: bool = False
     gathered_logits: bool = False
-    #: ZeRO's gradients reduced once a step and, under v0/v1, its weights gathered once a step, however many
-    #: micro-batches (Megatron-LM's distributed optimizer accumulates whole gradients); EPL's ZeRO (FSDP2, as
-    #: ``epl_memory.zero`` sets it up) reduce-scatters and gathers each block in every micro-batch.
+    #: ZeRO as Megatron-LM's distributed optimizer and DeepSpeed's ZeRO-1 run it: the master weights and optimizer
+    #: states chunked, the working weights and a gradient buffer whole all step, reduced once a step however many
+    #: micro-batches; EPL's ZeRO (FSDP2, as ``epl_memory.zero`` sets it up) chunks everything and reduce-scatters
+    #: and gathers each block in every micro-batch.
     zero_once_per_step: bool = False
     #: ZeRO v0/v1's weights gathered once a step and kept whole through its micro-batches, the gradients still
     #: reduce-scattered in each (FSDP not resharding between micro-batches, as Llama 3's pipeline stages run it).
@@ -150,6 +157,11 @@ class Workload:
     #: projection's input, and SwiGLU is one kernel that saves its input
     #: (:func:`epl.planner.activations.block_activations`); transformers' modules, which EPL runs, save both (False).
     fused_kernels: bool = False
+    #: Bytes of a gradient where gradients are held whole under ``zero_once_per_step`` (Megatron-LM's float32
+    #: ``main_grad``: 4; DeepSpeed's fp16 ZeRO-1: 2).
+    gradient_bytes: int = 4
+    #: The model has dropout: each residual dropout keeps a mask of a byte per element.
+    dropout: bool = False
 
     @property
     def dtype_bytes(self) -> int:

@@ -5,9 +5,11 @@ uneven); the stage whose peak is highest is the one reported. A stage's peak is 
 largest of three moments:
 
 - **held all step**: ``parameters`` (the weights in the compute dtype and, in bf16/fp16, a float32 master copy;
-  under ZeRO v0-v2 on FSDP2 only each weight's chunk over the data devices, the float32 master in bf16),
-  ``gradients`` (float32; a chunk under ZeRO) and ``optimizer`` (the optimizer's float32 states of what the device
-  updates);
+  under ZeRO v0-v2 on FSDP2 only each weight's chunk over the data devices, the float32 master in bf16; under
+  Megatron-LM's distributed optimizer or DeepSpeed's ZeRO-1, ``Workload.zero_once_per_step``, the working weights
+  whole and the master chunked), ``gradients`` (float32, a chunk under FSDP2's ZeRO; whole in
+  ``Workload.gradient_bytes`` under ``zero_once_per_step``, in place of their reduction's buffers) and
+  ``optimizer`` (the optimizer's float32 states of what the device updates);
 - **the start of the backward**: ``activations`` (what the stage's blocks saved for the micro-batches the schedule
   keeps in flight, :mod:`epl.planner.activations`), ``logits`` (the last stage's float32 logits of one micro-batch
   and their gradient), ``block_backward`` (one block's backward working set: its whole activations again, made by
@@ -15,9 +17,8 @@ largest of three moments:
   communicate: ``gathered_weights`` (ZeRO: the weights whole while blocks compute, every block's under v0/v1, the
   largest block's under v2, two where the next one's gather is prefetched), ``gradient_buffers`` (ZeRO: the
   largest block's gradients whole and the reduce-scatter's buffer; without ZeRO one tensor's fresh gradient, the
-  largest, before it moves into its flat bucket), and ``accumulated_gradients`` (ZeRO v0 over micro-batches,
-  zero-bubble schedules and Megatron-LM's distributed optimizer, ``Workload.zero_once_per_step``: every gradient
-  whole, float32, until the last micro-batch);
+  largest, before it moves into its flat bucket), and ``accumulated_gradients`` (ZeRO v0 over micro-batches and
+  zero-bubble schedules: every gradient whole, float32, until the last micro-batch);
 - **the end of the backward** under ZeRO v0/v1 on one stage: the root's embedding and head weights gathered
   (``gathered_weights``) and their gradients twice (``gradient_buffers``), the activations gone;
 - **the optimizer step**: ``optimizer_temporary``, a float32 tensor the size of what it updates (torch's foreach
@@ -88,12 +89,13 @@ class MemoryBreakdown:
 def memory_breakdown(shape: ModelShape, layout: Layout, workload: Workload) -> MemoryBreakdown:
     """The peak of the most loaded device of ``layout`` (the module's documentation says what is counted)."""
     return max(
-        (_stage_peak(shape, layout, workload, stage) for stage in stages_to_check(layout)),
+        (stage_breakdown(shape, layout, workload, stage) for stage in stages_to_check(layout)),
         key=lambda breakdown: breakdown.peak,
     )
 
 
-def _stage_peak(shape: ModelShape, layout: Layout, workload: Workload, stage: int) -> MemoryBreakdown:
+def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage: int) -> MemoryBreakdown:
+    """The peak of a device of pipeline ``stage`` (0 to ``layout.pipeline - 1``)."""
     t, p, d, b = layout.tensor, layout.pipeline, layout.data, layout.micro_batch_size
     s, e = workload.sequence, workload.dtype_bytes
     sequence_parallel = layout.sequence_parallel and t > 1
@@ -102,15 +104,21 @@ def _stage_peak(shape: ModelShape, layout: Layout, workload: Workload, stage: in
     master = 4 if workload.mixed else 0
     updated = updated_weights(shape, layout, stage)
     zero = layout.zero in ("v0", "v1", "v2")
+    # Megatron-LM's distributed optimizer and DeepSpeed's ZeRO-1 (zero_once_per_step) chunk the master weights and
+    # the states only: the working weights and a whole gradient buffer are held all step
+    chunked = zero and not workload.zero_once_per_step
     held = {
-        "parameters": weights * (master or e) / d if zero else weights * (e + master),
-        "gradients": weights * 4 / d if zero else weights * 4,
+        "parameters": weights * (master or e) / d if chunked else weights * e + weights * master / (d if zero else 1),
+        "gradients": weights * 4 / d if chunked else weights * workload.gradient_bytes,
         "optimizer": updated * 4 * workload.optimizer_states,
     }
 
     sdpa, fused = workload.sdpa, workload.fused_kernels
-    block = block_activations(shape, b, s, dtype_bytes=e, sdpa=sdpa, checkpoint=layout.gradient_checkpoint, fused=fused)
-    whole_block = block_activations(shape, b, s, dtype_bytes=e, sdpa=sdpa, fused=fused).per_device(t, sequence_parallel)
+    dropout = workload.dropout
+    block = block_activations(shape, b, s, dtype_bytes=e, sdpa=sdpa, dropout=dropout, fused=fused,
+                              checkpoint=layout.gradient_checkpoint)  # fmt: skip
+    whole = block_activations(shape, b, s, dtype_bytes=e, sdpa=sdpa, dropout=dropout, fused=fused)
+    whole_block = whole.per_device(t, sequence_parallel)
     # gradient accumulation (one stage, several micro-batches) keeps one micro-batch at a time
     in_flight = micro_batches_in_flight(layout, stage) if p > 1 else 1.0
     vocab_share = shape.vocab if workload.gathered_logits else shape.vocab / t
@@ -120,7 +128,7 @@ def _stage_peak(shape: ModelShape, layout: Layout, workload: Workload, stage: in
         "block_backward": whole_block,
     }
     end_of_backward: dict[str, float] = {}
-    if zero and d > 1:
+    if chunked and d > 1:
         # FSDP2 (epl_memory.zero): v0 and v1 keep every block's weights whole from its forward to the end of its
         # backward, so the stage's at the start of backward; v2 one block's at a time. A block's gradients are whole
         # from its backward until they are reduce-scattered, with the reduce-scatter's buffer (the previous block's
@@ -130,13 +138,12 @@ def _stage_peak(shape: ModelShape, layout: Layout, workload: Workload, stage: in
         gathered = weights if whole_weights else unit * (2 if workload.weights_prefetched else 1)
         backward["gathered_weights"] = gathered * e
         backward["gradient_buffers"] = 2 * unit * 4
-        if zero_accumulates_whole(layout) or (workload.zero_once_per_step and layout.micro_batches > 1):
-            # Megatron-LM's distributed optimizer (zero_once_per_step) accumulates into whole float32 buffers too
+        if zero_accumulates_whole(layout):
             backward["accumulated_gradients"] = weights * 4
         if zero_root_holds_ends(layout):  # each block resharded after its backward: only the root's weights whole
             root = root_unit(shape, layout)
             end_of_backward = {"gathered_weights": root * e, "gradient_buffers": 2 * root * 4}
-    elif d > 1:  # each gradient is a view into its flat bucket; a fresh one is moved there as it lands
+    elif d > 1 and not zero:  # each gradient is a view into its flat bucket; a fresh one is moved there as it lands
         backward["gradient_buffers"] = largest_tensor(shape, layout) * 4
     step = {"optimizer_temporary": updated * 4 if workload.optimizer_states >= 2 else 0.0}
     moments = ((MOMENTS[0], backward), (MOMENTS[1], end_of_backward), (MOMENTS[2], step))
