@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import statistics
 
-from epl.planner import Estimate, estimate
-from epl.planner.render import describe_layout
-from tests.planner.published import FITTED_ON, RUNS, PublishedRun, profile_for
-from tests.planner.test_published import errors, fitted_efficiency
+from epl.planner import Estimate, Layout, estimate
+from tests.planner.published import FITTED_ON, MEMORY_RUNS, RUNS, PublishedRun, profile_for
+from tests.planner.test_published import errors, fitted_efficiency, memory_error, predicted_peak
 
 GIB = 2**30
 UNITS = {
@@ -17,6 +16,37 @@ UNITS = {
     "mfu": "MFU",
     "tokens_per_s": "tokens/s per GPU",
 }
+
+
+def short(layout: Layout) -> str:
+    """``t8 p16 d64 c1, 32 x 1, ZeRO v1, recompute none, interleaved v8 N5, SP, stages 7/8/7``."""
+    context = f" c{layout.context}" if layout.context > 1 else ""
+    parts = [f"t{layout.tensor} p{layout.pipeline} d{layout.data}{context}",
+             f"{layout.micro_batches} x {layout.micro_batch_size}", f"ZeRO {layout.zero}",
+             f"recompute {layout.gradient_checkpoint}"]  # fmt: skip
+    if layout.pipeline > 1:
+        group = f" N{layout.interleave_group}" if layout.interleave_group else ""
+        parts.append(
+            f"interleaved v{layout.virtual_stages}{group}" if layout.schedule == "interleaved" else layout.schedule
+        )
+    if layout.sequence_parallel:
+        parts.append("SP")
+    if layout.stage_layers:
+        parts.append("stages " + "/".join(str(n) for n in dict.fromkeys(layout.stage_layers)))
+    return ", ".join(parts)
+
+
+def memory_table() -> str:
+    """One line per published memory figure: the planner's peak on the measured stage against it."""
+    lines = ["| run | layout | measure | published | predicted | error |", "|---|---|---|---|---|---|"]
+    for run in MEMORY_RUNS:
+        predicted = predicted_peak(run) / GIB
+        if run.published_gib is None:
+            figure, error = "out of memory", f"{predicted:.1f} GiB > {run.device.memory_bytes / GIB:.1f}: agrees"
+        else:
+            figure, error = f"{run.published_gib:g} GiB", f"{100 * memory_error(run):+.1f}%"
+        lines.append(f"| {run.name} | {short(run.layout)} | {run.measure} | {figure} | {predicted:.1f} GiB | {error} |")
+    return "\n".join(lines)
 
 
 def _figure(run: PublishedRun, value: float) -> str:
@@ -42,7 +72,7 @@ def throughput_table() -> str:
         predicted = run.published * (1 + found[run.name])
         fitted = "fitted" if run.name in FITTED_ON[run.group] else "predicted"
         lines.append(
-            f"| {run.group} | {run.name} | {run.devices:,} | {describe_layout(run.layout)} | "
+            f"| {run.group} | {run.name} | {run.devices:,} | {short(run.layout)} | "
             f"{_figure(run, run.published)} {UNITS[run.metric]} | {_figure(run, predicted)} | "
             f"{100 * found[run.name]:+.1f}% | {fitted} | {result.peak / GIB:.1f} of "
             f"{device.memory_bytes / GIB:.1f} GiB |"
@@ -65,3 +95,5 @@ if __name__ == "__main__":
     print(throughput_table())
     print()
     print(summary())
+    print()
+    print(memory_table())
