@@ -114,8 +114,9 @@ def _megatron(name: str, heads: int, hidden: int, layers: int, t: int, p: int, g
     layout = Layout(d, t, p, batch // (d * micro), micro, "none", "full", schedule, virtual)
     read = f"micro-batch {micro}, " + (f"{virtual} chunks per device" if virtual > 1 else "no interleaving")
     return PublishedRun(name, "Megatron-LM", NARAYANAN, _gpt(layers, hidden, heads), layout,
-                        Workload(batch, 2048, dtype="fp16", sdpa=False), "a100-80gb", gpus, "tflops", tf,
-                        megatron_flops, f"read from {MEGATRON_SCRIPT}: {read}, full recomputation, fp16")  # fmt: skip
+                        Workload(batch, 2048, dtype="fp16", sdpa=False, fused_loss=True), "a100-80gb", gpus,
+                        "tflops", tf, megatron_flops,
+                        f"read from {MEGATRON_SCRIPT}: {read}, full recomputation, fp16")  # fmt: skip
 
 
 def _korthikanti(name: str, heads: int, hidden: int, layers: int, p: int, batch: int, micro: int, seconds: float):
@@ -124,7 +125,8 @@ def _korthikanti(name: str, heads: int, hidden: int, layers: int, p: int, batch:
     layout = Layout(1, 8, p, batch // micro, micro, "none", "auto" if selective else "full",
                     "interleaved" if virtual > 1 else "1F1B", virtual, sequence_parallel=selective)  # fmt: skip
     return PublishedRun(name, "Korthikanti", KORTHIKANTI, _gpt(layers, hidden, heads), layout,
-                        Workload(batch, 2048, sdpa=False), "a100-80gb", 8 * p, "iteration_s", seconds)  # fmt: skip
+                        Workload(batch, 2048, sdpa=False, fused_loss=True, keeps_stage_outputs=False),
+                        "a100-80gb", 8 * p, "iteration_s", seconds)  # fmt: skip
 
 
 LLAMA3_8B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
@@ -158,7 +160,15 @@ def _llama3(gpus: int, per_replica: int, mfu: float) -> PublishedRun:
     d = gpus // (8 * 16)
     layout = Layout(d, 8, 16, per_replica, 1, "v1", "none", "interleaved", LLAMA3_CHUNKS, sequence_parallel=True,
                     stage_layers=LLAMA3_STAGES, interleave_group=LLAMA3_GROUP)  # fmt: skip
-    workload = Workload(d * per_replica, 8192, weights_prefetched=True, weights_gathered_once=True, fused_kernels=True)
+    workload = Workload(
+        d * per_replica,
+        8192,
+        weights_prefetched=True,
+        weights_gathered_once=True,
+        fused_kernels=True,
+        fused_loss=True,
+        keeps_stage_outputs=False,
+    )
     return PublishedRun(f"405B, {gpus:,} GPUs", "Llama 3", LLAMA3, LLAMA3_405B, layout, workload, "h100-sxm", gpus,
                         "mfu", mfu, assumed=LLAMA3_ASSUMED)  # fmt: skip
 
@@ -172,7 +182,8 @@ def _llama3_long_context(checkpoint: str = "none") -> PublishedRun:
                     interleave_group=LLAMA3_GROUP)  # type: ignore[arg-type]  # fmt: skip
     return PublishedRun(f"405B, 16,384 GPUs, 128K tokens, checkpointing {checkpoint}", "Llama 3", LLAMA3,
                         LLAMA3_405B, layout,
-                        Workload(8 * 16, 131072, weights_prefetched=True, weights_gathered_once=True,
+                        Workload(8 * 16, 131072, weights_prefetched=True, weights_gathered_once=True, fused_loss=True,
+                                 keeps_stage_outputs=False,
                                  fused_kernels=True), "h100-sxm", 16384,
                         "mfu", 0.38, assumed=f"as the 8K rows; DP 8 where the paper prints 4 (a correction); "
                         f"checkpointing {checkpoint} (not stated); context parallelism with fused attention kernels "
@@ -201,7 +212,8 @@ RUNS: tuple[PublishedRun, ...] = (
     _megatron("GPT 1008B", 160, 25600, 128, 8, 64, 3072, 3072, 163, 1),
     PublishedRun(
         "BLOOM 176B", "Megatron-LM", BLOOM, _gpt(70, 14336, 112, vocab=250880),
-        Layout(8, 4, 12, 128, 2, "v1", "full", "1F1B"), Workload(2048, 2048, sdpa=False, zero_once_per_step=True),
+        Layout(8, 4, 12, 128, 2, "v1", "full", "1F1B"),
+        Workload(2048, 2048, sdpa=False, zero_once_per_step=True, fused_loss=True),
         "a100-80gb", 384, "tflops", 150, bloom_flops,
         "the 1F1B schedule; vocabulary 250,880 (the padded embedding); its distributed optimizer gathers the weights "
         "and reduces the gradients once a step",
@@ -265,7 +277,9 @@ def _megatron_ci(tensor: int, pipeline: int, micro: int) -> MemoryRun:
     virtual = 8 if pipeline > 1 else 1
     layout = Layout(2, tensor, pipeline, 4 // micro, micro, "v1", "none", "interleaved" if virtual > 1 else "1F1B",
                     virtual)  # fmt: skip
-    workload = Workload(8, 8192, zero_once_per_step=True, fused_kernels=True, dropout=True)
+    workload = Workload(
+        8, 8192, zero_once_per_step=True, fused_kernels=True, dropout=True, fused_loss=True, keeps_stage_outputs=False
+    )
     return MemoryRun(f"Megatron-LM CI, GPT 7B, TP {tensor} PP {pipeline}", MEGATRON_CI.format(
         f"tp{tensor}_pp{pipeline}"), shape, layout, workload, PROFILES["h100-sxm"], "max allocated",
         56.55 if pipeline > 1 else 53.22, stage=pipeline - 1,
@@ -277,7 +291,10 @@ def _bloom_prequel(micro: int, gib: float) -> MemoryRun:
     """The 181B (72 x 14336) contender on 48 nodes: TP 8 x PP 12 x DP 4, fp16, DeepSpeed ZeRO-1, every layer
     recomputed, global batch 2048; the first node (stage 0, the embedding's)."""
     layout = Layout(4, 8, 12, 512 // micro, micro, "v1", "full", "1F1B")
-    workload = Workload(2048, 2048, dtype="fp16", sdpa=False, zero_once_per_step=True, gradient_bytes=2)
+    # DeepSpeed's fp16 ZeRO-1: fp16 gradients whole and a float32 chunk of them for the optimizer, 2 + 4/4 bytes
+    workload = Workload(
+        2048, 2048, dtype="fp16", sdpa=False, zero_once_per_step=True, gradient_bytes=3, fused_loss=True
+    )
     return MemoryRun(f"BLOOM 181B contender, micro-batch {micro}", BLOOM_PREQUEL.format("48 node contenders"),
                      _gpt(72, 14336, 64, vocab=250880), layout, workload, PROFILES["a100-80gb"], "nvidia-smi", gib,
                      stage=0, assumed="vocabulary 250,880 (padded; '250k' printed); even stages")  # fmt: skip
@@ -294,7 +311,8 @@ MEMORY_RUNS: tuple[MemoryRun, ...] = (
         "BLOOM 176B, the final layout", BLOOM_PREQUEL.format("Rebalancing layers (02-28)"),
         _gpt(70, 14336, 112, vocab=250880), Layout(8, 4, 12, 128, 2, "v1", "full", "1F1B",
                                                    stage_layers=(5, *(6,) * 10, 5)),
-        Workload(2048, 2048, sdpa=False, zero_once_per_step=True, gradient_bytes=6), PROFILES["a100-80gb"],
+        Workload(2048, 2048, sdpa=False, zero_once_per_step=True, gradient_bytes=6, fused_loss=True),
+        PROFILES["a100-80gb"],
         "nvidia-smi", 59, stage=0,
         assumed="the embedding counted as a layer by --pp-partition-method 'type:transformer|embedding' (5 blocks "
         "on the first and last stages); the BF16 optimizer's gradients in bf16 and accumulated in float32, "
@@ -309,9 +327,10 @@ MEMORY_RUNS: tuple[MemoryRun, ...] = (
     MemoryRun(
         "torchtitan Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, 1F1B", TORCHTITAN_2412.format("Table 5"), LLAMA3_405B,
         Layout(8, 8, 8, 8, 4, "v1", "full", "1F1B", sequence_parallel=True, stage_layers=(15, *(16,) * 6, 15)),
-        Workload(256, 8192, weights_prefetched=True, weights_gathered_once=True), H100_96GB, "max reserved", 82.5,
+        Workload(256, 8192, weights_prefetched=True, zero_once_per_step=True), H100_96GB, "max reserved", 82.5,
         assumed="8 micro-batches of 4 (the default micro-batches, the pipeline degree); bf16 (float8, compile and "
-        "async TP not modelled); FSDP without resharding after the forward under a pipeline",
+        "async TP not modelled); FSDP without resharding after the forward under a pipeline, its gradients "
+        "accumulated whole in float32 through the step (torch's pipelining syncs them in the last micro-batch)",
     ),
     MemoryRun(
         "torchtitan Llama 3.1 405B, FSDP only", "pytorch/torchtitan docs/performance.md @3faaa1a0: 'We do see OOM "

@@ -7,7 +7,13 @@ import statistics
 
 from epl.planner import Estimate, Layout, estimate
 from tests.planner.published import FITTED_ON, MEMORY_RUNS, RUNS, PublishedRun, profile_for
-from tests.planner.test_published import errors, fitted_efficiency, memory_error, predicted_peak
+from tests.planner.test_published import (
+    errors,
+    fitted_efficiency,
+    memory_error,
+    predicted_figure,
+    predicted_peak,
+)
 
 GIB = 2**30
 UNITS = {
@@ -40,9 +46,10 @@ def memory_table() -> str:
     """One line per published memory figure: the planner's peak on the measured stage against it."""
     lines = ["| run | layout | measure | published | predicted | error |", "|---|---|---|---|---|---|"]
     for run in MEMORY_RUNS:
-        predicted = predicted_peak(run) / GIB
+        predicted = predicted_figure(run) / GIB
         if run.published_gib is None:
-            figure, error = "out of memory", f"{predicted:.1f} GiB > {run.device.memory_bytes / GIB:.1f}: agrees"
+            peak = predicted_peak(run) / GIB
+            figure, error = "out of memory", f"{peak:.1f} GiB > {run.device.memory_bytes / GIB:.1f}: agrees"
         else:
             figure, error = f"{run.published_gib:g} GiB", f"{100 * memory_error(run):+.1f}%"
         lines.append(f"| {run.name} | {short(run.layout)} | {run.measure} | {figure} | {predicted:.1f} GiB | {error} |")

@@ -78,9 +78,9 @@ def test_the_search_finds_a_plan_as_fast_as_the_published_one() -> None:
 
 
 def memory_error(run: MemoryRun) -> float:
-    """The planner's peak for ``run``'s measured stage over the published figure, less 1."""
+    """What the planner predicts ``run``'s figure is (:func:`predicted_figure`) over the figure, less 1."""
     assert run.published_gib is not None
-    return predicted_peak(run) / 2**30 / run.published_gib - 1
+    return predicted_figure(run) / 2**30 / run.published_gib - 1
 
 
 def predicted_peak(run: MemoryRun) -> float:
@@ -90,15 +90,22 @@ def predicted_peak(run: MemoryRun) -> float:
     return stage_breakdown(run.shape, run.layout, run.workload, run.stage).peak
 
 
+def predicted_figure(run: MemoryRun) -> float:
+    """The bytes the planner predicts ``run``'s measure shows: its peak for torch's allocated or reserved memory
+    (the allocator's reserve is not modelled), and with nvidia-smi the runtime's share besides, which the planner
+    keeps aside on every device (``RESERVED_BYTES``: the CUDA context and the communicators' buffers)."""
+    return predicted_peak(run) + (RESERVED_BYTES if run.measure == "nvidia-smi" else 0)
+
+
 def test_published_memory_figures_are_predicted() -> None:
     """Where the figure is allocated memory (what the planner counts), within 15%. Where it is the allocator's
-    reserved memory or nvidia-smi's, which add the allocator's slack, the CUDA context and the communication
-    libraries' buffers, never above it and within 50% (docs/planner.md lists each error and what is missing).
-    A run its source says did not fit is predicted not to."""
+    reserved memory or nvidia-smi's, which add the allocator's reserve and the libraries' own buffers, never above
+    it and within 30% (docs/planner.md lists each error and what is missing). A run its source says did not fit is
+    predicted not to."""
     for run in MEMORY_RUNS:
         if run.published_gib is None:
             assert predicted_peak(run) > run.device.memory_bytes - RESERVED_BYTES, run.name
         elif run.measure == "max allocated":
             assert abs(memory_error(run)) <= 0.15, (run.name, memory_error(run))
         else:
-            assert -0.5 <= memory_error(run) <= 0.0, (run.name, memory_error(run))
+            assert -0.3 <= memory_error(run) <= 0.0, (run.name, memory_error(run))

@@ -157,9 +157,16 @@ class Workload:
     #: projection's input, and SwiGLU is one kernel that saves its input
     #: (:func:`epl.planner.activations.block_activations`); transformers' modules, which EPL runs, save both (False).
     fused_kernels: bool = False
-    #: Bytes of a gradient where gradients are held whole under ``zero_once_per_step`` (Megatron-LM's float32
-    #: ``main_grad``: 4; DeepSpeed's fp16 ZeRO-1: 2).
-    gradient_bytes: int = 4
+    #: Bytes per weight of the gradients held under ``zero_once_per_step`` (Megatron-LM's float32 ``main_grad``: 4;
+    #: DeepSpeed's fp16 ZeRO-1: 2 whole and its float32 chunk, ``4/d``).
+    gradient_bytes: float = 4
+    #: The loss is Megatron-LM's vocabulary-parallel cross-entropy, which computes its float32 softmax in place
+    #: (8 bytes a logit at its backward); torch's cross-entropy, which EPL, transformers and torchtitan run, holds
+    #: ``e + 12`` (:mod:`epl.planner.memory`).
+    fused_loss: bool = False
+    #: A pipeline stage keeps what it sent until that micro-batch's backward (EPL's runner, DeepSpeed's); Megatron-LM
+    #: and Llama 3 free the data once sent.
+    keeps_stage_outputs: bool = True
     #: The model has dropout: each residual dropout keeps a mask of a byte per element.
     dropout: bool = False
 

@@ -11,14 +11,18 @@ largest of three moments:
   ``Workload.gradient_bytes`` under ``zero_once_per_step``, in place of their reduction's buffers) and
   ``optimizer`` (the optimizer's float32 states of what the device updates);
 - **the start of the backward**: ``activations`` (what the stage's blocks saved for the micro-batches the schedule
-  keeps in flight, :mod:`epl.planner.activations`), ``logits`` (the last stage's float32 logits of one micro-batch
-  and their gradient), ``block_backward`` (one block's backward working set: its whole activations again, made by
-  recomputation under checkpointing or held by autograd without it), and what data parallelism holds to
-  communicate: ``gathered_weights`` (ZeRO: the weights whole while blocks compute, every block's under v0/v1, the
-  largest block's under v2, two where the next one's gather is prefetched), ``gradient_buffers`` (ZeRO: the
-  largest block's gradients whole and the reduce-scatter's buffer; without ZeRO one tensor's fresh gradient, the
-  largest, before it moves into its flat bucket), and ``accumulated_gradients`` (ZeRO v0 over micro-batches and
-  zero-bubble schedules: every gradient whole, float32, until the last micro-batch);
+  keeps in flight, :mod:`epl.planner.activations`); ``stage_outputs`` (what a stage sent on, kept until its
+  backward: EPL's runner and DeepSpeed's keep it, Megatron-LM frees its data, ``Workload.keeps_stage_outputs``);
+  ``logits`` (the loss at its backward, on the last stage, per logit of one micro-batch: torch's cross-entropy
+  holds the head's output, the float32 log-softmax and the float32 gradients in and out, ``e + 12`` bytes;
+  Megatron-LM's fused loss 8, ``Workload.fused_loss``); ``block_backward`` (one block's backward working set: its
+  whole activations again, made by recomputation under checkpointing or held by autograd without it); and what
+  data parallelism holds to communicate: ``gathered_weights`` (ZeRO: the weights whole while blocks compute, every
+  block's under v0/v1, the largest block's under v2, two where the next one's gather is prefetched),
+  ``gradient_buffers`` (ZeRO: the largest block's gradients whole and the reduce-scatter's buffer; without ZeRO
+  one tensor's fresh gradient, the largest, before it moves into its flat bucket), and ``accumulated_gradients``
+  (ZeRO v0 over micro-batches and zero-bubble schedules: every gradient whole, float32, until the last
+  micro-batch);
 - **the end of the backward** under ZeRO v0/v1 on one stage: the root's embedding and head weights gathered
   (``gathered_weights``) and their gradients twice (``gradient_buffers``), the activations gone;
 - **the optimizer step**: ``optimizer_temporary``, a float32 tensor the size of what it updates (torch's foreach
@@ -53,7 +57,9 @@ TERM_MEANINGS: dict[str, str] = {
     "gradients": "float32 gradients held (ZeRO's chunk)",
     "optimizer": "the optimizer's float32 states",
     "activations": "saved for backward by the stage's blocks, for the micro-batches in flight",
-    "logits": "the last stage's float32 logits of one micro-batch and their gradient",
+    "logits": "the loss's logits of one micro-batch at its backward: the head's output, the float32 log-softmax and "
+    "the gradient in and out (Megatron's fused loss: its float32 softmax and the gradient)",
+    "stage_outputs": "the stage's outputs kept until their backward, one per micro-batch in flight",
     "block_backward": "one block's backward working set (its activations recomputed, or held by autograd)",
     "gathered_weights": "weights gathered whole by ZeRO",
     "gradient_buffers": "gradients whole before their reduction and the reduction's buffer",
@@ -122,9 +128,18 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
     # gradient accumulation (one stage, several micro-batches) keeps one micro-batch at a time
     in_flight = micro_batches_in_flight(layout, stage) if p > 1 else 1.0
     vocab_share = shape.vocab if workload.gathered_logits else shape.vocab / t
+    # torch's cross-entropy on the head's output (transformers, torchtitan): the output (kept: the model returns
+    # it), the float32 log-softmax it saves, and at its backward the gradient coming in and the one going out, all
+    # float32 (a float32 copy of a bf16 output is freed once the log-softmax is made); Megatron's vocabulary-
+    # parallel cross-entropy computes its float32 softmax in place and reuses it for the gradient
+    per_logit = 8 if workload.fused_loss else e + 12
+    outputs = 0.0
+    if workload.keeps_stage_outputs and stage < p - 1:  # EPL's runner keeps what it sent until its backward
+        outputs = in_flight * b * s * shape.hidden * e / (t if sequence_parallel else 1)
     backward = {
         "activations": blocks * block.per_device(t, sequence_parallel) * in_flight,
-        "logits": 2 * b * s * vocab_share * 4 if stage == p - 1 else 0.0,
+        "stage_outputs": outputs,
+        "logits": b * s * vocab_share * per_logit if stage == p - 1 else 0.0,
         "block_backward": whole_block,
     }
     end_of_backward: dict[str, float] = {}
