@@ -18,10 +18,11 @@ CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 #: The example plugin of docs/plugins.md, installed (editable) for tests/examples/test_plugin_package.py.
 EXAMPLE_PLUGINS = ("-e", str(ROOT / "examples" / "plugin"))
 #: tensorboard: epl.Progress's optional scalars (tests/core/test_progress.py); accelerate and deepspeed: the
-#: originals of the migration guides (tests/examples/test_migration.py).
+#: originals of the migration guides (tests/examples/test_migration.py); peft, tokenizers and datasets: fine-tuning
+#: with adapters and examples/finetune (docs/finetuning.md).
 TEST_TOOLS = (
     "pytest", "pytest-timeout", "pytest-benchmark", "numpy", "mpi4py", "mpich", "transformers", "tensorboard",
-    "accelerate", "deepspeed",
+    "accelerate", "deepspeed", "peft", "tokenizers", "datasets",
 )  # fmt: skip
 #: benchmarks/report.py draws its plots with matplotlib (also epl-pipeline's ``plot`` extra, for timeline pictures).
 BENCH_TOOLS = ("matplotlib",)
