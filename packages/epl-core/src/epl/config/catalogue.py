@@ -212,6 +212,48 @@ CORE_KEYS: tuple[ConfigKey, ...] = (
         doc='The device profile auto.auto_parallel: "plan" plans for: a name `epl plan --device` takes, or a JSON '
         "file (`epl calibrate --out FILE`); empty: the profile of this machine's GPU when the planner knows it.",
     ),
+    # EPL for PyTorch: the fit check before launch (docs/planner.md)
+    ConfigKey(
+        name="fit_check.enabled",
+        types=(bool, str),
+        default="auto",
+        choices=("auto",),
+        doc="Predict the peak memory of each device before the first step (epl.parallelize, or the first "
+        "engine.step when the micro-batch is not given) and warn, or refuse (fit_check.action), when it does not "
+        "fit. 'auto': on when the model trains on an accelerator (CUDA or another non-CPU device), off on CPU.",
+    ),
+    ConfigKey(
+        name="fit_check.action",
+        types=(str,),
+        default="warn",
+        choices=("warn", "refuse"),
+        doc="What the fit check does when the predicted peak does not fit: 'warn' logs a warning (rank 0) and "
+        "goes on; 'refuse' raises an EplError on every rank before the first step.",
+    ),
+    ConfigKey(
+        name="fit_check.micro_batch_size",
+        types=(int, type(None)),
+        default=None,
+        minimum=1,
+        doc="Rows (sequences) per micro-batch, for the fit check; with fit_check.sequence_length it runs in "
+        "epl.parallelize. None: read from the first engine.step's batch (its input_ids, or first tensor).",
+    ),
+    ConfigKey(
+        name="fit_check.sequence_length",
+        types=(int, type(None)),
+        default=None,
+        minimum=1,
+        doc="Tokens per sequence, for the fit check (see fit_check.micro_batch_size). None: read from the first "
+        "engine.step's batch.",
+    ),
+    ConfigKey(
+        name="fit_check.device",
+        types=(str,),
+        default="",
+        doc="The device the fit check judges against: a name `epl plan --device` takes, or a JSON profile file. "
+        "Empty: the accelerator's memory as torch reports it (the closest named profile's other figures); on CPU "
+        "the host's memory shared by its processes.",
+    ),
     # EPL for PyTorch: torch.compile (docs/compile.md)
     ConfigKey(
         name="compile.enabled",

@@ -62,6 +62,17 @@ class ContextSettings:
 
 
 @dataclass(frozen=True)
+class FitCheckSettings:
+    """The ``fit_check.*`` keys: the prediction of each device's peak memory before the first step."""
+
+    action: Literal["warn", "refuse"] = "warn"
+    device: str = ""
+    enabled: bool | Literal["auto"] = "auto"
+    micro_batch_size: int | None = None
+    sequence_length: int | None = None
+
+
+@dataclass(frozen=True)
 class IoSettings:
     """The ``io.*`` keys: file sharding and the batch checks."""
 
@@ -108,6 +119,7 @@ class CoreSettings(ConfigView):
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
     compile: CompileSettings = field(default_factory=CompileSettings)
     context: ContextSettings = field(default_factory=ContextSettings)
+    fit_check: FitCheckSettings = field(default_factory=FitCheckSettings)
     io: IoSettings = field(default_factory=IoSettings)
     model: ModelSettings = field(default_factory=ModelSettings)
     planner: PlannerSettings = field(default_factory=PlannerSettings)
@@ -142,6 +154,13 @@ class CoreSettings(ConfigView):
                 mode=config["context.mode"],
                 presliced=config["context.presliced"],
                 verify=config["context.verify"],
+            ),
+            fit_check=FitCheckSettings(
+                action=config["fit_check.action"],
+                device=config["fit_check.device"],
+                enabled=config["fit_check.enabled"],
+                micro_batch_size=config["fit_check.micro_batch_size"],
+                sequence_length=config["fit_check.sequence_length"],
             ),
             io=IoSettings(
                 check_batches=config["io.check_batches"],
