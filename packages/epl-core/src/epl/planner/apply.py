@@ -48,17 +48,22 @@ def device_of(config: Config) -> DeviceProfile:
     if named:
         return device_profile(named)
     if torch.cuda.is_available():
-        gpu = torch.cuda.get_device_name(0).lower()
-        if "a100" in gpu:
-            big = torch.cuda.get_device_properties(0).total_memory > 50 * 2**30
-            return PROFILES["a100-80gb" if big else "a100-40gb"]
-        for part, name in _GPU_NAMES:
-            if part in gpu:
-                return PROFILES[name]
+        known = known_profile(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
+        if known is not None:
+            return known
     raise EplError(
         'auto.auto_parallel: "plan" needs to know the device: set planner.device to one of '
         f"{', '.join(PROFILES)}, or to the JSON file `epl calibrate --out FILE` writes for this machine."
     )
+
+
+def known_profile(gpu_name: str, memory_bytes: int) -> DeviceProfile | None:
+    """The profile of the GPU torch calls ``gpu_name`` (``torch.cuda.get_device_name``), with ``memory_bytes`` of
+    memory, when the planner knows it."""
+    gpu = gpu_name.lower()
+    if "a100" in gpu:
+        return PROFILES["a100-80gb" if memory_bytes > 50 * 2**30 else "a100-40gb"]
+    return next((PROFILES[name] for part, name in _GPU_NAMES if part in gpu), None)
 
 
 def choose_layout(
