@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -70,6 +70,8 @@ class Engine:
         self.batch_check: BatchCheck | None = None
         #: Checks the batch's token ids and labels on every pipeline stage (split stages; None: the split modules do).
         self.vocabulary_check: VocabularyCheck | None = None
+        #: The fit check the first step runs on its inputs (:mod:`epl.planner.fit_check`; None: none left to run).
+        self.fit_check: Callable[[Any], None] | None = None
         #: The checkpoint ``save(asynchronous=True)`` is writing (None once seen done by a step).
         self._pending_save: CheckpointSave | None = None
         self._skipped = 0  # see skipped_steps
@@ -93,6 +95,9 @@ class Engine:
         if self._pending_save is not None and self._pending_save.done():
             pending, self._pending_save = self._pending_save, None
             pending.surface()  # the error of a checkpoint written in the background, if nobody saw it yet
+        if self.fit_check is not None:  # once, before the first forward
+            fit_check, self.fit_check = self.fit_check, None
+            fit_check(inputs)
         skipped_before = self._skipped_updates()
         nonfinite = _nonfinite_check(self.runner)
         if nonfinite is not None:

@@ -19,7 +19,7 @@ from epl.materialize.units import has_meta_tensors, named_tensors
 from epl.placement.build import build_local_plan, build_plan
 from epl.placement.plan import Plan, TaskGraphSpec
 from epl.placement.request import PlanReady, current_request
-from epl.planner import apply
+from epl.planner import apply, fit_check
 from epl.plugins.context import LossFn, ParallelContext
 from epl.runtime.batch import to_device
 from epl.runtime.batch_check import batch_check
@@ -81,6 +81,9 @@ def parallelize(
             optimizer = optimizer_class(request.optimizer)
         with streamed(lazy):
             raise PlanReady(_with_memory(plan, model, taskgraphs, env, optimizer), model=model, config=env.config)
+    first_step_check = fit_check.before_launch(  # before the model takes its device's memory
+        model, plan, taskgraphs, env.config, env.cluster, env.plugins, optimizer, own_loss=loss_fn is None
+    )
     model = _to_device(model, env.cluster.device)
     assert env.communicator is not None, "only a plan-only run has no communicator, and it stopped above"
     context = ParallelContext(
@@ -118,6 +121,7 @@ def parallelize(
         presliced=settings.context.presliced,
     )
     engine.vocabulary_check = vocabulary_check(context, vocabulary)
+    engine.fit_check = first_step_check
     if lr_scheduler is not None:
         if context.optimizer is None:
             raise EplError("epl.parallelize got lr_scheduler=... but no optimizer=... for it to schedule.")
