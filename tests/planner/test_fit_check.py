@@ -118,6 +118,25 @@ def test_on_cpu_it_runs_only_when_asked(tmp_path: Path, monkeypatch: pytest.Monk
     assert not fit_check.enabled(False, torch.device("cuda", 0))
 
 
+def test_on_an_accelerator_it_runs_by_default_and_judges_the_most_loaded_stage() -> None:
+    """A Plan of 2 pipeline stages x 2 replicas, made in one process (``epl.plan``), judged as a CUDA rank of it
+    would judge it at ``epl.parallelize``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    epl.init(epl.Config({"pipeline.num_stages": 2, "auto.auto_parallel": True, "pipeline.num_micro_batch": 4,
+                         "fit_check.device": "l40s", "fit_check.action": "refuse", "fit_check.micro_batch_size": 8,
+                         "fit_check.sequence_length": 8192}))  # fmt: skip
+    config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+                         num_key_value_heads=8, vocab_size=128256)  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    plan = epl.plan(model, world_size=4)
+    rank = Cluster(world_size=4, rank=3, local_rank=3, local_world_size=4, device_type="cuda", device_index=3)
+    env = epl.Env.get()
+    with pytest.raises(epl.EplError, match=r"start of the backward of stage 0 of 2, for micro-batches of 8 x 8192"):
+        fit_check.before_launch(model, plan, [], env.config, rank, env.plugins, torch.optim.AdamW, own_loss=True)
+
+
 def test_without_the_micro_batch_it_runs_at_the_first_step_on_its_batch(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
