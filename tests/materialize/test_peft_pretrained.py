@@ -71,11 +71,11 @@ def run_layout(folder: str, out: str, layout: str) -> dict[str, Any]:
         model = get_peft_model(models.llama(tied=False).double(), lora())
     engine = epl.parallelize(model, optimizer=adamw)
     engine.load_pretrained(folder)
-    initial = {name: plain(value) for name, value in engine.model.state_dict().items()}
+    initial = {name: plain(value) for name, value in engine.model.state_dict(keep_vars=True).items()}
     losses = [float(engine.step({"input_ids": tokens(s), "labels": tokens(s)})) for s in range(STEPS)]
     engine.save_pretrained(f"{out}/adapter")
     engine.save_pretrained(f"{out}/merged", merged=True)
-    return {"initial": initial, "losses": losses}
+    return {"initial": initial, "losses": losses, "epl": epl.__file__}
 
 
 @pytest.fixture(scope="module")
@@ -143,10 +143,13 @@ def test_meta_peft_load_train_and_export(base: Path, tmp_path: Path, layout: str
             assert value.abs().max() <= 1 / math.sqrt(value.shape[1]) and value.std() > 0, name
     expected = trained_here(model)
     for result in results:
+        assert Path(result["epl"]).resolve() == Path(epl.__file__).resolve()
         torch.testing.assert_close(result["losses"], expected, rtol=LOSS_TOLERANCE, atol=LOSS_TOLERANCE)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=tokens(9)).logits
+        untrained = LlamaForCausalLM.from_pretrained(base, dtype=torch.float64)(input_ids=tokens(9)).logits
+        assert (logits - untrained).abs().max() > 1e-3  # the adapters trained: the exports carry them
         config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
         assert config["peft_type"] == "LORA" and not (tmp_path / "adapter" / "model.safetensors").exists()
         adapted = PeftModel.from_pretrained(

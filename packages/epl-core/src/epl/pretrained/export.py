@@ -11,8 +11,9 @@ Three formats, each read by its library alone, each written a piece per rank (no
 - **a PEFT model merged** (``merged=True``): the base model's tensors under the base's names (without PEFT's
   wrappers, :mod:`epl.pretrained.wrapped`), each adapted weight plus its LoRA update ``scaling * B @ A``, and the
   base's ``config.json``: ``AutoModelForCausalLM.from_pretrained(path)`` loads it. A rank computes the update of
-  the rectangles of the weight it holds from the rows of ``lora_B`` and the columns of ``lora_A`` they need, which it
-  must hold: a layout that cuts an adapter along its rank dimension is refused, naming the layer.
+  the rectangles of the weight it holds from the rows of ``lora_B`` and the columns of ``lora_A`` they need. An
+  adapter tensor a rank holds only part of (a split or ZeRO shard) is gathered whole first, on every rank of its
+  group: only the adapters (``r x in`` and ``out x r`` elements each), never a base weight.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from epl.errors import EplError
 from epl.materialize.adapters import is_layer_wrapper
 from epl.pretrained.pieces import INDEX, SINGLE, Piece, local_tensors
 from epl.pretrained.wrapped import base_names, is_wrapped, unwrapped
+from epl.sharding.chunks import held as held_whole
 from epl.sharding.data_shards import local_tensor
 
 if TYPE_CHECKING:
@@ -160,6 +162,8 @@ def _merged(engine: CheckpointedEngine) -> Export:
     held = {name: piece for name, _, piece in local}
     base = base_names(model, list(held))
     layers = {name: module for name, module in model.named_modules() if is_layer_wrapper(module)}
+    gathered = _gathered_adapters(local, layers)
+    held.update({name: held_whole(value) for name, value in gathered.items()})  # plain tensors: held whole
     tensors: list[tuple[str, torch.dtype, Piece, Value]] = []
     for name, tensor, piece in local:
         out = base[name]
@@ -171,7 +175,7 @@ def _merged(engine: CheckpointedEngine) -> Export:
             tensors.append((out, tensor.dtype, piece, _plain(name)))
             continue
         updates = _updates(owner, layer, leaf, piece, held)
-        tensors.append((out, tensor.dtype, piece, _with_updates(name, piece, updates, held)))
+        tensors.append((out, tensor.dtype, piece, _with_updates(name, piece, updates, held, gathered)))
     return Export(tensors, SINGLE, True, lambda folder: write_configs(base_model, folder), _model_weights)
 
 
@@ -254,6 +258,32 @@ def _block_holding(piece: Piece, box: list[tuple[int, int]]) -> Any:
     return None
 
 
+def _gathered_adapters(
+    local: list[tuple[str, torch.Tensor, Piece]], layers: dict[str, nn.Module]
+) -> dict[str, torch.Tensor]:
+    """Each adapter tensor of a LoRA layer that this rank holds only part of -> the whole tensor, gathered from its
+    group (a collective: every rank of a split group or a ZeRO mesh holds the same names, in the same order)."""
+    from epl.sharding.data_shards import is_dtensor
+    from epl.sharding.parameters import gather_split, shard_spec
+
+    adapter_names = {
+        f"{owner}.{kind}.{adapter}.{leaf}"
+        for owner, layer in layers.items()
+        for kind in ("lora_A", "lora_B")
+        if isinstance(getattr(layer, kind, None), nn.ModuleDict)
+        for adapter in getattr(layer, kind)
+        for leaf in ("weight", "bias")
+    }
+    gathered: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, tensor, piece in local:
+            if name not in adapter_names or piece.whole:
+                continue
+            value = tensor.full_tensor() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+            gathered[name] = gather_split(value, shard_spec(tensor)).detach()
+    return gathered
+
+
 def _rectangle(values: dict[str, torch.Tensor], piece: Piece, name: str, box: list[tuple[int, int]]) -> torch.Tensor:
     """The rectangle ``box`` of the whole tensor ``name``, from this rank's local value of it."""
     block = _block_holding(piece, box)
@@ -261,8 +291,15 @@ def _rectangle(values: dict[str, torch.Tensor], piece: Piece, name: str, box: li
     return local[tuple(slice(a - o, b - o) for (a, b), o in zip(box, block.offsets, strict=True))]
 
 
-def _with_updates(name: str, piece: Piece, updates: list[list[_Update]], held_pieces: dict[str, Piece]) -> Value:
-    def value(values: dict[str, torch.Tensor]) -> torch.Tensor:
+def _with_updates(
+    name: str,
+    piece: Piece,
+    updates: list[list[_Update]],
+    held_pieces: dict[str, Piece],
+    gathered: dict[str, torch.Tensor],
+) -> Value:
+    def value(state: dict[str, torch.Tensor]) -> torch.Tensor:
+        values = {**state, **gathered}
         local = local_tensor(values[name]).detach().clone()
         for block, block_updates in zip(piece.blocks, updates, strict=True):
             target = block.in_local(local)
