@@ -165,21 +165,43 @@ def test_meta_peft_load_train_and_export(base: Path, tmp_path: Path, layout: str
         )
 
 
-def test_one_process_meta_peft_loads_the_base_and_starts_as_peft(base: Path) -> None:
-    """Every base weight loaded (names without PEFT's wrappers), lora_B zeros: the adapted model starts as the base."""
+@pytest.mark.parametrize("meta", ["torch.device", "model.meta_init"])
+def test_one_process_meta_peft_loads_the_base_and_starts_as_peft(base: Path, meta: str) -> None:
+    """Both ways of building on meta: every base weight loaded (names without PEFT's wrappers), lora_B zeros and
+    lora_A PEFT's distribution: the adapted model starts as the base."""
     from peft import get_peft_model
     from transformers import LlamaForCausalLM
 
-    epl.init()
-    with torch.device("meta"):
+    epl.init(epl.Config({"model.meta_init": meta == "model.meta_init"}))
+    with torch.device("meta") if meta == "torch.device" else nullcontext():
         model = get_peft_model(models.llama(tied=False).double(), lora())
+    assert model.base_model.model.model.layers[0].self_attn.q_proj.lora_A.default.weight.is_meta
     engine = epl.parallelize(model)
     engine.load_pretrained(base)
+    for name, value in engine.model.state_dict().items():
+        if "lora_B" in name:
+            assert not value.any(), name
+        if "lora_A" in name:
+            assert value.abs().max() <= 1 / math.sqrt(value.shape[1]) and value.std() > 0, name
     plain_base = LlamaForCausalLM.from_pretrained(base, dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(
             engine.model(input_ids=tokens(1)).logits, plain_base(input_ids=tokens(1)).logits, rtol=0, atol=0
         )
+
+
+def test_inits_from_the_base_weights_are_refused_on_meta() -> None:
+    """DoRA computes its magnitudes from base weights a meta model does not have yet: refused, naming the layer.
+    (PiSSA, OLoRA and the other inits from the base's values already fail in get_peft_model on meta.)"""
+    from peft import LoraConfig, get_peft_model
+
+    epl.init()
+    with torch.device("meta"):
+        model = get_peft_model(
+            models.llama(tied=False).double(), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)
+        )
+    with pytest.raises(epl.UninitializedError, match="use_dora=True"):
+        epl.parallelize(model)
 
 
 def test_strict_false_logs_what_it_did_not_load(base: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -234,3 +256,19 @@ def test_an_export_transformers_cannot_read_is_refused(tmp_path: Path) -> None:
     engine = epl.parallelize(get_peft_model(models.llama(tied=False).double(), lora()))
     engine.save_pretrained(tmp_path / "peft")
     assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_adapters_saved_beside_a_model_keep_it(base: Path, tmp_path: Path) -> None:
+    """An adapter export owns only PEFT's two files: a model folder it is written into keeps its weights."""
+    import shutil
+
+    from peft import get_peft_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(base, folder)
+    before = sorted(p.name for p in folder.iterdir())
+    epl.init()
+    engine = epl.parallelize(get_peft_model(models.llama(tied=False).double(), lora()))
+    engine.save_pretrained(folder)
+    after = sorted(p.name for p in folder.iterdir())
+    assert after == sorted([*before, "adapter_config.json", "adapter_model.safetensors"])

@@ -29,7 +29,7 @@ from torch import nn
 
 from epl.errors import EplError
 from epl.materialize.adapters import is_layer_wrapper
-from epl.pretrained.pieces import INDEX, SINGLE, Piece, local_tensors
+from epl.pretrained.pieces import INDEX, SINGLE, Piece, is_model_weights_file, local_tensors
 from epl.pretrained.wrapped import base_names, is_wrapped, unwrapped
 from epl.sharding.chunks import held as held_whole
 from epl.sharding.data_shards import local_tensor
@@ -72,7 +72,7 @@ def describe_export(engine: CheckpointedEngine, *, merged: bool = False) -> Expo
         )
     _check_transformers_model(model)
     tensors = [(name, t.dtype, piece, _plain(name)) for name, t, piece in local_tensors(engine)]
-    return Export(tensors, SINGLE, True, lambda folder: write_configs(model, folder), _model_weights)
+    return Export(tensors, SINGLE, True, lambda folder: write_configs(model, folder), is_model_weights_file)
 
 
 def write_configs(model: Any, folder: Path) -> None:
@@ -84,12 +84,6 @@ def write_configs(model: Any, folder: Path) -> None:
     can_generate = getattr(model, "can_generate", None)
     if generation is not None and hasattr(generation, "to_json_file") and callable(can_generate) and can_generate():
         generation.to_json_file(str(folder / GENERATION_CONFIG))
-
-
-def _model_weights(name: str) -> bool:
-    from epl.pretrained.saving import is_model_weights_file
-
-    return is_model_weights_file(name)
 
 
 def _plain(name: str) -> Value:
@@ -176,7 +170,7 @@ def _merged(engine: CheckpointedEngine) -> Export:
             continue
         updates = _updates(owner, layer, leaf, piece, held)
         tensors.append((out, tensor.dtype, piece, _with_updates(name, piece, updates, held, gathered)))
-    return Export(tensors, SINGLE, True, lambda folder: write_configs(base_model, folder), _model_weights)
+    return Export(tensors, SINGLE, True, lambda folder: write_configs(base_model, folder), is_model_weights_file)
 
 
 #: One adapter's update of one rectangle of a weight: (scaling, lora_B's name, its rows, lora_A's name, its
@@ -188,23 +182,30 @@ def _updates(owner: str, layer: nn.Module, leaf: str, piece: Piece, held: dict[s
     """For each rectangle of ``piece`` (of ``owner``'s base weight or bias ``leaf``), the LoRA updates to add."""
     if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
         return [[] for _ in piece.blocks]
-    lora_a, lora_b = getattr(layer, "lora_A", None), getattr(layer, "lora_B", None)
-    active = [a for a in getattr(layer, "active_adapters", []) if isinstance(lora_a, nn.ModuleDict) and a in lora_a]
-    if getattr(layer, "lora_embedding_A", None) and any(a in layer.lora_embedding_A for a in layer.active_adapters):
+    lora: Any = layer  # PEFT's LoRA layer (read by attribute: PEFT is optional)
+    lora_a = getattr(lora, "lora_A", None)
+    if not isinstance(lora_a, nn.ModuleDict):
+        kind = type(layer)
+        raise EplError(
+            f"merged=True cannot merge the adapter of {owner!r}, a {kind.__module__}.{kind.__qualname__}: only "
+            f"LoRA's are merged here.{_ADVICE}"
+        )
+    active = [a for a in lora.active_adapters if a in lora_a]
+    embedding = getattr(lora, "lora_embedding_A", None) or {}
+    if any(a in embedding for a in lora.active_adapters):
         active = ["embedding"]
     refused = _merge_refusal(layer, active, piece)
     if refused:
         raise EplError(f"merged=True cannot merge the adapter of {owner!r}: {refused}{_ADVICE}")
-    assert isinstance(lora_a, nn.ModuleDict) and isinstance(lora_b, nn.ModuleDict)
     transposed = bool(getattr(layer, "fan_in_fan_out", False))
     result: list[list[_Update]] = []
     for block in piece.blocks:
         updates: list[_Update] = []
         for adapter in active:
-            scaling = float(layer.scaling[adapter])
+            scaling = float(lora.scaling[adapter])
             a_name, b_name = f"{owner}.lora_A.{adapter}.weight", f"{owner}.lora_B.{adapter}.weight"
             if leaf == "bias":
-                if not layer.lora_bias.get(adapter, False):
+                if not lora.lora_bias.get(adapter, False):
                     continue
                 bias = f"{owner}.lora_B.{adapter}.bias"
                 rows = (block.offsets[0], block.offsets[0] + block.sizes[0])
@@ -279,7 +280,7 @@ def _gathered_adapters(
         for name, tensor, piece in local:
             if name not in adapter_names or piece.whole:
                 continue
-            value = tensor.full_tensor() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+            value = tensor.full_tensor() if is_dtensor(tensor) else tensor
             gathered[name] = gather_split(value, shard_spec(tensor)).detach()
     return gathered
 

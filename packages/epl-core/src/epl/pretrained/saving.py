@@ -11,6 +11,8 @@ earlier export that this one does not rewrite. The files it owns:
   loaders prefer to the new shards' index);
 - ``config.json`` when the model has a ``config``, and ``generation_config.json`` when it can generate (as
   transformers writes them): replaced when written, never deleted.
+- for a PEFT model's adapters (:mod:`~epl.pretrained.export`): ``adapter_model.safetensors`` and
+  ``adapter_config.json`` only; the model's files beside them are kept.
 
 Everything else is kept. A path that is a file, one of those names held by a folder, or a ``<path>.partial`` holding
 anything else is refused on every rank before anything is written (``<path>.partial`` is EPL's scratch folder).
@@ -46,7 +48,7 @@ from epl.pretrained.export import (
     Export,
     describe_export,
 )
-from epl.pretrained.pieces import _ITEMSIZE, DTYPES, INDEX, SINGLE, Piece
+from epl.pretrained.pieces import _ITEMSIZE, DTYPES, INDEX, SINGLE, Piece, is_model_weights_file
 from epl.runtime import agreement
 from epl.runtime.checkpoint import meeting
 from epl.runtime.checkpoint.folders import foreign_entries, remove_own
@@ -55,18 +57,12 @@ if TYPE_CHECKING:
     from epl.runtime.checkpoint.common import CheckpointedEngine
 
 _PIECES = ".epl-pieces-{rank}.json"
-_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _SCRATCH = re.compile(r"\.epl-pieces-\d+\.json")
 
 
 def is_weights_file(name: str) -> bool:
     """Whether ``name`` is a weight file (or the index) ``save_pretrained`` writes, and so replaces or deletes."""
-    return name in (SINGLE, INDEX, ADAPTER_SINGLE) or _SHARD.fullmatch(name) is not None
-
-
-def is_model_weights_file(name: str) -> bool:
-    """Whether ``name`` is a weight file (or the index) of transformers' model format."""
-    return name in (SINGLE, INDEX) or _SHARD.fullmatch(name) is not None
+    return name == ADAPTER_SINGLE or is_model_weights_file(name)
 
 
 def _is_output(name: str) -> bool:
@@ -228,7 +224,7 @@ def _commit(partial: Path, target: Path, owns: Callable[[str], bool]) -> None:
     earlier = sorted(
         entry.name for entry in target.iterdir() if owns(entry.name) and entry.is_file() and entry.name != INDEX
     )
-    if (target / INDEX).is_file():  # first: from here on no index refers to a mix of old and new shards
+    if owns(INDEX) and (target / INDEX).is_file():  # first: from here on no index refers to a mix of old and new shards
         (target / INDEX).unlink()
     for name in written:
         if is_weights_file(name) and name != INDEX:
