@@ -17,8 +17,9 @@ model has a ``config``; a PEFT model's adapters in PEFT's format, or with ``merg
 adapters merged (:mod:`~epl.pretrained.export`). Nothing is gathered: the ranks agree on every tensor's place in
 the files (a description of the pieces each holds, written to the folder), rank 0 writes the headers, and each
 rank writes its own pieces into the byte ranges of the whole tensors (a tensor several ranks hold is written by the
-first). A rank holds its share and one piece's bytes at a time. Written into ``<path>.partial``, then moved beside the files already at
-``<path>`` (a tokenizer, a README: kept), replacing only its own (see :mod:`~epl.pretrained.saving`).
+first). A rank holds its share and one piece's bytes at a time. Written into ``<path>.partial``, then moved beside
+the files already at ``<path>`` (a tokenizer, a README: kept), replacing only its own (see
+:mod:`~epl.pretrained.saving`).
 
 The modules: :mod:`~epl.pretrained.pieces` (which part of a whole tensor a rank holds) ·
 :mod:`~epl.pretrained.loading` · :mod:`~epl.pretrained.conversion` (transformers' checkpoint formats, such as
