@@ -258,6 +258,18 @@ def test_an_export_transformers_cannot_read_is_refused(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
 
 
+def test_merging_into_a_tied_weight_is_refused(tmp_path: Path) -> None:
+    """LoRA on a head tied to the embedding: a merged head would be tied back to the embedding by transformers."""
+    from peft import LoraConfig, get_peft_model
+
+    epl.init()
+    model = get_peft_model(models.llama(tied=True).double(), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    engine = epl.parallelize(model)
+    with pytest.raises(epl.EplError, match=r"lm_head.weight' is tied to \['model.embed_tokens.weight'\]"):
+        engine.save_pretrained(tmp_path / "merged", merged=True)
+    assert not (tmp_path / "merged").exists()
+
+
 def test_adapters_saved_beside_a_model_keep_it(base: Path, tmp_path: Path) -> None:
     """An adapter export owns only PEFT's two files: a model folder it is written into keeps its weights."""
     import shutil

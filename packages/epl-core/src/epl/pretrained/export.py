@@ -158,6 +158,7 @@ def _merged(engine: CheckpointedEngine) -> Export:
     layers = {name: module for name, module in model.named_modules() if is_layer_wrapper(module)}
     gathered = _gathered_adapters(local, layers)
     held.update({name: held_whole(value) for name, value in gathered.items()})  # plain tensors: held whole
+    tied = _ties(model, base)
     tensors: list[tuple[str, torch.dtype, Piece, Value]] = []
     for name, tensor, piece in local:
         out = base[name]
@@ -169,8 +170,33 @@ def _merged(engine: CheckpointedEngine) -> Export:
             tensors.append((out, tensor.dtype, piece, _plain(name)))
             continue
         updates = _updates(owner, layer, leaf, piece, held)
+        if out in tied and any(block for block in updates):
+            raise EplError(
+                f"merged=True cannot merge the adapter of {owner!r}: its base weight {out!r} is tied to "
+                f"{sorted(tied[out])}, which the merged update would untie (transformers ties them again at load, "
+                "dropping the update). Leave that layer out of target_modules, or untie the weights "
+                "(tie_word_embeddings=False) before get_peft_model; the adapters themselves are saved without "
+                "merged=True."
+            )
         tensors.append((out, tensor.dtype, piece, _with_updates(name, piece, updates, held, gathered)))
     return Export(tensors, SINGLE, True, lambda folder: write_configs(base_model, folder), is_model_weights_file)
+
+
+def _ties(model: nn.Module, base: dict[str, str | None]) -> dict[str, set[str]]:
+    """Each base name tied to others (one object under several names, or a tie transformers declares) -> them."""
+    groups: dict[int, set[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        base_name = base.get(name)
+        if base_name is not None:
+            groups.setdefault(id(tensor), set()).add(base_name)
+    ties = {name: group - {name} for group in groups.values() for name in group if len(group) > 1}
+    declared = getattr(unwrapped(model), "get_expanded_tied_weights_keys", None)
+    tie_word_embeddings = getattr(getattr(unwrapped(model), "config", None), "tie_word_embeddings", True)
+    if callable(declared) and tie_word_embeddings:
+        for target, source in declared(all_submodels=True).items():
+            ties.setdefault(target, set()).add(source)
+            ties.setdefault(source, set()).add(target)
+    return ties
 
 
 #: One adapter's update of one rectangle of a weight: (scaling, lora_B's name, its rows, lora_A's name, its
