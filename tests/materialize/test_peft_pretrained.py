@@ -29,13 +29,13 @@ EXPORT_TOLERANCE = 1e-5
 LOSS_TOLERANCE = 1e-6
 TARGETS = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
 STEPS = 3
-#: The layouts on 2 processes: split(2), and 2 pipeline stages cut at named points.
+#: Two pipeline stages cut at a named point (the automatic cut of a PeftModel is another matter).
+STAGES = {"pipeline.num_micro_batch": 2, "pipeline.split_points": ["base_model.model.model.layers.2"]}
+#: The layouts: split(2) and 2 pipeline stages on 2 processes, and both (3D: split(2) x 2 stages) on 4.
 LAYOUTS: dict[str, dict[str, Any]] = {
-    "split": {"config": {}, "split": 2},
-    "pipeline": {
-        "config": {"pipeline.num_micro_batch": 2, "pipeline.split_points": ["base_model.model.model.layers.2"]},
-        "split": 1,
-    },
+    "split": {"config": {}, "split": 2, "ranks": 2},
+    "pipeline": {"config": STAGES, "split": 1, "ranks": 2},
+    "3d": {"config": STAGES, "split": 2, "ranks": 4},
 }
 
 
@@ -129,7 +129,7 @@ def test_meta_peft_load_train_and_export(base: Path, tmp_path: Path, layout: str
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    results = run_ranks(run_layout, 2, str(base), str(tmp_path), layout, timeout=500)
+    results = run_ranks(run_layout, LAYOUTS[layout]["ranks"], str(base), str(tmp_path), layout, timeout=500)
     names = {name for result in results for name in result["initial"]}
     initial = {name: whole([r["initial"][name] for r in results if name in r["initial"]]) for name in names}
     model = reference(base, initial)
