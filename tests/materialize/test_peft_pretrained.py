@@ -31,11 +31,12 @@ TARGETS = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
 STEPS = 3
 #: Two pipeline stages cut at a named point (the automatic cut of a PeftModel is another matter).
 STAGES = {"pipeline.num_micro_batch": 2, "pipeline.split_points": ["base_model.model.model.layers.2"]}
-#: The layouts: split(2) and 2 pipeline stages on 2 processes, and both (3D: split(2) x 2 stages) on 4.
+#: The layouts: split(2), 2 pipeline stages and ZeRO v2 on 2 processes, and 3D (split(2) x 2 stages) on 4.
 LAYOUTS: dict[str, dict[str, Any]] = {
     "split": {"config": {}, "split": 2, "ranks": 2},
     "pipeline": {"config": STAGES, "split": 1, "ranks": 2},
     "3d": {"config": STAGES, "split": 2, "ranks": 4},
+    "zero v2": {"config": {"zero.level": "v2"}, "split": 1, "ranks": 2},  # 2 replicas, each fed the same rows
 }
 
 
