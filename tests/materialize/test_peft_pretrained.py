@@ -68,8 +68,12 @@ def run_layout(folder: str, out: str, layout: str) -> dict[str, Any]:
     case = LAYOUTS[layout]
     torch.manual_seed(0)
     epl.init(epl.Config(case["config"]))
-    with torch.device("meta"), epl.split(case["split"]) if case["split"] > 1 else nullcontext():
-        model = get_peft_model(models.llama(tied=False).double(), lora())
+    with epl.split(case["split"]) if case["split"] > 1 else nullcontext():
+        with torch.device("meta"):
+            base = models.llama(tied=False).double()
+        # In the split scope, outside the meta block: on meta, PEFT leaves the adapters float32 (it casts an
+        # adapter to its base layer's dtype only off meta).
+        model = get_peft_model(base, lora())
     engine = epl.parallelize(model, optimizer=adamw)
     engine.load_pretrained(folder)
     initial = {name: plain(value) for name, value in engine.model.state_dict(keep_vars=True).items()}
@@ -91,7 +95,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def whole(pieces: list[tuple[torch.Tensor, Any]]) -> torch.Tensor:
     """The whole tensor from the ranks' (local value, piece)."""
     first = pieces[0][1]
-    out = torch.full(tuple(first.shape), float("nan"), dtype=torch.float64)
+    out = torch.full(tuple(first.shape), float("nan"), dtype=pieces[0][0].dtype)
     for value, piece in pieces:
         for block in piece.blocks:
             out[tuple(slice(o, o + s) for o, s in zip(block.offsets, block.sizes, strict=True))] = block.in_local(value)
@@ -175,7 +179,8 @@ def test_one_process_meta_peft_loads_the_base_and_starts_as_peft(base: Path, met
 
     epl.init(epl.Config({"model.meta_init": meta == "model.meta_init"}))
     with torch.device("meta") if meta == "torch.device" else nullcontext():
-        model = get_peft_model(models.llama(tied=False).double(), lora())
+        base_model = models.llama(tied=False).double()
+    model = get_peft_model(base_model, lora())
     assert model.base_model.model.model.layers[0].self_attn.q_proj.lora_A.default.weight.is_meta
     engine = epl.parallelize(model)
     engine.load_pretrained(base)
@@ -285,3 +290,38 @@ def test_adapters_saved_beside_a_model_keep_it(base: Path, tmp_path: Path) -> No
     engine.save_pretrained(folder)
     after = sorted(p.name for p in folder.iterdir())
     assert after == sorted([*before, "adapter_config.json", "adapter_model.safetensors"])
+
+
+def test_modules_to_save_load_from_the_base_and_export_trained(base: Path, tmp_path: Path) -> None:
+    """``modules_to_save=["lm_head"]``: the original and its trainable copy both read the base's ``lm_head.weight``
+    (as PEFT copies it); the adapter export holds the trained copy, the merged export writes it as ``lm_head``."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    def config() -> Any:
+        return LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+
+    epl.init()
+    with torch.device("meta"):
+        base_model = models.llama(tied=False).double()
+    engine = epl.parallelize(get_peft_model(base_model, config()), optimizer=adamw)
+    engine.load_pretrained(base)
+    expected = get_peft_model(LlamaForCausalLM.from_pretrained(base, dtype=torch.float64), config()).state_dict()
+    for name, value in engine.model.state_dict().items():
+        if "lora_A" not in name:
+            torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    for step in range(2):
+        engine.step({"input_ids": tokens(step), "labels": tokens(step)})
+    engine.save_pretrained(tmp_path / "adapter")
+    engine.save_pretrained(tmp_path / "merged", merged=True)
+    engine.model.eval()
+    with torch.no_grad():
+        logits = engine.model(input_ids=tokens(9)).logits
+        adapted = PeftModel.from_pretrained(
+            LlamaForCausalLM.from_pretrained(base, dtype=torch.float64), tmp_path / "adapter"
+        )
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float64)
+        for back in (adapted, merged):
+            torch.testing.assert_close(
+                back(input_ids=tokens(9)).logits, logits, rtol=EXPORT_TOLERANCE, atol=EXPORT_TOLERANCE
+            )

@@ -152,6 +152,7 @@ def _merged(engine: CheckpointedEngine) -> Export:
     model = engine.model
     base_model = unwrapped(model)
     _check_transformers_model(base_model)
+    _peft_adapter(model)
     local = list(local_tensors(engine))
     held = {name: piece for name, _, piece in local}
     base = base_names(model, list(held))
@@ -160,9 +161,11 @@ def _merged(engine: CheckpointedEngine) -> Export:
     held.update({name: held_whole(value) for name, value in gathered.items()})  # plain tensors: held whole
     tied = _ties(model, base)
     tensors: list[tuple[str, torch.dtype, Piece, Value]] = []
+    # A module in modules_to_save is written as trained (its copy), not as its frozen original.
+    trained = {base[name] for name, *_ in local if ".modules_to_save." in name}
     for name, tensor, piece in local:
         out = base[name]
-        if out is None:
+        if out is None or (out in trained and ".modules_to_save." not in name):
             continue
         owner, _, leaf = name.rpartition(".base_layer.")
         layer = layers.get(owner) if owner else None

@@ -10,7 +10,10 @@ would have without the wrappers, by a rule on modules, not on names:
   dropped from the names under it, and a tensor outside it (a prompt's embedding) belongs to the adapter;
 - a module with ``get_base_layer()`` and a child ``base_layer`` (every PEFT tuner layer) stands for that child: the
   ``base_layer`` segment is dropped, and the module's other tensors (``lora_A``, ``lora_B``, ...) are the
-  adapter's.
+  adapter's;
+- a module with a child ``original_module`` (PEFT's ``modules_to_save`` and other auxiliary wrappers) stands for
+  it: ``original_module`` is dropped; ``modules_to_save.<adapter>``, a trainable copy of the original, has the
+  original's names too (it starts as the base's); its other tensors are the adapter's.
 
 A tensor of an adapter has no base name (None): a base checkpoint does not hold it, and an adapter export holds
 only those.
@@ -47,12 +50,26 @@ def base_names(model: nn.Module, names: list[str]) -> dict[str, str | None]:
         kept: list[str] = []
         parts = name.split(".")
         adapter = False
+        skip = 0
         for index, part in enumerate(parts):
-            if module is not None and index < len(parts) - 1 and is_layer_wrapper(module):
+            if skip:
+                skip -= 1
+                module = module._modules.get(part) if module is not None else None
+                continue
+            inner = module is not None and index < len(parts) - 1
+            if inner and is_layer_wrapper(module):  # type: ignore[arg-type]
                 if part != "base_layer":
                     adapter = True
                     break
-                module = module._modules.get(part)
+                module = module._modules.get(part)  # type: ignore[union-attr]
+                continue
+            if inner and "original_module" in module._modules:  # type: ignore[union-attr]
+                if part == "modules_to_save":  # a trainable copy of the original, one per adapter
+                    skip = 1
+                elif part != "original_module":
+                    adapter = True
+                    break
+                module = module._modules.get(part)  # type: ignore[union-attr]
                 continue
             kept.append(part)
             module = module._modules.get(part) if module is not None else None
