@@ -134,7 +134,13 @@ def _adapters(engine: CheckpointedEngine) -> Export:
     stand_ins = {name: torch.empty(0, device="meta") for name, *_ in local}
     selected = get_peft_model_state_dict(model, state_dict=stand_ins, adapter_name=adapter)
     name_of = {id(value): name for name, value in stand_ins.items()}
-    renamed = {name_of[id(value)]: out for out, value in selected.items() if id(value) in name_of}
+    made = sorted(out for out, value in selected.items() if id(value) not in name_of)
+    if made:  # a tensor PEFT computes at save time: not one of this rank's tensors, so not written piecewise here
+        raise EplError(
+            f"PEFT's adapter state holds {made[:3]}, which it computes when saving; EPL writes only the model's own "
+            "tensors. Save this adapter with PEFT in one process (engine.save, then PeftModel.save_pretrained)."
+        )
+    renamed = {name_of[id(value)]: out for out, value in selected.items()}
     tensors = [(renamed[name], t.dtype, piece, _plain(name)) for name, t, piece in local if name in renamed]
 
     def configs(folder: Path) -> None:
