@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from epl.errors import UninitializedError
+from epl.materialize.adapters import AdapterInitError
 from epl.materialize.units import InitUnit
 
 #: A slot a transform has since emptied (restored as absent).
@@ -43,19 +44,29 @@ def unit_seed(base_seed: int, unit: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def initialize_unit(unit: InitUnit, base_seed: int, owners: dict[int, nn.Module]) -> dict[int, torch.Tensor]:
+def initialize_unit(
+    unit: InitUnit,
+    base_seed: int,
+    owners: dict[int, nn.Module],
+    adapters: dict[int, Callable[[], None]] | None = None,
+) -> dict[int, torch.Tensor]:
     """``id`` of each tensor of ``unit`` -> its initial values (on the CPU); the unit's tensors are not touched.
 
     ``owners``: ``id(module)`` -> the transformers ``PreTrainedModel`` whose ``_init_weights`` initialises it
-    (:func:`hf_owners`). Raises :class:`UninitializedError` for a tensor nothing initialises.
+    (:func:`hf_owners`). ``adapters``: ``id`` of a PEFT tuner layer -> its adapters' init, run last
+    (:func:`epl.materialize.adapters.adapter_inits`). Raises :class:`UninitializedError` for a tensor nothing
+    initialises.
     """
     slots = unit.slots()
+    adapters = adapters or {}
     if any(id(module) in owners for _, module in unit.modules):
         try:
-            return _initialized(unit, slots, base_seed, owners, torch_init=False)
+            return _initialized(unit, slots, base_seed, owners, adapters, torch_init=False)
+        except AdapterInitError:
+            raise
         except UninitializedError:
             pass  # transformers' _init_weights leaves a tensor unset: torch's reset_parameters first, then it
-    return _initialized(unit, slots, base_seed, owners, torch_init=True)
+    return _initialized(unit, slots, base_seed, owners, adapters, torch_init=True)
 
 
 def _initialized(
@@ -63,15 +74,16 @@ def _initialized(
     slots: list[tuple[nn.Module, str, str, torch.Tensor]],
     base_seed: int,
     owners: dict[int, nn.Module],
+    adapters: dict[int, Callable[[], None]],
     torch_init: bool,
 ) -> dict[int, torch.Tensor]:
     """The unit's values, checked: no floating tensor left NaN, other tensors the same from two fills."""
     checked_twice = any(not _floating(t) for *_, t in slots)
-    first = _run(unit, slots, base_seed, owners, fill=0, torch_init=torch_init)
+    first = _run(unit, slots, base_seed, owners, adapters, fill=0, torch_init=torch_init)
     if not checked_twice:
         _require_set(unit, slots, first)
         return first
-    second = _run(unit, slots, base_seed, owners, fill=1, torch_init=torch_init)
+    second = _run(unit, slots, base_seed, owners, adapters, fill=1, torch_init=torch_init)
     for module, _, name, tensor in slots:
         if not _floating(tensor) and not torch.equal(first[id(tensor)], second[id(tensor)]):
             raise _uninitialized(unit, name, module)
@@ -84,6 +96,7 @@ def _run(
     slots: list[tuple[nn.Module, str, str, torch.Tensor]],
     base_seed: int,
     owners: dict[int, nn.Module],
+    adapters: dict[int, Callable[[], None]],
     fill: int,
     torch_init: bool,
 ) -> dict[int, torch.Tensor]:
@@ -104,6 +117,10 @@ def _run(
             owner = owners.get(id(module))
             if owner is not None:
                 owner._init_weights(module)  # type: ignore[operator]  # a transformers PreTrainedModel's method
+        for _, module in unit.modules:  # PEFT's adapters, as PEFT initialises them (after the model's own init)
+            init = adapters.get(id(module))
+            if init is not None:
+                init()
     return {key: value.detach() for key, value in fresh.items()}
 
 

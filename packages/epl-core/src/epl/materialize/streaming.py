@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from epl.materialize.adapters import adapter_inits
 from epl.materialize.heap import FreedMemory
 from epl.materialize.initialize import hf_owners, initialize_unit
 from epl.materialize.swap import swap_values, to_meta
@@ -48,12 +49,13 @@ class StreamedInit:
         #: ``id`` of each tensor -> the unit its values come from (the first holding it).
         self.first = unit_of_tensors(self.units)
         self.owners = hf_owners(model)
+        self.adapters = adapter_inits(model)
         self._unit_of_module = {id(m): u for u in self.units for _, m in u.modules}
         self._modules = {id(m) for m in model.modules()}
 
     def values(self, unit: InitUnit) -> dict[int, torch.Tensor]:
         """``id`` of each tensor of ``unit`` -> its initial values (CPU)."""
-        return initialize_unit(unit, self.base_seed, self.owners)
+        return initialize_unit(unit, self.base_seed, self.owners, self.adapters)
 
     def by_unit(self, items: list[Item], original: Callable[[Item], torch.Tensor]) -> list[tuple[InitUnit, list[Item]]]:
         """``items`` grouped by the unit that gives ``original(item)`` (a tensor of the model as built) its values,

@@ -2,7 +2,8 @@
 
 A unit is a module with its whole subtree when it is a *layer*: a module held by a container
 (``nn.ModuleList``, ``nn.ModuleDict``, ``nn.Sequential``: a transformer block, an expert list's owner) or a
-module none of whose children holds tensors (an embedding, a norm, the LM head). Any other module (the model,
+module none of whose children holds tensors (an embedding, a norm, the LM head), or a layer wrapped with its
+adapters (a PEFT tuner layer: its adapters' init reaches into its children). Any other module (the model,
 ``model.model``) is a unit of its own tensors only, and its children are looked at in turn. Containers are
 never units: their elements are. A unit is initialised as one piece, so initialisation code that reaches from
 a block into its children (GPT-2 scales ``c_proj`` from its block's ``_init_weights``) runs as it would on the
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from epl.materialize.adapters import is_layer_wrapper
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -67,7 +70,7 @@ def init_units(model: nn.Module) -> list[InitUnit]:
             return
         container = isinstance(module, _CONTAINERS)
         leaf = not any(holds_tensors(child) for child in module.children())
-        if not container and (in_container or leaf):
+        if not container and (in_container or leaf or is_layer_wrapper(module)):
             modules = [(f"{name}.{sub}" if name and sub else name or sub, m) for sub, m in module.named_modules()]
             units.append(InitUnit(name, module, True, modules))
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,12 +13,15 @@ import torch
 from epl.errors import EplError
 from epl.pretrained.conversion import conversions
 from epl.pretrained.pieces import _ITEMSIZE, INDEX, SINGLE, Piece, local_tensors, read
+from epl.pretrained.wrapped import base_names, unwrapped
 from epl.runtime.checkpoint.files import unreadable_file_error
 from epl.runtime.checkpoint.meeting import agree, alone
 from epl.sharding.chunks import placed_like
 
 if TYPE_CHECKING:
     from epl.runtime.checkpoint.common import CheckpointedEngine
+
+_log = logging.getLogger(__name__)
 
 
 def checkpoint_files(folder: Path) -> dict[str, Path]:
@@ -107,15 +111,21 @@ def load_pretrained(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
     except Exception as error:  # noqa: BLE001 - every rank's outcome is agreed: an error on every rank
         files, problem = {}, _problem(folder, error)
     agree(engine, problem)
-    local = list(local_tensors(engine))
-    tied = _tied_names(engine)
+    held = list(local_tensors(engine))
+    # A wrapped model (PEFT's): each tensor under its base model's name; an adapter's tensors are not in the folder.
+    base = base_names(engine.model, [name for name, *_ in held])
+    local = [(name, tensor, piece) for name, tensor, piece in held if base[name] is not None]
+    adapters = [name for name, *_ in held if base[name] is None]
+    tied = _tied_names(engine, base)
     # Each name of this rank's and the names tied to it: a checkpoint holds one name of a tied tensor.
-    candidates = {name: [name, *tied.get(name, ())] for name, *_ in local}
+    candidates = {name: [base_name, *tied.get(base_name, ())] for name, *_ in local if (base_name := base[name])}
     names = name_map(list(dict.fromkeys(n for group in candidates.values() for n in group)), set(files))
     sources = {name: next((names[n] for n in group if names[n] in files), None) for name, group in candidates.items()}
     # Names transformers renames or builds from several tensors at load (Mixtral's experts stored one by one).
-    renamed, converted = conversions(engine.model, sorted(files), {n for n, s in sources.items() if s is None})
-    sources.update({name: source for name, source in renamed.items() if sources.get(name) is None})
+    unresolved = {base_name: name for name, s in sources.items() if s is None and (base_name := base[name])}
+    renamed, by_base = conversions(unwrapped(engine.model), sorted(files), set(unresolved))
+    converted = {unresolved[b]: entry for b, entry in by_base.items()}
+    sources.update({unresolved[b]: s for b, s in renamed.items() if sources.get(unresolved[b]) is None})
     missing = [name for name, source in sources.items() if source is None and name not in converted]
     mine = {names[n] for group in candidates.values() for n in group} | set(renamed.values())
     mine.update(source for entry in converted.values() for source in entry.names())
@@ -124,16 +134,29 @@ def load_pretrained(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
         problem = (
             f"{folder} does not fit the model: missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}. Load the checkpoint of this "
-            "model's class and config, or pass strict=False to load the tensors that match."
+            "model's class and config. strict=False loads only the tensors that match: the missing ones keep their "
+            "initial (random) values, which is right only for layers you mean to train from scratch."
         )
     agree(engine, problem)
+    if not strict and (missing or unexpected):
+        _log.warning(
+            "load_pretrained(%s, strict=False) did not load %d of the model's tensors on rank %d, which keep their "
+            "initial values: %s%s; %d of the checkpoint's tensors have no place in the model: %s%s",
+            folder, len(missing), _rank(engine), missing[:5], " ..." if len(missing) > 5 else "",
+            len(unexpected), unexpected[:5], " ..." if len(unexpected) > 5 else "",
+        )  # fmt: skip
+    if adapters:
+        _log.info(
+            "load_pretrained(%s): %d adapter tensors on rank %d keep their initialisation (%s ...)",
+            folder, len(adapters), _rank(engine), adapters[0],
+        )  # fmt: skip
     reader = _Reader(files)
     values: dict[str, torch.Tensor] = {}
     try:
         for name, tensor, piece in local:
             expected = piece.shape
             if name in converted and sources[name] is None:
-                value = converted[name].read(name, piece, reader.read)
+                value = converted[name].read(base[name] or name, piece, reader.read)
                 if tuple(value.shape) != piece.local_shape:
                     problem = f"{name!r} converted from {folder} has shape {list(value.shape)}, this rank's is " + (
                         f"{list(piece.local_shape)}."
@@ -161,6 +184,10 @@ def load_pretrained(engine: CheckpointedEngine, path: str | os.PathLike[str], *,
         {"version": engine.STATE_VERSION, "model": current, "optimizer": None, "global_step": engine.global_step}
     )
     return reader.bytes_read
+
+
+def _rank(engine: CheckpointedEngine) -> int:
+    return 0 if alone(engine) else engine.context.cluster.rank
 
 
 def _problem(folder: Path, error: Exception) -> str:
@@ -208,15 +235,18 @@ class _Reader:
         self.handles.clear()
 
 
-def _tied_names(engine: CheckpointedEngine) -> dict[str, list[str]]:
-    """Each name of this rank's model -> the other names of the same tensor (tied weights): one object under
-    several names here, or a tie transformers declares (``get_expanded_tied_weights_keys``: the LM head's weight
-    is the embedding's, on another pipeline stage), whose checkpoints hold one of the names only."""
+def _tied_names(engine: CheckpointedEngine, base: dict[str, str | None]) -> dict[str, list[str]]:
+    """Each base name (``base``: the model's name -> its base model's) of this rank's model -> the other names of
+    the same tensor (tied weights): one object under several names here, or a tie transformers declares
+    (``get_expanded_tied_weights_keys``: the LM head's weight is the embedding's, on another pipeline stage), whose
+    checkpoints hold one of the names only."""
     groups: dict[int, list[str]] = {}
     for name, tensor in engine.model.state_dict(keep_vars=True).items():
-        groups.setdefault(id(tensor), []).append(name)
+        base_name = base.get(name)
+        if base_name is not None:
+            groups.setdefault(id(tensor), []).append(base_name)
     tied = {name: [other for other in group if other != name] for group in groups.values() for name in group}
-    declared = getattr(engine.model, "get_expanded_tied_weights_keys", None)
+    declared = getattr(unwrapped(engine.model), "get_expanded_tied_weights_keys", None)
     if callable(declared):
         for target, source in declared(all_submodels=True).items():
             tied.setdefault(target, []).append(source)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 #: safetensors' names of the dtypes it stores.
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -23,6 +25,11 @@ DTYPES: dict[torch.dtype, str] = {
 #: Bytes per element of each safetensors dtype.
 _ITEMSIZE: dict[str, int] = {code: dtype.itemsize for dtype, code in DTYPES.items()}
 _TORCH_DTYPES: dict[str, torch.dtype] = {code: dtype for dtype, code in DTYPES.items()}
+
+
+def is_model_weights_file(name: str) -> bool:
+    """Whether ``name`` is a weight file (or the index) of transformers' model format."""
+    return name in (SINGLE, INDEX) or _SHARD.fullmatch(name) is not None
 
 
 # -- which part of a whole tensor a rank holds ----------------------------------------------------------------

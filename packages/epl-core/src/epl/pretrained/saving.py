@@ -11,6 +11,8 @@ earlier export that this one does not rewrite. The files it owns:
   loaders prefer to the new shards' index);
 - ``config.json`` when the model has a ``config``, and ``generation_config.json`` when it can generate (as
   transformers writes them): replaced when written, never deleted.
+- for a PEFT model's adapters (:mod:`~epl.pretrained.export`): ``adapter_model.safetensors`` and
+  ``adapter_config.json`` only; the model's files beside them are kept.
 
 Everything else is kept. A path that is a file, one of those names held by a folder, or a ``<path>.partial`` holding
 anything else is refused on every rank before anything is written (``<path>.partial`` is EPL's scratch folder).
@@ -38,29 +40,33 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from epl.errors import EplError
-from epl.pretrained.pieces import _ITEMSIZE, DTYPES, INDEX, SINGLE, Piece, local_tensors
+from epl.pretrained.export import (
+    ADAPTER_CONFIG,
+    ADAPTER_SINGLE,
+    CONFIG,
+    GENERATION_CONFIG,
+    Export,
+    describe_export,
+)
+from epl.pretrained.pieces import _ITEMSIZE, DTYPES, INDEX, SINGLE, Piece, is_model_weights_file
 from epl.runtime import agreement
 from epl.runtime.checkpoint import meeting
 from epl.runtime.checkpoint.folders import foreign_entries, remove_own
-from epl.sharding.data_shards import local_tensor
 
 if TYPE_CHECKING:
     from epl.runtime.checkpoint.common import CheckpointedEngine
 
 _PIECES = ".epl-pieces-{rank}.json"
-_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _SCRATCH = re.compile(r"\.epl-pieces-\d+\.json")
-CONFIG = "config.json"
-GENERATION_CONFIG = "generation_config.json"
 
 
 def is_weights_file(name: str) -> bool:
     """Whether ``name`` is a weight file (or the index) ``save_pretrained`` writes, and so replaces or deletes."""
-    return name in (SINGLE, INDEX) or _SHARD.fullmatch(name) is not None
+    return name == ADAPTER_SINGLE or is_model_weights_file(name)
 
 
 def _is_output(name: str) -> bool:
-    return is_weights_file(name) or name in (CONFIG, GENERATION_CONFIG)
+    return is_weights_file(name) or name in (CONFIG, GENERATION_CONFIG, ADAPTER_CONFIG)
 
 
 def _is_scratch(name: str) -> bool:
@@ -68,41 +74,57 @@ def _is_scratch(name: str) -> bool:
 
 
 def save_pretrained(
-    engine: CheckpointedEngine, path: str | os.PathLike[str], *, max_shard_size: int | str = "5GB"
+    engine: CheckpointedEngine,
+    path: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    merged: bool = False,
 ) -> None:
     """Write ``engine``'s model as a transformers checkpoint folder at ``path`` (a collective: every rank calls
-    it), beside the files already there; see the module's documentation."""
+    it), beside the files already there; see the module's documentation. A PEFT model is written as its adapters
+    (PEFT's ``adapter_model.safetensors`` and ``adapter_config.json``), or with ``merged=True`` as the base model
+    with the adapters merged into its weights (transformers' format, the base's names and config)."""
     target = Path(path)
     partial = target.with_name(target.name + ".partial")
     limit = _bytes(max_shard_size)
     meeting.meet(engine, "engine.save_pretrained", lambda: _target_problem(target, partial))
+    export: Export | None = None
+    problem: str | None = None
     try:
-        _write(engine, target, partial, limit)
+        export = describe_export(engine, merged=merged)
+    except EplError as error:
+        problem = f"engine.save_pretrained({str(target)!r}): {error} Nothing was written."
+    communicator = None if meeting.alone(engine) else engine.context.communicator
+    agreement.agree(communicator, problem, refused="could not describe its export")
+    assert export is not None
+    try:
+        _write(engine, target, partial, limit, export)
     except EplError:
         if meeting.alone(engine) or engine.context.cluster.rank == 0:  # every rank has stopped writing (agreed)
             remove_own(partial, _is_scratch)
         raise
 
 
-def _write(engine: CheckpointedEngine, target: Path, partial: Path, limit: int) -> None:
+def _write(engine: CheckpointedEngine, target: Path, partial: Path, limit: int, export: Export) -> None:
     """The phases of a save, each agreed by every rank before the next (a failure is raised on every rank)."""
     alone = meeting.alone(engine)
     rank = 0 if alone else engine.context.cluster.rank
     world = 1 if alone else engine.context.cluster.world_size
-    local = list(local_tensors(engine))
+    local = export.tensors
     laid: list[_Layout] = []
 
     def describe_pieces() -> None:
         mine = [
-            {"name": name, "dtype": DTYPES[t.dtype], "shape": list(piece.shape),
+            {"name": name, "dtype": DTYPES[dtype], "shape": list(piece.shape),
              "blocks": [[list(b.offsets), list(b.sizes)] for b in piece.blocks]}
-            for name, t, piece in local
+            for name, dtype, piece, _ in local
         ]  # fmt: skip
         (partial / _PIECES.format(rank=rank)).write_text(json.dumps(mine))
 
     def lay_out() -> None:
         layout = _Layout([json.loads((partial / _PIECES.format(rank=r)).read_text()) for r in range(world)])
-        layout.assign_files(limit)
+        layout.single = export.single
+        layout.assign_files(limit if export.shards else None)
         laid.append(layout)
         if rank == 0:
             layout.write_headers(partial)
@@ -110,22 +132,22 @@ def _write(engine: CheckpointedEngine, target: Path, partial: Path, limit: int) 
     def write_pieces() -> None:
         values = engine.state_dict()["model"]  # plain values (a technique that frees parameters hands copies)
         layout = laid[0]
-        for name, _, piece in local:
+        for name, _, piece, value in local:
             if piece.blocks and layout.writer[_key(name, [(b.offsets, b.sizes) for b in piece.blocks])] == rank:
-                layout.write_piece(partial, name, piece, local_tensor(values[name]))
+                layout.write_piece(partial, name, piece, value(values))
 
     def finish() -> None:
         for r in range(world):
             (partial / _PIECES.format(rank=r)).unlink()
         laid[0].write_index(partial)
-        _write_configs(engine.model, partial)
+        export.write_configs(partial)
 
     _phase(engine, target, lambda: _scratch_folder(partial), only_rank_0=True)
     _phase(engine, target, describe_pieces)
     _phase(engine, target, lay_out)
     _phase(engine, target, write_pieces)
     _phase(engine, target, finish, only_rank_0=True)
-    _phase(engine, target, lambda: _commit(partial, target), only_rank_0=True)
+    _phase(engine, target, lambda: _commit(partial, target, export.owns), only_rank_0=True)
 
 
 def _phase(engine: CheckpointedEngine, target: Path, action: Callable[[], None], *, only_rank_0: bool = False) -> None:
@@ -192,30 +214,17 @@ def _scratch_folder(partial: Path) -> None:
     partial.mkdir(parents=True)
 
 
-def _write_configs(model: Any, folder: Path) -> None:
-    """``config.json`` when the model has a config, ``generation_config.json`` when it can generate (transformers')."""
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "to_json_file"):
-        config.to_json_file(str(folder / CONFIG))
-    generation = getattr(model, "generation_config", None)
-    can_generate = getattr(model, "can_generate", None)
-    if generation is not None and hasattr(generation, "to_json_file") and callable(can_generate) and can_generate():
-        generation.to_json_file(str(folder / GENERATION_CONFIG))
-
-
-def _commit(partial: Path, target: Path) -> None:
+def _commit(partial: Path, target: Path, owns: Callable[[str], bool]) -> None:
     """Move the files of ``partial`` into ``target`` (see the module's documentation for the order) and delete the
-    weight files of an earlier export that this one did not write."""
+    weight files of an earlier export of the same kind (``owns``) that this one did not write."""
     if not target.exists():
         os.replace(partial, target)
         return
     written = sorted(entry.name for entry in partial.iterdir())
     earlier = sorted(
-        entry.name
-        for entry in target.iterdir()
-        if is_weights_file(entry.name) and entry.is_file() and entry.name != INDEX
+        entry.name for entry in target.iterdir() if owns(entry.name) and entry.is_file() and entry.name != INDEX
     )
-    if (target / INDEX).is_file():  # first: from here on no index refers to a mix of old and new shards
+    if owns(INDEX) and (target / INDEX).is_file():  # first: from here on no index refers to a mix of old and new shards
         (target / INDEX).unlink()
     for name in written:
         if is_weights_file(name) and name != INDEX:
@@ -223,7 +232,7 @@ def _commit(partial: Path, target: Path) -> None:
     for name in earlier:
         if name not in written:
             (target / name).unlink()
-    for name in (INDEX, CONFIG, GENERATION_CONFIG):
+    for name in (INDEX, CONFIG, GENERATION_CONFIG, ADAPTER_CONFIG):
         if name in written:
             os.replace(partial / name, target / name)
     partial.rmdir()
@@ -255,14 +264,17 @@ class _Layout:
         self.files: list[list[str]] = []
         self.offsets: dict[str, tuple[int, int]] = {}  # name -> (file index, data offset in it)
         self.headers: list[bytes] = []
+        #: The name of the file when the tensors fill one.
+        self.single = SINGLE
 
-    def assign_files(self, limit: int) -> None:
-        """Put the tensors in files of at most ``limit`` bytes (one larger tensor gets a file of its own)."""
+    def assign_files(self, limit: int | None) -> None:
+        """Put the tensors in files of at most ``limit`` bytes (one larger tensor gets a file of its own; None: all
+        in one file)."""
         sizes = self.sizes
         current: list[str] = []
         total = 0
         for name in self.tensors:
-            if current and total + sizes[name] > limit:
+            if current and limit is not None and total + sizes[name] > limit:
                 self.files.append(current)
                 current, total = [], 0
             current.append(name)
@@ -278,7 +290,7 @@ class _Layout:
 
     def file_name(self, index: int) -> str:
         count = len(self.files)
-        return SINGLE if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+        return self.single if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
     def _header(self, index: int) -> bytes:
         """File ``index``'s safetensors header: its length, then the JSON of its tensors' places."""

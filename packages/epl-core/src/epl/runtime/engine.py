@@ -476,24 +476,36 @@ class Engine:
 
         Each rank reads only its stage's tensors and its shards' slices of them; names are matched to the
         model's (also under a prefix one side lacks, as transformers' ``base_model_prefix``); dtypes are converted
-        to the model's. ``strict`` (default): a name the model has and the folder lacks, or the reverse, is an
-        error; ``strict=False`` loads what matches. Pickle-based ``.bin`` checkpoints are refused. Returns the
-        bytes this rank read. See :mod:`epl.pretrained`.
+        to the model's. A PEFT model (``get_peft_model``, on meta or not) takes its base model's folder: each
+        tensor is read under the name it has without PEFT's wrappers (``base_model.model.``, ``base_layer.``), and
+        only the adapters keep their initialisation. ``strict`` (default): a name the model has and the folder
+        lacks, or the reverse, is an error; ``strict=False`` loads what matches and logs a warning, on every call,
+        with the count and the first names of what was not loaded. Pickle-based ``.bin`` checkpoints are
+        refused. Returns the bytes this rank read. See :mod:`epl.pretrained`.
         """
         from epl.pretrained import load_pretrained
 
         return load_pretrained(self, path, strict=strict)
 
-    def save_pretrained(self, path: str | os.PathLike[str], *, max_shard_size: int | str = "5GB") -> None:
+    def save_pretrained(
+        self, path: str | os.PathLike[str], *, max_shard_size: int | str = "5GB", merged: bool = False
+    ) -> None:
         """Write the model as a transformers checkpoint folder at ``path`` (every rank calls it): safetensors
         under the original names, several files with ``model.safetensors.index.json`` past ``max_shard_size``,
         and ``config.json`` when the model has a ``config``; ``AutoModel...from_pretrained(path)`` reads it.
+
+        A PEFT model is written as PEFT writes its adapters (``adapter_model.safetensors`` and
+        ``adapter_config.json``: ``PeftModel.from_pretrained(base, path)`` reads it); ``merged=True`` writes the
+        base model with the adapters merged into its weights instead, under the base's names and config
+        (``AutoModelForCausalLM.from_pretrained(path)`` reads it). A model transformers would not read back (one
+        that holds a transformers config but is not a transformers model) is refused on every rank.
+
         Each rank writes its own pieces into the files; nothing is gathered. Written beside the files already
         in the folder (a tokenizer, a README: kept), replacing only its own. See :mod:`epl.pretrained.saving`.
         """
         from epl.pretrained import save_pretrained
 
-        save_pretrained(self, path, max_shard_size=max_shard_size)
+        save_pretrained(self, path, max_shard_size=max_shard_size, merged=merged)
 
     def __repr__(self) -> str:
         return (
