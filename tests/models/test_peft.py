@@ -20,6 +20,7 @@ parameter (gathered whole) within ``TOLERANCE``. The frozen base stays as it was
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -94,20 +95,22 @@ def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-2, weight_decay=0.01)
 
 
-def train_here(micro: int, replicas: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The one-process reference: each batch in ``micro`` micro-batches (per replica), one AdamW step."""
+def train_here(micro: int, replicas: int = 1) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """The one-process reference: each replica's rows in ``micro`` micro-batches, the replicas' gradients averaged,
+    one AdamW step. Returns each replica's losses (the mean over its micro-batches) and the parameters."""
     model = peft_llama()
     optimizer = adamw(model.parameters())
-    losses = []
+    losses: list[list[float]] = [[] for _ in range(replicas)]
     for tokens in batches(ROWS * replicas):
         optimizer.zero_grad()
-        parts = []
-        for part in tokens.chunk(micro * replicas):
-            loss = token_loss(model(input_ids=part), part)
-            (loss / (micro * replicas)).backward()
-            parts.append(loss.detach())
+        for replica, rows in enumerate(tokens.chunk(replicas)):
+            parts = []
+            for part in rows.chunk(micro):
+                loss = token_loss(model(input_ids=part), part)
+                (loss / (micro * replicas)).backward()
+                parts.append(loss.detach())
+            losses[replica].append(float(torch.stack(parts).mean()))
         optimizer.step()
-        losses.append(float(torch.stack(parts).mean()))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -123,15 +126,23 @@ def train(config: dict[str, Any], split: int = 1, replicas: int = 1, *, adapters
         index = engine.replica_index
         rows = tokens[index * ROWS : (index + 1) * ROWS] if replicas > 1 else tokens
         losses.append(float(engine.step({"input_ids": rows}, rows)))
+    return report(engine, losses)
+
+
+def report(engine: Any, losses: list[float], **extra: Any) -> dict[str, Any]:
+    """What one rank reports: its losses, the model gathered whole (a collective), what it holds, and whether any
+    frozen parameter holds a gradient or optimizer state."""
     frozen = [p for p in engine.parameters() if not p.requires_grad]
     state = engine.optimizer.state
     return {
         "losses": losses,
+        "replica": engine.replica_index,
         "state": {k: v.detach().clone() for k, v in engine.state_dict(full=True)["model"].items()},
         "frozen_with_grad": sum(1 for p in frozen if p.grad is not None),
         "frozen_with_state": sum(1 for p in frozen if p in state and state[p]),
         "frozen": len(frozen),
-        "held": sum(p.numel() for p in engine.parameters()),
+        "held": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in engine.parameters()),
+        **extra,
     }
 
 
@@ -139,7 +150,8 @@ def assert_equal_to_local(results: list[dict[str, Any]], micro: int, replicas: i
     losses, full = train_here(micro, replicas)
     assert {name for result in results for name in result["state"]} == full.keys()  # each stage holds its part
     for result in results:
-        torch.testing.assert_close(result["losses"], losses, rtol=TOLERANCE, atol=TOLERANCE)
+        expected = losses[result["replica"]]
+        torch.testing.assert_close(result["losses"], expected, rtol=TOLERANCE, atol=TOLERANCE)
         for name, value in result["state"].items():
             torch.testing.assert_close(value, full[name], rtol=TOLERANCE, atol=TOLERANCE, msg=name)
         assert result["frozen"] and not result["frozen_with_grad"] and not result["frozen_with_state"]
@@ -167,3 +179,88 @@ def split_pipeline() -> dict[str, Any]:
 @pytest.mark.timeout(400)
 def test_split_stages_of_a_peft_model_equal_one_process() -> None:
     assert_equal_to_local(run_ranks(split_pipeline, 4, timeout=340), MICRO)
+
+
+def split_run(adapters: bool) -> dict[str, Any]:
+    """One rank: the model (with or without adapters) under ``epl.split(2)``, trained; the collectives of its last
+    step counted by the profiler, by operation and shape (the batch check off)."""
+    from benchmarks.collectives import collectives_of
+
+    import epl
+
+    epl.init(epl.Config({"io.check_batches": False}))
+    engine = epl.parallelize(built(2, adapters=adapters), optimizer=adamw, loss_fn=token_loss)
+    losses = []
+    counts: dict[str, int] = {}
+    for tokens in batches():
+        counts = collectives_of(functools.partial(step, engine, tokens, losses)).counts
+    return report(engine, losses, collectives=counts, repr=repr(engine.model))
+
+
+def step(engine: Any, tokens: torch.Tensor, losses: list[float]) -> None:
+    losses.append(float(engine.step({"input_ids": tokens}, tokens)))
+
+
+def split_both() -> dict[str, Any]:
+    return {"adapters": split_run(True), "plain": split_run(False)}
+
+
+@pytest.fixture(scope="module")
+def split_ranks() -> list[dict[str, Any]]:
+    """Both ranks' results, with adapters and without (one launch of 2 processes)."""
+    return run_ranks(split_both, 2, timeout=240)
+
+
+@pytest.mark.timeout(300)
+def test_split_of_a_peft_model_equals_one_process(split_ranks: list[dict[str, Any]]) -> None:
+    assert_equal_to_local([result["adapters"] for result in split_ranks], 1)
+
+
+#: What the adapters add to a step under split(2), per transformer block: for each row-parallel wrapped layer
+#: (o_proj, down_proj), the all-reduce of its lora_A's partial output forward; for each column-parallel one (q, k,
+#: v, gate, up), the all-reduce of the gradient of its lora_B's input backward. Each is [batch, sequence, rank].
+ADAPTER_COLLECTIVES_PER_BLOCK = 2 + 5
+#: What the frozen base saves: the gradient of the first block's input to attention (Megatron's backward all-reduce
+#: there) is not needed when the embedding below it learns nothing.
+FROZEN_EMBEDDING_SAVES = 1
+
+
+@pytest.mark.timeout(300)
+def test_adapters_keep_megatrons_collectives(split_ranks: list[dict[str, Any]]) -> None:
+    """The base layers' collectives are those of the model without adapters; the adapters add only their own."""
+    width, rank = f"[{ROWS}, {SEQUENCE}, 32]", f"[{ROWS}, {SEQUENCE}, 4]"
+    for result in split_ranks:
+        plain, adapted = dict(result["plain"]["collectives"]), dict(result["adapters"]["collectives"])
+        assert adapted.pop(f"allreduce {rank}") == ADAPTER_COLLECTIVES_PER_BLOCK * LAYERS
+        plain[f"allreduce {width}"] -= FROZEN_EMBEDDING_SAVES
+        assert adapted == plain
+    model = split_ranks[0]["adapters"]["repr"]
+    for layer in ("o_proj", "down_proj"):
+        assert f"({layer}): lora.Linear(\n                (base_layer): RowParallelLinear" in model
+    for layer in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        assert f"({layer}): lora.Linear(\n                (base_layer): ColumnParallelLinear" in model
+    assert "role=column" in model and "role=alone" not in model
+    assert "adapter of a column layer" in model
+
+
+def zero_v2() -> dict[str, Any]:
+    return train({"zero.level": "v2"}, replicas=2)
+
+
+@pytest.mark.timeout(300)
+def test_zero_v2_of_a_peft_model_equals_one_process() -> None:
+    """Two replicas, ZeRO v2: every parameter, the frozen base too, is sharded over them; frozen ones hold no
+    gradient and no optimizer state."""
+    results = run_ranks(zero_v2, 2, timeout=240)
+    assert_equal_to_local(results, 1, replicas=2)
+    total = sum(p.numel() for p in peft_llama().parameters())
+    assert all(result["held"] <= total // 2 + 64 for result in results)
+
+
+def context_parallel() -> dict[str, Any]:
+    return train({"context.degree": 2})
+
+
+@pytest.mark.timeout(300)
+def test_context_parallelism_of_a_peft_model_equals_one_process() -> None:
+    assert_equal_to_local(run_ranks(context_parallel, 2, timeout=240), 1)

@@ -23,6 +23,7 @@ from epl.interfaces.split_rule import ShardContext, SplitRule
 from epl.placement.shards import MOSTLY_WHOLE
 from epl.plugins.context import LossFn, ParallelContext
 from epl.sharding import sequence
+from epl.sharding.adapters import shard_wrapped_linear, wrapped_linear
 from epl.sharding.collectives import sum_gradient_over_shards
 from epl.sharding.cross_entropy import ShardedCrossEntropyLoss
 from epl.sharding.layout import Decision, SplitLayout, decide_layout, unify_tied
@@ -121,6 +122,7 @@ def layout_of(
     embeddings = {t.name for t in targets if isinstance(t.module, nn.Embedding)}
     # Exactly nn.CrossEntropyLoss: a subclass may compute something else from the logits.
     cross_entropy = type(loss_fn) is nn.CrossEntropyLoss
+    wrapped = frozenset(t.name for t in targets if t.rule is shard_wrapped_linear)
     layout = decide_layout(
         model,
         linears,
@@ -130,7 +132,14 @@ def layout_of(
         example=example,
         subclassed=subclassed,
         sequence_parallel=sequence_parallel,
+        wrapped=wrapped,
     )
+    paired = sorted(n for n in wrapped if layout.decisions.get(n, Decision()).role in ("column", "row"))
+    if sequence_parallel and paired:
+        raise AnnotationError(
+            f"split.sequence_parallel with wrapped linear layers (adapters on a base_layer: {paired[:3]}) is not "
+            "supported yet: their adapters read the gathered input whole. Set split.sequence_parallel to False."
+        )
     return unify_tied(layout, _tied_groups(targets))
 
 
@@ -298,7 +307,7 @@ def _parallel_loss(loss_fn: LossFn | None, group: ShardGroup, head: ColumnParall
 
 
 #: The rules of linear-like modules: the layout (column, row, alone) is decided for the modules they cover.
-LINEAR_RULES: tuple[SplitRule, ...] = (shard_linear, shard_linear_like)
+LINEAR_RULES: tuple[SplitRule, ...] = (shard_linear, shard_linear_like, shard_wrapped_linear)
 
 
 def _tie(
@@ -382,6 +391,8 @@ def find_targets(
         own = list(itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)))
         has_children = any(True for child in module.children() for _ in child.parameters())
         rule = rule_for(module, rules)
+        if rule is None and not own and wrapped_linear(module) is not None:
+            rule = shard_wrapped_linear  # sharded as its base layer, the adapters following (PEFT's LoRA)
         if rule is None and any(id(t) in owned for t in own):
             rule = fallback_rule(module)
             if rule is None:
