@@ -184,17 +184,26 @@ def test_split_stages_of_a_peft_model_equal_one_process() -> None:
 def split_run(adapters: bool) -> dict[str, Any]:
     """One rank: the model (with or without adapters) under ``epl.split(2)``, trained; the collectives of its last
     step counted by the profiler, by operation and shape (the batch check off)."""
+    import logging
+
     from benchmarks.collectives import collectives_of
 
     import epl
 
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("epl").addHandler(Keep(logging.WARNING))
     epl.init(epl.Config({"io.check_batches": False}))
     engine = epl.parallelize(built(2, adapters=adapters), optimizer=adamw, loss_fn=token_loss)
     losses = []
     counts: dict[str, int] = {}
     for tokens in batches():
         counts = collectives_of(functools.partial(step, engine, tokens, losses)).counts
-    return report(engine, losses, collectives=counts, repr=repr(engine.model))
+    return report(engine, losses, collectives=counts, repr=repr(engine.model), warnings=records)
 
 
 def step(engine: Any, tokens: torch.Tensor, losses: list[float]) -> None:
@@ -234,6 +243,7 @@ def test_adapters_keep_megatrons_collectives(split_ranks: list[dict[str, Any]]) 
         assert adapted.pop(f"allreduce {rank}") == ADAPTER_COLLECTIVES_PER_BLOCK * LAYERS
         plain[f"allreduce {width}"] -= FROZEN_EMBEDDING_SAVES
         assert adapted == plain
+        assert not [w for w in result["adapters"]["warnings"] if "more collectives" in w]
     model = split_ranks[0]["adapters"]["repr"]
     for layer in ("o_proj", "down_proj"):
         assert f"({layer}): lora.Linear(\n                (base_layer): RowParallelLinear" in model

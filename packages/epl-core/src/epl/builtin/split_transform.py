@@ -203,6 +203,7 @@ class ShardSplitTaskGraphs:
             context.shard_groups[tg.index] = group
             replaced: set[int] = set()
             kept_whole: dict[str, tuple[int, str]] = {}
+            unpaired: dict[str, str] = {}
             for target in targets[tg.index]:
                 group_of[target.name] = group
                 own = target.tensors()
@@ -234,9 +235,12 @@ class ShardSplitTaskGraphs:
                     context.split_tensors[id(tensor)] = (tg.index, is_sharded(tensor))
                 whole = [p for p in (shard.parameters(recurse=not target.own_only)) if not is_sharded(p)]
                 kept_whole[target.name] = (sum(p.numel() for p in whole), whole_because(target, layout))
+                if _gathers_output(target, decision, shard) and target.name in layout.reasons:
+                    unpaired[target.name] = layout.reasons[target.name]
                 if decision.role == "logits" and isinstance(shard, ColumnParallelLinear):
                     context.loss_fn = _parallel_loss(context.loss_fn, group, shard)
             _warn_if_mostly_whole(tg, kept_whole, [t for t in tg.tensors if isinstance(t, nn.Parameter)])
+            _warn_if_unpaired(tg, unpaired)
             # Forget the whole tensors, so that only the shards stay in memory.
             tg.tensors[:] = [t for t in tg.tensors if id(t) not in replaced or id(t) in context.split_tensors]
         # A module kept whole for its own tensors that holds one a sharded module holds too (BERT's LM head keeps
@@ -284,11 +288,43 @@ def _warn_if_mostly_whole(
     )
 
 
+def _gathers_output(target: SplitTarget, decision: Decision, shard: nn.Module) -> bool:
+    """Whether ``target``'s shard is a linear layer cut by output features whose output is gathered (``alone``)."""
+    return target.rule in LINEAR_RULES and decision.role == "alone" and any(is_sharded(p) for p in shard.parameters())
+
+
+def _warn_if_unpaired(taskgraph: TaskGraph, unpaired: dict[str, str]) -> None:
+    """Log a warning when linear layers of ``taskgraph`` that started a region ended in no column/row pair, so the
+    split issues more collectives than Megatron's pairing of the same layers would (``unpaired``: module -> the
+    operation that ended its region)."""
+    if not unpaired:
+        return
+    named = "; ".join(f"{name} ({why})" for name, why in list(unpaired.items())[:5])
+    more = f" and {len(unpaired) - 5} more" if len(unpaired) > 5 else ""
+    _log.warning(
+        "epl.split: %s (%s) issues more collectives than Megatron's pairing of the same layers would: %d linear "
+        "layers are in no column/row pair, so each gathers its output forward (an all-gather) and all-reduces its "
+        "input's gradient backward, where a pair costs one all-reduce each way for the whole region. What broke "
+        "the pairing: %s%s. A linear layer pairs when its output reaches exactly one other linear layer through "
+        "operations that keep the shard (docs/split.md); a wrapped layer (adapters on a base_layer) pairs as its "
+        "base layer when its forward is the sum of their products; a split rule for a module shards it your way.",
+        taskgraph.name,
+        taskgraph.strategy,
+        len(unpaired),
+        named,
+        more,
+    )
+
+
 def whole_because(target: SplitTarget, layout: SplitLayout) -> str:
     """Why ``target`` keeps (some of) its parameters whole (for the warning at ``parallelize`` and ``epl plan``)."""
+    role = layout.decisions.get(target.name, Decision()).role
+    if target.rule is shard_wrapped_linear and role in ("column", "row"):
+        if role == "column":
+            return "an adapter reading the whole input, as its column-parallel base layer does"
+        return "an adapter writing the whole output, as its row-parallel base layer's sum is"
     if target.name in layout.reasons:
         return layout.reasons[target.name]
-    role = layout.decisions.get(target.name, Decision()).role
     if target.rule in LINEAR_RULES:
         if role == "whole":
             return "never computed as a linear layer in the example run"
