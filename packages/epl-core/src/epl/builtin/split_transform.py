@@ -302,8 +302,8 @@ def _warn_if_unpaired(taskgraph: TaskGraph, unpaired: dict[str, str]) -> None:
     named = "; ".join(f"{name} ({why})" for name, why in list(unpaired.items())[:5])
     more = f" and {len(unpaired) - 5} more" if len(unpaired) > 5 else ""
     _log.warning(
-        "epl.split: %s (%s) issues more collectives than Megatron's pairing of the same layers would: %d linear "
-        "layers are in no column/row pair, so each gathers its output forward (an all-gather) and all-reduces its "
+        "epl.split: %s (%s) issues more collectives than Megatron's pairing of the same layers would: linear "
+        "layers in no column/row pair (%d) each gather their output forward (an all-gather) and all-reduce their "
         "input's gradient backward, where a pair costs one all-reduce each way for the whole region. What broke "
         "the pairing: %s%s. A linear layer pairs when its output reaches exactly one other linear layer through "
         "operations that keep the shard (docs/split.md); a wrapped layer (adapters on a base_layer) pairs as its "
