@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -92,3 +93,18 @@ def test_a_wrapper_not_shown_additive_keeps_whole_outputs() -> None:
     assert found["0.base_layer.weight"] == ((32, 16), (64, 16))
     assert found["2.base_layer.weight"] == ((8, 64), (16, 64))
     assert found["2.lora_A.weight"] == ((2, 64), (2, 64))
+
+
+def test_sequence_parallelism_with_paired_adapters_is_refused() -> None:
+    """The adapters of a column-parallel wrapped layer read the gathered input whole: not proven under it."""
+    import epl
+    from epl.annotations.taskgraph import TaskGraph
+    from epl.builtin.split_transform import find_targets, layout_of
+    from epl.sharding.rules import BUILTIN_RULES
+    from tests.models.test_peft import peft_llama
+
+    model = peft_llama()
+    taskgraph = TaskGraph(index=0, strategy=epl.split(2, name="s"), tensors=[*model.parameters(), *model.buffers()])
+    targets = find_targets(model, taskgraph, BUILTIN_RULES)
+    with pytest.raises(epl.AnnotationError, match="split.sequence_parallel with wrapped linear layers"):
+        layout_of(model, targets, None, sequence_parallel=True)
