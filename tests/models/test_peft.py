@@ -14,8 +14,10 @@ parameter (gathered whole) within ``TOLERANCE``. The frozen base stays as it was
   are looked through, so the decoder's layers are cut;
 - ``epl.split(2)`` x 2 automatic stages on 4 processes;
 - ZeRO ``v2`` over 2 replicas: the frozen base is sharded like the rest, and no frozen parameter holds
-  a gradient or optimizer state;
+  a gradient or optimizer state; and ``epl.split(2)`` x 2 replicas with ZeRO ``v2`` on 4 processes;
 - context parallelism of degree 2.
+
+In every layout no frozen parameter holds a gradient or optimizer state.
 """
 
 from __future__ import annotations
@@ -274,3 +276,13 @@ def context_parallel() -> dict[str, Any]:
 @pytest.mark.timeout(300)
 def test_context_parallelism_of_a_peft_model_equals_one_process() -> None:
     assert_equal_to_local(run_ranks(context_parallel, 2, timeout=240), 1)
+
+
+def split_replicas_zero() -> dict[str, Any]:
+    return train({"zero.level": "v2"}, split=2, replicas=2)
+
+
+@pytest.mark.timeout(300)
+def test_split_replicas_with_zero_v2_of_a_peft_model_equal_one_process() -> None:
+    """split(2) x 2 replicas on 4 processes, ZeRO v2 over the replicas: the adapters' shards reduced as the base's."""
+    assert_equal_to_local(run_ranks(split_replicas_zero, 4, timeout=240), 1, replicas=2)
