@@ -427,7 +427,7 @@ def find_targets(
         own = list(itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)))
         has_children = any(True for child in module.children() for _ in child.parameters())
         rule = rule_for(module, rules)
-        if rule is None and not own and wrapped_linear(module) is not None:
+        if rule is None and not own and _wrapped_with_builtin_rules(module, rules):
             rule = shard_wrapped_linear  # sharded as its base layer, the adapters following (PEFT's LoRA)
         if rule is None and any(id(t) in owned for t in own):
             rule = fallback_rule(module)
@@ -446,6 +446,16 @@ def find_targets(
 
     visit("", model)
     return found
+
+
+def _wrapped_with_builtin_rules(module: nn.Module, rules: Mapping[type[nn.Module], SplitRule]) -> bool:
+    """Whether ``module`` is a wrapped linear (:mod:`epl.sharding.adapters`) whose layers the built-in linear rule
+    covers: a plugin's rule for their type is left to shard them its way."""
+    parts = wrapped_linear(module)
+    if parts is None:
+        return False
+    layers = [parts.base, *parts.readers.values(), *parts.writers.values()]
+    return all(rule_for(layer, rules) is shard_linear for layer in layers)
 
 
 def _no_rule(taskgraph: TaskGraph, name: str, module: nn.Module) -> AnnotationError:
