@@ -63,6 +63,29 @@ def test_cuts_fall_between_blocks_and_balance_the_parameters() -> None:
     assert balanced_cuts([1, 1, 1, 1], 4) == [1, 2, 3]
 
 
+class Wrapper(nn.Module):
+    """A module whose one child holds every tensor (as PEFT's ``PeftModel`` and ``LoraModel``)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_wrappers_are_looked_through_by_a_rule_for_any_class() -> None:
+    import epl
+
+    epl.init(config(2))
+    torch.manual_seed(0)
+    plan = epl.plan(Wrapper(Wrapper(Tower())), world_size=2)
+    assert [list(tg.modules) for tg in plan.taskgraphs] == [
+        ["inner.inner.embed", "inner.inner.blocks.0", "inner.inner.blocks.1", "inner.inner.blocks.2"],
+        ["inner.inner.blocks.3", "inner.inner.blocks.4", "inner.inner.blocks.5", "inner.inner.head"],
+    ]
+
+
 def test_errors_name_the_problem() -> None:
     import epl
     from epl.errors import ConfigError, PlacementError
@@ -70,6 +93,9 @@ def test_errors_name_the_problem() -> None:
     epl.init(config(21))
     with pytest.raises(PlacementError, match=r"Cannot cut Tower into 21 pipeline stages: it has only 20 blocks"):
         epl.plan(Tower(), world_size=21)
+    epl.init(config(2))
+    with pytest.raises(PlacementError, match=r"only 1 blocks with parameters \(\['inner'\]\).*pipeline.split_points"):
+        epl.plan(Wrapper(nn.Linear(4, 4)), world_size=2)
     epl.init(epl.Config({"auto.auto_parallel": True}))
     with pytest.raises(ConfigError, match="auto.auto_parallel needs pipeline.num_stages"):
         epl.plan(Tower(), world_size=2)

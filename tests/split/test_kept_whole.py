@@ -55,3 +55,33 @@ def test_a_split_that_keeps_most_parameters_whole_names_them_and_why() -> None:
         assert "0 (1,088 elements: a whole operand spans the sharded dimension (in 1: layer_norm))" in message
         assert "2 (1,040 elements: a linear-like layer in no column/row pair)" in message
         assert "register a split rule" in message
+
+
+def unpaired_warnings() -> list[str]:
+    """Two nn.Linear with a norm over their features between them: each sharded with its output gathered."""
+    import epl
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("epl").addHandler(Keep(logging.WARNING))
+    epl.init()
+    torch.manual_seed(0)
+    with epl.split(2):
+        model = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 16))
+    engine = epl.parallelize(
+        model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.MSELoss(), example_inputs=torch.ones(4, 16)
+    )
+    engine.step(torch.ones(4, 16), torch.zeros(4, 16))
+    return records
+
+
+@pytest.mark.timeout(120)
+def test_a_split_with_more_collectives_than_megatrons_names_what_broke_the_pairing() -> None:
+    for records in run_ranks(unpaired_warnings, 2, timeout=100):
+        (message,) = [r for r in records if "more collectives" in r]
+        assert "taskgraph_0 (split(2)) issues more collectives than Megatron's pairing of the same layers" in message
+        assert "What broke the pairing: 0 (a whole operand spans the sharded dimension (in 1: layer_norm))" in message

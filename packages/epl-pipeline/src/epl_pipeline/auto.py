@@ -2,8 +2,9 @@
 
 The candidate cut points are between blocks: the items of every ``nn.Sequential``,
 ``nn.ModuleList`` and ``nn.ModuleDict`` (where repeated blocks such as transformer layers
-live), and the model's other submodules; a block is opened further when there are fewer
-blocks than stages, or when it costs more than a stage's even share (so a transformers
+live), and the model's other submodules; a wrapper (a module whose only child holding tensors holds
+them all, as PEFT's ``PeftModel`` and ``LoraModel``) is looked through; a block is opened further when there
+are fewer blocks than stages, or when it costs more than a stage's even share (so a transformers
 model's decoder is opened into its layers). Each block's cost is estimated by its number of parameters
 (proportional to the multiply-adds of linear and convolution layers per sample), the
 blocks are put in the order ``forward`` calls them (from a ``torch.fx`` trace, or from one
@@ -208,7 +209,10 @@ def _blocks(
         elif not openable:
             raise PlacementError(
                 f"Cannot cut {type(model).__name__} into {num_stages} pipeline stages: it has only "
-                f"{len(blocks)} blocks with parameters ({[name for name, _ in blocks]})."
+                f"{len(blocks)} blocks with parameters ({[name for name, _ in blocks]}), none of which opens into "
+                "more (a block opens when it holds no tensors of its own and its children hold them). Name where "
+                "each stage after the first begins with pipeline.split_points (qualified module names, such as "
+                "'model.layers.2'), or use fewer stages."
             )
         index, (name, module) = max(openable, key=lambda item: _cost(item[1][1]))
         blocks[index : index + 1] = _open(module, name)
@@ -225,9 +229,13 @@ def _has_parts(module: nn.Module) -> bool:
 
 def _openable(module: nn.Module) -> bool:
     """Whether ``module`` opens into several blocks: no tensors of its own, and several children holding tensors
-    (through containers: BERT's encoder holds one ModuleList of layers)."""
+    (through containers: BERT's encoder holds one ModuleList of layers), or a wrapper: one child holding every
+    tensor, itself openable (PEFT's ``PeftModel`` -> ``LoraModel`` -> ``LlamaForCausalLM``, whatever the classes)."""
     own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-    return not own and len(_open(module, "")) > 1
+    if own:
+        return False
+    parts = _open(module, "")
+    return len(parts) > 1 or (len(parts) == 1 and _openable(parts[0][1]))
 
 
 def _open(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:

@@ -23,6 +23,7 @@ from epl.interfaces.split_rule import ShardContext, SplitRule
 from epl.placement.shards import MOSTLY_WHOLE
 from epl.plugins.context import LossFn, ParallelContext
 from epl.sharding import sequence
+from epl.sharding.adapters import shard_wrapped_linear, wrapped_linear
 from epl.sharding.collectives import sum_gradient_over_shards
 from epl.sharding.cross_entropy import ShardedCrossEntropyLoss
 from epl.sharding.layout import Decision, SplitLayout, decide_layout, unify_tied
@@ -121,6 +122,7 @@ def layout_of(
     embeddings = {t.name for t in targets if isinstance(t.module, nn.Embedding)}
     # Exactly nn.CrossEntropyLoss: a subclass may compute something else from the logits.
     cross_entropy = type(loss_fn) is nn.CrossEntropyLoss
+    wrapped = frozenset(t.name for t in targets if t.rule is shard_wrapped_linear)
     layout = decide_layout(
         model,
         linears,
@@ -130,7 +132,14 @@ def layout_of(
         example=example,
         subclassed=subclassed,
         sequence_parallel=sequence_parallel,
+        wrapped=wrapped,
     )
+    paired = sorted(n for n in wrapped if layout.decisions.get(n, Decision()).role in ("column", "row"))
+    if sequence_parallel and paired:
+        raise AnnotationError(
+            f"split.sequence_parallel with wrapped linear layers (adapters on a base_layer: {paired[:3]}) is not "
+            "supported yet: their adapters read the gathered input whole. Set split.sequence_parallel to False."
+        )
     return unify_tied(layout, _tied_groups(targets))
 
 
@@ -194,6 +203,7 @@ class ShardSplitTaskGraphs:
             context.shard_groups[tg.index] = group
             replaced: set[int] = set()
             kept_whole: dict[str, tuple[int, str]] = {}
+            unpaired: dict[str, str] = {}
             for target in targets[tg.index]:
                 group_of[target.name] = group
                 own = target.tensors()
@@ -225,9 +235,12 @@ class ShardSplitTaskGraphs:
                     context.split_tensors[id(tensor)] = (tg.index, is_sharded(tensor))
                 whole = [p for p in (shard.parameters(recurse=not target.own_only)) if not is_sharded(p)]
                 kept_whole[target.name] = (sum(p.numel() for p in whole), whole_because(target, layout))
+                if _gathers_output(target, decision, shard) and target.name in layout.reasons:
+                    unpaired[target.name] = layout.reasons[target.name]
                 if decision.role == "logits" and isinstance(shard, ColumnParallelLinear):
                     context.loss_fn = _parallel_loss(context.loss_fn, group, shard)
             _warn_if_mostly_whole(tg, kept_whole, [t for t in tg.tensors if isinstance(t, nn.Parameter)])
+            _warn_if_unpaired(tg, unpaired)
             # Forget the whole tensors, so that only the shards stay in memory.
             tg.tensors[:] = [t for t in tg.tensors if id(t) not in replaced or id(t) in context.split_tensors]
         # A module kept whole for its own tensors that holds one a sharded module holds too (BERT's LM head keeps
@@ -275,11 +288,43 @@ def _warn_if_mostly_whole(
     )
 
 
+def _gathers_output(target: SplitTarget, decision: Decision, shard: nn.Module) -> bool:
+    """Whether ``target``'s shard is a linear layer cut by output features whose output is gathered (``alone``)."""
+    return target.rule in LINEAR_RULES and decision.role == "alone" and any(is_sharded(p) for p in shard.parameters())
+
+
+def _warn_if_unpaired(taskgraph: TaskGraph, unpaired: dict[str, str]) -> None:
+    """Log a warning when linear layers of ``taskgraph`` that started a region ended in no column/row pair, so the
+    split issues more collectives than Megatron's pairing of the same layers would (``unpaired``: module -> the
+    operation that ended its region)."""
+    if not unpaired:
+        return
+    named = "; ".join(f"{name} ({why})" for name, why in list(unpaired.items())[:5])
+    more = f" and {len(unpaired) - 5} more" if len(unpaired) > 5 else ""
+    _log.warning(
+        "epl.split: %s (%s) issues more collectives than Megatron's pairing of the same layers would: linear "
+        "layers in no column/row pair (%d) each gather their output forward (an all-gather) and all-reduce their "
+        "input's gradient backward, where a pair costs one all-reduce each way for the whole region. What broke "
+        "the pairing: %s%s. A linear layer pairs when its output reaches exactly one other linear layer through "
+        "operations that keep the shard (docs/split.md); a wrapped layer (adapters on a base_layer) pairs as its "
+        "base layer when its forward is the sum of their products; a split rule for a module shards it your way.",
+        taskgraph.name,
+        taskgraph.strategy,
+        len(unpaired),
+        named,
+        more,
+    )
+
+
 def whole_because(target: SplitTarget, layout: SplitLayout) -> str:
     """Why ``target`` keeps (some of) its parameters whole (for the warning at ``parallelize`` and ``epl plan``)."""
+    role = layout.decisions.get(target.name, Decision()).role
+    if target.rule is shard_wrapped_linear and role in ("column", "row"):
+        if role == "column":
+            return "an adapter reading the whole input, as its column-parallel base layer does"
+        return "an adapter writing the whole output, as its row-parallel base layer's sum is"
     if target.name in layout.reasons:
         return layout.reasons[target.name]
-    role = layout.decisions.get(target.name, Decision()).role
     if target.rule in LINEAR_RULES:
         if role == "whole":
             return "never computed as a linear layer in the example run"
@@ -298,7 +343,7 @@ def _parallel_loss(loss_fn: LossFn | None, group: ShardGroup, head: ColumnParall
 
 
 #: The rules of linear-like modules: the layout (column, row, alone) is decided for the modules they cover.
-LINEAR_RULES: tuple[SplitRule, ...] = (shard_linear, shard_linear_like)
+LINEAR_RULES: tuple[SplitRule, ...] = (shard_linear, shard_linear_like, shard_wrapped_linear)
 
 
 def _tie(
@@ -382,6 +427,8 @@ def find_targets(
         own = list(itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)))
         has_children = any(True for child in module.children() for _ in child.parameters())
         rule = rule_for(module, rules)
+        if rule is None and not own and _wrapped_with_builtin_rules(module, rules):
+            rule = shard_wrapped_linear  # sharded as its base layer, the adapters following (PEFT's LoRA)
         if rule is None and any(id(t) in owned for t in own):
             rule = fallback_rule(module)
             if rule is None:
@@ -399,6 +446,16 @@ def find_targets(
 
     visit("", model)
     return found
+
+
+def _wrapped_with_builtin_rules(module: nn.Module, rules: Mapping[type[nn.Module], SplitRule]) -> bool:
+    """Whether ``module`` is a wrapped linear (:mod:`epl.sharding.adapters`) whose layers the built-in linear rule
+    covers: a plugin's rule for their type is left to shard them its way."""
+    parts = wrapped_linear(module)
+    if parts is None:
+        return False
+    layers = [parts.base, *parts.readers.values(), *parts.writers.values()]
+    return all(rule_for(layer, rules) is shard_linear for layer in layers)
 
 
 def _no_rule(taskgraph: TaskGraph, name: str, module: nn.Module) -> AnnotationError:

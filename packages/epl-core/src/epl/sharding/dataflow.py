@@ -130,7 +130,9 @@ class _Recorder(TorchFunctionMode):
     def _note_weight_use(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
         call, module = self.open[0]
         call.inner.append(getattr(func, "__name__", str(func)))
-        weight = getattr(module, "weight", None)
+        # A wrapped linear (PEFT's LoRA layer) computes with its base layer's weight.
+        base = getattr(module, "base_layer", None)
+        weight = getattr(base if isinstance(base, nn.Module) else module, "weight", None)
         if weight is None or call.weight_layout is not None:
             return
         if func in _TRANSPOSES and args and args[0] is weight:  # ``x @ self.weight.T`` (Falcon's FalconLinear)

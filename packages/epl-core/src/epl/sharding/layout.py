@@ -30,6 +30,7 @@ from torch import nn
 
 from epl.errors import AnnotationError
 from epl.interfaces.split_rule import ShardRole, WeightLayout
+from epl.sharding.adapters import additive, wrapped_linear
 from epl.sharding.dataflow import ModuleCall, example_input, record_dataflow
 from epl.sharding.regions import Pairing, find_pairs
 
@@ -74,6 +75,7 @@ def decide_layout(
     example: Any = None,
     subclassed: frozenset[str] = frozenset(),
     sequence_parallel: bool = False,
+    wrapped: frozenset[str] = frozenset(),
 ) -> SplitLayout:
     """The decision for each linear-like module in ``linears`` and each embedding in ``embeddings``.
 
@@ -85,6 +87,8 @@ def decide_layout(
     ``FalconLinear``): they join regions only when the example run shows a plain product with the weight (and
     the bias), and keep whole outputs otherwise. ``sequence_parallel``: refuse a model whose blocks the example run
     does not show to work token by token outside their regions (:func:`epl.sharding.sequence.prove_token_wise`).
+    ``wrapped``: those of ``linears`` that are wrapped linears (:mod:`epl.sharding.adapters`): they join regions
+    only when the example run shows their forward additive, keep whole outputs otherwise, and are never ``logits``.
     """
     if example is None:
         example = example_input(model)
@@ -92,6 +96,7 @@ def decide_layout(
         try:
             flow = record_dataflow(model, linears | embeddings, example)
             impure = {name for name in subclassed if any(not _plain_product(c) for c in flow.calls_of(name))}
+            impure |= {name for name in wrapped if not _additive(model, name, flow.calls_of(name))}
             if impure:  # looked through instead: what they add to the product may not keep a shard a shard
                 linears = linears - impure
                 flow = record_dataflow(model, linears | embeddings, example)
@@ -105,7 +110,11 @@ def decide_layout(
 
                 by_role = {role: {n for n, d in decisions.items() if d.role == role} for role in ("row", "column")}
                 prove_token_wise(flow, model, by_role["row"], by_role["column"])
+            for name in wrapped & decisions.keys():
+                if decisions[name].role == "logits":  # a sum of adapters on sharded logits: not proven
+                    decisions[name] = replace(decisions[name], role="alone")
             reasons = {**dict.fromkeys(subclassed - linears, "its forward adds work to the product"), **pairing.reasons}
+            reasons |= dict.fromkeys(wrapped - linears, "its forward is not its base layer's and adapters' sum")
             return SplitLayout(decisions, dict(pairing.partial_gradients), reasons, frozenset(subclassed & linears))
     if sequence_parallel:
         raise AnnotationError(
@@ -113,6 +122,7 @@ def decide_layout(
             "and none ran: pass example_inputs= to epl.parallelize, or set split.sequence_parallel to False."
         )
     roles = assign_roles(model, linears - subclassed, loss_is_cross_entropy=loss_is_cross_entropy)
+    roles |= {name: "alone" for name in wrapped if roles.get(name) == "logits"}
     unpaired = "in no pair the fx trace of the model found (no example run: pass example_inputs= to epl.parallelize)"
     reasons = {name: unpaired for name, role in roles.items() if role == "alone"} if example is None else {}
     return SplitLayout({name: Decision(role) for name, role in roles.items()}, reasons=reasons)
@@ -125,6 +135,12 @@ _PRODUCT_CALLS = {"linear", "matmul", "__matmul__", "addmm", "mm", "t", "T", "ad
 def _plain_product(call: ModuleCall) -> bool:
     """Whether a call of a linear-like module computed only its product with the weight (and the bias)."""
     return call.weight_layout is not None and set(call.inner) <= _PRODUCT_CALLS
+
+
+def _additive(model: nn.Module, name: str, calls: list[ModuleCall]) -> bool:
+    """Whether every call of the wrapped linear ``name`` computed its base's and adapters' products, summed."""
+    parts = wrapped_linear(model.get_submodule(name))
+    return parts is not None and bool(calls) and all(additive(call.inner, parts) for call in calls)
 
 
 def unify_tied(layout: SplitLayout, groups: list[set[str]]) -> SplitLayout:
