@@ -56,6 +56,7 @@ parser.add_argument("--layout", choices=sorted(LAYOUTS), default="dp", help="how
 parser.add_argument("--config", default="{}", help='more epl.Config keys as JSON, e.g. \'{"zero.level": "v1"}\'')
 parser.add_argument("--stages", type=int, default=2, help="pipeline stages of --layout pipeline and 3d")
 parser.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) instead of every weight")
+parser.add_argument("--merged", action="store_true", help="with --lora: export the base with the adapters merged")
 parser.add_argument("--steps", type=int, default=60)
 parser.add_argument("--eval-every", type=int, default=20, help="evaluate on the held-out split every N steps")
 parser.add_argument("--eval-batches", type=int, default=4, help="held-out batches per evaluation")
@@ -126,29 +127,6 @@ def lora_config() -> Any:
     return LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0)
 
 
-def peft_names(base: Path) -> dict[str, str]:
-    """Each name of a PeftModel's base weights -> the same weight's name in the base checkpoint."""
-    from peft import get_peft_model
-    from transformers import AutoConfig, LlamaForCausalLM
-
-    with torch.device("meta"):
-        wrapped = get_peft_model(LlamaForCausalLM(AutoConfig.from_pretrained(base)), lora_config())
-    names = {}
-    for name in wrapped.state_dict():
-        if ".lora_" not in name:
-            names[name] = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-    return names
-
-
-def base_under_peft_names(base: Path, folder: Path) -> None:
-    """The base checkpoint under a PeftModel's names (for an EPL whose load_pretrained does not map them yet)."""
-    from safetensors.torch import load_file, save_file
-
-    weights = load_file(base / "model.safetensors")
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({mine: weights[theirs] for mine, theirs in peft_names(base).items()}, folder / "model.safetensors")
-
-
 cache = Path(args.cache)
 texts = paragraphs()
 with exclusive(cache):
@@ -159,8 +137,6 @@ with exclusive(cache):
     tokenizer = PreTrainedTokenizerFast.from_pretrained(cache / "tokenizer")
     if not (cache / "base" / "model.safetensors").exists():
         build_base(cache / "base", len(tokenizer), tokenizer.eos_token_id)
-    if args.lora and not (cache / "base-peft-names" / "model.safetensors").exists():
-        base_under_peft_names(cache / "base", cache / "base-peft-names")
 
 # -- 2. The data set: documents, tokenised, packed into rows with position ids restarting per document ------
 import datasets  # noqa: E402
@@ -189,25 +165,16 @@ base_config.use_cache = False
 config = dict(LAYOUTS[args.layout])
 if args.layout in PIPELINED:
     config["pipeline.num_stages"] = args.stages
-    if args.lora:
-        # This EPL's automatic partition does not open PeftModel's wrappers (issue 44): cut at the layers by name.
-        layers = base_config.num_hidden_layers
-        del config["auto.auto_parallel"], config["pipeline.num_stages"]
-        config["pipeline.split_points"] = [
-            f"base_model.model.model.layers.{layers * s // args.stages}" for s in range(1, args.stages)
-        ]
 config.update(json.loads(args.config))
 epl.init(epl.Config(config))
 degree = SPLIT.get(args.layout, 1) or epl.Env.get().cluster.world_size
 
 from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: E402
 
-# Built on meta: no memory until each rank gives values to its own part (docs/giant-models.md). With --lora the
-# model is built with values: EPL's init of a PeftModel built on meta draws lora_B at random where PEFT sets 0
-# (issue 44), which would start the fine-tune from another model than the base.
-on_meta = contextlib.nullcontext() if args.lora else torch.device("meta")
-torch.manual_seed(0)  # the adapters' initial values (a model built on meta takes the job's seed)
-with on_meta, epl.split(degree) if degree > 1 else contextlib.nullcontext():
+# Built on meta: no memory until each rank gives values to its own part (docs/giant-models.md), from the model's
+# own init (PEFT's for the adapters: lora_B = 0), drawn from the job's seed.
+torch.manual_seed(0)
+with torch.device("meta"), epl.split(degree) if degree > 1 else contextlib.nullcontext():
     model: torch.nn.Module = LlamaForCausalLM(base_config)
     if args.lora:  # inside the split scope: the adapters are part of the same TaskGraph
         from peft import get_peft_model
@@ -216,15 +183,7 @@ with on_meta, epl.split(degree) if degree > 1 else contextlib.nullcontext():
 
 lr = args.lr if args.lr is not None else (1e-2 if args.lora else 3e-3)
 engine = epl.parallelize(model, optimizer=lambda params: torch.optim.AdamW(params, lr=lr))
-try:
-    engine.load_pretrained(cache / "base")  # each rank reads its stage's tensors and its shards' slices
-except epl.EplError:
-    if not args.lora:
-        raise
-    # This EPL does not map a base checkpoint's names onto a PeftModel's (q_proj.weight -> q_proj.base_layer.weight)
-    # yet (issue 44): read the same weights under the PeftModel's names; only the adapters keep their init.
-    say("load_pretrained: this EPL does not map base names into a PeftModel; reading the base under PEFT's names")
-    engine.load_pretrained(cache / "base-peft-names", strict=False)
+engine.load_pretrained(cache / "base")  # each rank reads its stage's tensors and its shards' slices (PEFT: base_layer)
 say(f"finetune: {args.layout} layout, {'LoRA adapters' if args.lora else 'every weight'} trained; "
     f"{len(train_rows)} training rows and {len(held_out_rows)} held-out rows of {args.seq_len} tokens")  # fmt: skip
 for line in layout(engine):
@@ -270,29 +229,16 @@ progress.close()
 seconds = time.perf_counter() - started
 
 out = Path(args.out)
-engine.save_pretrained(out)  # every rank writes its pieces
+engine.save_pretrained(out, merged=args.merged)  # every rank writes its pieces; a PeftModel: its adapters
 say(f"trained {args.steps} steps in {seconds:.1f} s; exported to {out}")
 
 # -- 5. The export in plain transformers: load it with the tokenizer and generate ---------------------------
 if is_rank0():
     tokenizer.save_pretrained(out)  # beside the weights (save_pretrained keeps other files)
-    if (out / "adapter_config.json").exists():  # an adapter export: PEFT loads it onto the base
+    if args.lora and not args.merged:  # the adapters' export (adapter_config.json, adapter_model.safetensors): PEFT puts them on the base
         from peft import PeftModel
 
         finetuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(cache / "base"), out)
-    elif args.lora:
-        # This EPL writes a PeftModel under PEFT's names in transformers' format (issue 44): put them back into
-        # the base with the same adapters, and merge the adapters into its weights.
-        from peft import get_peft_model
-        from safetensors.torch import load_file
-
-        finetuned = get_peft_model(AutoModelForCausalLM.from_pretrained(cache / "base"), lora_config())
-        exported = load_file(out / "model.safetensors")
-        wanted = finetuned.state_dict()
-        exported = {name if name in wanted else f"base_model.model.{name}": t for name, t in exported.items()}
-        finetuned.load_state_dict(exported, strict=True)
-        finetuned = finetuned.merge_and_unload()
-        say("export: PEFT's names in transformers' format; loaded into the base with peft and merged")
     else:
         finetuned = AutoModelForCausalLM.from_pretrained(out)  # plain transformers
     finetuned.config.use_cache = True  # generating: keys and values cached (the export says False, as trained)

@@ -65,14 +65,25 @@ def test_a_document_cut_by_a_row_starts_the_next_row_at_position_0() -> None:
     assert rows["labels"] == [[-100, 11, 12, 13], [-100, 15, -100, 21], [-100, 23, 24, 25]]
 
 
+#: The layout line of each run on 2 processes.
+LAYOUT_LINES = {
+    "split": "layout: rank 0: taskgraph_0 split(2)[shard 0]; rank 1: taskgraph_0 split(2)[shard 1]",
+    "pipeline": "layout: rank 0: stage_0 replicate(1); rank 1: stage_1 replicate(1)",
+}
+#: What the export holds: transformers' format for a full fine-tune, PEFT's adapter format with --lora.
+EXPORTED = {"split": {"model.safetensors", "config.json"}, "pipeline": {"adapter_model.safetensors"}}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-def test_the_finetune_example_on_two_processes(tmp_path: Path) -> None:
-    """Pretrained base and tokenizer written, packed text, split(2), evaluation, export, generation."""
+@pytest.mark.parametrize(("layout", "flags"), [("split", []), ("pipeline", ["--lora"])])
+def test_the_finetune_example_on_two_processes(tmp_path: Path, layout: str, flags: list[str]) -> None:
+    """Pretrained base and tokenizer written, packed text, training (all weights under split(2); LoRA adapters
+    on 2 automatic pipeline stages), evaluation, export, generation in plain transformers (and peft)."""
     tiny = ["--steps", "4", "--eval-every", "2", "--eval-batches", "1", "--batch-size", "4", "--seq-len", "64"]
-    tiny += ["--documents", "600", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "out")]
+    tiny += ["--documents", "600", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "out"), *flags]
     done = subprocess.run(
-        [EPL, "launch", "--nproc-per-node", "2", str(EXAMPLE / "train.py"), "--layout", "split", *tiny],
+        [EPL, "launch", "--nproc-per-node", "2", str(EXAMPLE / "train.py"), "--layout", layout, *tiny],
         capture_output=True,
         text=True,
         timeout=170,
@@ -81,11 +92,11 @@ def test_the_finetune_example_on_two_processes(tmp_path: Path) -> None:
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
-    assert "layout: rank 0: taskgraph_0 split(2)[shard 0]; rank 1: taskgraph_0 split(2)[shard 1]" in out, out
+    assert LAYOUT_LINES[layout] in out, out
     losses = [float(x) for x in re.findall(r"eval  step +\d+: held-out loss ([\d.]+), perplexity [\d.]+", out)]
     assert len(losses) == 3 and losses[-1] < losses[0], out
     assert re.search(r"\[rank 0\] generate: 'The import statement.+'", out), out
-    assert {"model.safetensors", "config.json", "tokenizer.json"} <= {p.name for p in (tmp_path / "out").iterdir()}
+    assert EXPORTED[layout] | {"tokenizer.json"} <= {p.name for p in (tmp_path / "out").iterdir()}
     assert "[rank 1] eval" not in out
 
 
