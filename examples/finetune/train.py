@@ -235,7 +235,7 @@ say(f"trained {args.steps} steps in {seconds:.1f} s; exported to {out}")
 # -- 5. The export in plain transformers: load it with the tokenizer and generate ---------------------------
 if is_rank0():
     tokenizer.save_pretrained(out)  # beside the weights (save_pretrained keeps other files)
-    if args.lora and not args.merged:  # the adapters' export (adapter_config.json, adapter_model.safetensors): PEFT puts them on the base
+    if args.lora and not args.merged:  # adapter_config.json, adapter_model.safetensors: PEFT puts them on the base
         from peft import PeftModel
 
         finetuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(cache / "base"), out)
