@@ -54,7 +54,7 @@ from epl.planner.communication import (
 )
 from epl.planner.devices import DeviceProfile
 from epl.planner.layout import Layout, Workload
-from epl.planner.memory import MemoryBreakdown, memory_breakdown
+from epl.planner.memory import MemoryBreakdown, context_as_data, memory_breakdown
 from epl.planner.shape import ModelShape
 
 #: Bytes a device keeps for itself (CUDA context, allocator slack) when deciding whether a plan fits.
@@ -135,14 +135,7 @@ def _with_context(shape: ModelShape, layout: Layout, workload: Workload, device:
     """Context parallelism over ``c`` devices: each device is a data-parallel copy (gradients and ZeRO over data x
     context devices) that holds ``s/c`` tokens of each of its replica's sequences and attends over all ``s``
     (saving no score matrix, as EPL's context attention), plus the ring's exposed time (``context_parallel``)."""
-    c = layout.context
-    inner = estimate(
-        shape,
-        replace(layout, data=layout.data * c, context=1),
-        replace(workload, global_batch=workload.global_batch * c, sequence=workload.sequence // c,
-                attention_length=workload.sequence, sdpa=True),
-        device,
-    )  # fmt: skip
+    inner = estimate(shape, *context_as_data(layout, workload), device)
     parts = {**inner.time_parts, "context_parallel": _ring_seconds(shape, layout, workload, device)}
     step = sum(parts.values())
     return replace(

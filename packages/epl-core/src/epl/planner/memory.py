@@ -33,7 +33,7 @@ Checked against resident memory in tests/planner/test_measured_memory.py and ``n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from epl.planner.activations import block_activations, micro_batches_in_flight
 from epl.planner.communication import (
@@ -100,8 +100,23 @@ def memory_breakdown(shape: ModelShape, layout: Layout, workload: Workload) -> M
     )
 
 
+def context_as_data(layout: Layout, workload: Workload) -> tuple[Layout, Workload]:
+    """Context parallelism over ``c`` devices as the planner counts it: each device a data-parallel copy (gradients
+    and ZeRO over data x context devices) holding ``s/c`` tokens of each of its replica's sequences, attending over
+    all ``s`` and saving no score matrix (EPL's context attention); the same layout without context parallelism."""
+    c = layout.context
+    if c == 1:
+        return layout, workload
+    return replace(layout, data=layout.data * c, context=1), replace(
+        workload, global_batch=workload.global_batch * c, sequence=workload.sequence // c,
+        attention_length=workload.sequence, sdpa=True,
+    )  # fmt: skip
+
+
 def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage: int) -> MemoryBreakdown:
-    """The peak of a device of pipeline ``stage`` (0 to ``layout.pipeline - 1``)."""
+    """The peak of a device of pipeline ``stage`` (0 to ``layout.pipeline - 1``); of a context-parallel layout, as
+    :func:`context_as_data` counts it."""
+    layout, workload = context_as_data(layout, workload)
     t, p, d, b = layout.tensor, layout.pipeline, layout.data, layout.micro_batch_size
     s, e = workload.sequence, workload.dtype_bytes
     sequence_parallel = layout.sequence_parallel and t > 1
