@@ -162,6 +162,17 @@ def zero_memory(session: nox.Session) -> None:
     session.run("pytest", "benchmarks/test_zero_memory.py", "-s", *session.posargs, env=SINGLE_THREAD)
 
 
+@nox.session(name="planner-memory")
+def planner_memory(session: nox.Session) -> None:
+    """The planner's predicted peak memory per rank against the measured one, for every layout the zoo runs (data
+    parallel, ZeRO v0-v2, split with and without sequence parallelism, 2 stages under each schedule, 3D, context) on
+    a 123M Llama, 2 to 8 processes (about 7 minutes on 2 cores; benchmarks/results/planner_memory.json, and the table
+    of docs/planner.md printed). ``-- NAME ...`` measures some layouts; ``-- --again FILE`` predicts a measured
+    file's ranks anew. CI runs a slice on a 31M Llama (tests/planner/test_measured_memory.py)."""
+    install_packages(session, *TEST_TOOLS)
+    session.run("python", "-m", "benchmarks.planner_memory", *session.posargs, env=SINGLE_THREAD)
+
+
 @nox.session(name="compile")
 def compile_suite(session: nox.Session) -> None:
     """``compile.enabled`` under every layout with inductor (CI runs a slice with aot_eager), and its benchmark."""
