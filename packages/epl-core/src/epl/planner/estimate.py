@@ -118,7 +118,7 @@ def estimate(shape: ModelShape, layout: Layout, workload: Workload, device: Devi
     return Estimate(
         layout=layout,
         parameters=memory.terms["parameters"],
-        gradients=memory.terms["gradients"],
+        gradients=memory.gradients,
         optimizer=memory.terms["optimizer"],
         activations=memory.activations,
         peak=memory.peak,

@@ -2,33 +2,37 @@
 
 Each pipeline stage is evaluated (the first and the last, or every stage where ``Layout.stage_layers`` makes them
 uneven); the stage whose peak is highest is the one reported. A stage's peak is what it holds all step plus the
-largest of three moments:
+largest of its moments:
 
 - **held all step**: ``parameters`` (the weights in the compute dtype and, in bf16/fp16, a float32 master copy;
   under ZeRO v0-v2 on FSDP2 only each weight's chunk over the data devices, the float32 master in bf16; under
   Megatron-LM's distributed optimizer or DeepSpeed's ZeRO-1, ``Workload.zero_once_per_step``, the working weights
-  whole and the master chunked), ``gradients`` (float32, a chunk under FSDP2's ZeRO; whole in
-  ``Workload.gradient_bytes`` under ``zero_once_per_step``, in place of their reduction's buffers) and
-  ``optimizer`` (the optimizer's float32 states of what the device updates);
+  whole and the master chunked) and ``optimizer`` (the optimizer's float32 states of what the device updates);
+- **held once the backward made them**: ``gradients`` (float32, a chunk under FSDP2's ZeRO; whole in
+  ``Workload.gradient_bytes`` under ``zero_once_per_step``). A step begins with ``zero_grad(set_to_none=True)``,
+  so the first micro-batch's backward finds none, unless data parallelism's flat buckets (or a distributed
+  optimizer's buffer) keep them; a later micro-batch's backward finds them all, with one micro-batch fewer in
+  flight where the schedule had all of them in flight (GPipe). Each moment of the backward is evaluated both ways;
 - **the start of the backward**: ``activations`` (what the stage's blocks saved for the micro-batches the schedule
   keeps in flight, :mod:`epl.planner.activations`); ``stage_outputs`` (what a stage sent on, kept until its
   backward: EPL's runner and DeepSpeed's keep it, Megatron-LM frees its data, ``Workload.keeps_stage_outputs``);
   ``logits`` (the loss at its backward, on the last stage, per logit of one micro-batch: torch's cross-entropy
   holds the head's output, the float32 log-softmax and the float32 gradients in and out, ``e + 12`` bytes;
-  Megatron-LM's fused loss 8, ``Workload.fused_loss``); ``block_backward`` (one block's backward working set: its
-  whole activations again, made by recomputation under checkpointing or held by autograd without it); and what
-  data parallelism holds to communicate: ``gathered_weights`` (ZeRO: the weights whole while blocks compute, every
-  block's under v0/v1, the largest block's under v2, two where the next one's gather is prefetched),
+  Megatron-LM's fused loss 8, ``Workload.fused_loss``); ``block_backward`` (one block's backward working
+  set: its whole activations again, made by recomputation under checkpointing or held by autograd without it); and
+  what data parallelism holds to communicate: ``gathered_weights`` (ZeRO: the weights whole while blocks compute,
+  every block's under v0/v1, the largest block's under v2, two where the next one's gather is prefetched),
   ``gradient_buffers`` (ZeRO: the largest block's gradients whole and the reduce-scatter's buffer; without ZeRO
-  one tensor's fresh gradient, the largest, before it moves into its flat bucket), and ``accumulated_gradients``
-  (ZeRO v0 over micro-batches and zero-bubble schedules: every gradient whole, float32, until the last
-  micro-batch);
+  one tensor's fresh gradient, the largest, before it moves into its flat bucket or is added to an earlier
+  micro-batch's), and ``accumulated_gradients`` (ZeRO v0 over micro-batches and
+  zero-bubble schedules: every gradient whole, float32, until the last micro-batch);
 - **the end of the backward** under ZeRO v0/v1 on one stage: the root's embedding and head weights gathered
   (``gathered_weights``) and their gradients twice (``gradient_buffers``), the activations gone;
 - **the optimizer step**: ``optimizer_temporary``, a float32 tensor the size of what it updates (torch's foreach
   Adam: the square roots' denominators), the activations gone.
 
-Checked against resident memory in tests/planner/test_measured_memory.py and ``nox -s planner-memory``.
+Checked against resident memory per rank in ``nox -s planner-memory`` (benchmarks/planner_memory.py: every layout
+the zoo runs, within 15%; docs/planner.md, "Measured here") and tests/planner/test_measured_memory.py.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ from epl.planner.shape import ModelShape
 #: What each term of :attr:`MemoryBreakdown.terms` is, for ``epl plan``'s lines and docs/planner.md.
 TERM_MEANINGS: dict[str, str] = {
     "parameters": "the weights held (the float32 master copy besides in bf16/fp16; ZeRO's chunk)",
-    "gradients": "float32 gradients held (ZeRO's chunk)",
+    "gradients": "float32 gradients held (ZeRO's chunk; none before the first backward makes them, unless data "
+    "parallelism's buckets keep them)",
     "optimizer": "the optimizer's float32 states",
     "activations": "saved for backward by the stage's blocks, for the micro-batches in flight",
     "logits": "the loss's logits of one micro-batch at its backward: the head's output, the float32 log-softmax and "
@@ -80,6 +85,9 @@ class MemoryBreakdown:
     terms: dict[str, float]
     #: What the stage's blocks saved at the start of its backward (a term only when that is the peak's moment).
     activations: float = 0.0
+    #: The gradients the device holds once its backward made them (the ``gradients`` term: what is held at the
+    #: peak's moment, none at the first micro-batch's backward where the step's start freed them).
+    gradients: float = 0.0
 
     @property
     def peak(self) -> float:
@@ -130,9 +138,14 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
     chunked = zero and not workload.zero_once_per_step
     held = {
         "parameters": weights * (master or e) / d if chunked else weights * e + weights * master / (d if zero else 1),
-        "gradients": weights * 4 / d if chunked else weights * workload.gradient_bytes,
         "optimizer": updated * 4 * workload.optimizer_states,
     }
+    gradients = weights * 4 / d if chunked else weights * workload.gradient_bytes
+    # The step begins with zero_grad(set_to_none=True) (EPL's StepUpdate.begin, torch's default), which frees the
+    # gradients, and the first micro-batch's backward makes them anew: only plain data parallelism's flat buckets
+    # (each gradient a view into them) and a distributed optimizer's whole buffer outlive it. Measured: ZeRO v0-v2
+    # and split(2) on 2 ranks hold none at the first backward, GPipe's last stage all of them from its second.
+    persistent = not chunked and (d > 1 or zero)
 
     sdpa, fused = workload.sdpa, workload.fused_kernels
     dropout = workload.dropout
@@ -142,41 +155,53 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
     whole_block = whole.per_device(t, sequence_parallel)
     # gradient accumulation (one stage, several micro-batches) keeps one micro-batch at a time
     in_flight = micro_batches_in_flight(layout, stage) if p > 1 else 1.0
+    m = layout.micro_batches
+    last = stage == p - 1
     vocab_share = shape.vocab if workload.gathered_logits else shape.vocab / t
     # torch's cross-entropy on the head's output (transformers, torchtitan): the output (kept: the model returns
     # it), the float32 log-softmax it saves, and at its backward the gradient coming in and the one going out, all
     # float32 (a float32 copy of a bf16 output is freed once the log-softmax is made); Megatron's vocabulary-
     # parallel cross-entropy computes its float32 softmax in place and reuses it for the gradient
     per_logit = 8 if workload.fused_loss else e + 12
-    outputs = 0.0
-    if workload.keeps_stage_outputs and stage < p - 1:  # EPL's runner keeps what it sent until its backward
-        outputs = in_flight * b * s * shape.hidden * e / (t if sequence_parallel else 1)
-    backward = {
-        "activations": blocks * block.per_device(t, sequence_parallel) * in_flight,
-        "stage_outputs": outputs,
-        "logits": b * s * vocab_share * per_logit if stage == p - 1 else 0.0,
-        "block_backward": whole_block,
-    }
-    end_of_backward: dict[str, float] = {}
-    if chunked and d > 1:
-        # FSDP2 (epl_memory.zero): v0 and v1 keep every block's weights whole from its forward to the end of its
-        # backward, so the stage's at the start of backward; v2 one block's at a time. A block's gradients are whole
-        # from its backward until they are reduce-scattered, with the reduce-scatter's buffer (the previous block's
-        # released as this one's is made), float32, of the largest block.
-        unit = largest_unit(shape, layout)
-        whole_weights = layout.zero in ("v0", "v1") or zero_holds_whole_stage(layout)
-        gathered = weights if whole_weights else unit * (2 if workload.weights_prefetched else 1)
-        backward["gathered_weights"] = gathered * e
-        backward["gradient_buffers"] = 2 * unit * 4
-        if zero_accumulates_whole(layout):
-            backward["accumulated_gradients"] = weights * 4
-        if zero_root_holds_ends(layout):  # each block resharded after its backward: only the root's weights whole
-            root = root_unit(shape, layout)
-            end_of_backward = {"gathered_weights": root * e, "gradient_buffers": 2 * root * 4}
-    elif d > 1 and not zero:  # each gradient is a view into its flat bucket; a fresh one is moved there as it lands
-        backward["gradient_buffers"] = largest_tensor(shape, layout) * 4
-    step = {"optimizer_temporary": updated * 4 if workload.optimizer_states >= 2 else 0.0}
-    moments = ((MOMENTS[0], backward), (MOMENTS[1], end_of_backward), (MOMENTS[2], step))
+
+    def backward_moments(flight: float, grads: float, later: bool) -> list[tuple[str, dict[str, float]]]:
+        """The backward's moments of a micro-batch while ``flight`` are in flight and ``grads`` bytes of gradients
+        are held; ``later``: an earlier micro-batch's backward made them."""
+        outputs = 0.0
+        if workload.keeps_stage_outputs and not last:  # EPL's runner keeps what it sent until its backward
+            outputs = flight * b * s * shape.hidden * e / (t if sequence_parallel else 1)
+        saved = {"gradients": grads, "activations": blocks * block.per_device(t, sequence_parallel) * flight,
+                 "stage_outputs": outputs}  # fmt: skip
+        start = {**saved, "logits": b * s * vocab_share * per_logit if last else 0.0, "block_backward": whole_block}
+        if chunked and d > 1:
+            # FSDP2 (epl_memory.zero): v0 and v1 keep every block's weights whole from its forward to the end of its
+            # backward, so the stage's at the start of backward; v2 one block's at a time. A block's gradients are
+            # whole from its backward until they are reduce-scattered, with the reduce-scatter's buffer (the
+            # previous block's released as this one's is made), float32, of the largest block.
+            unit = largest_unit(shape, layout)
+            whole_weights = layout.zero in ("v0", "v1") or zero_holds_whole_stage(layout)
+            gathered = weights if whole_weights else unit * (2 if workload.weights_prefetched else 1)
+            start["gathered_weights"] = gathered * e
+            start["gradient_buffers"] = 2 * unit * 4
+            if later and zero_accumulates_whole(layout):  # whole until the last micro-batch: no chunk yet
+                start["gradients"], start["accumulated_gradients"] = 0.0, weights * 4
+        elif not zero and (d > 1 or later):
+            # each gradient is a view into its flat bucket, or is added to the one an earlier micro-batch made: a
+            # fresh one, the largest, is held besides until it moves there
+            start["gradient_buffers"] = largest_tensor(shape, layout) * 4
+        return [(MOMENTS[0], start)]
+
+    candidates = backward_moments(in_flight, gradients if persistent else 0.0, later=False)
+    if m > 1:  # a later micro-batch's backward: the gradients made, one fewer in flight where all were
+        candidates += backward_moments(min(in_flight, m - 1), gradients, later=True)
+    end_of_backward: dict[str, float] = {"gradients": gradients}
+    if chunked and d > 1 and zero_root_holds_ends(layout):
+        # each block resharded after its backward: only the root's weights whole
+        root = root_unit(shape, layout)
+        end_of_backward.update({"gathered_weights": root * e, "gradient_buffers": 2 * root * 4})
+    step = {"gradients": gradients, "optimizer_temporary": updated * 4 if workload.optimizer_states >= 2 else 0.0}
+    moments = [*candidates, (MOMENTS[1], end_of_backward), (MOMENTS[2], step)]
     moment, extra = max(moments, key=lambda item: sum(item[1].values()))
-    terms = {**held, **{name: size for name, size in extra.items() if size}}
-    return MemoryBreakdown(stage, moment, terms, backward["activations"])
+    terms = {"parameters": held["parameters"], "gradients": extra["gradients"], "optimizer": held["optimizer"]}
+    terms.update({name: size for name, size in extra.items() if size and name != "gradients"})
+    return MemoryBreakdown(stage, moment, terms, candidates[0][1]["activations"], gradients)
