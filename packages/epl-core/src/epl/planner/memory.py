@@ -16,9 +16,8 @@ largest of its moments:
 - **the start of the backward**: ``activations`` (what the stage's blocks saved for the micro-batches the schedule
   keeps in flight, :mod:`epl.planner.activations`); ``stage_outputs`` (what a stage sent on, kept until its
   backward: EPL's runner and DeepSpeed's keep it, Megatron-LM frees its data, ``Workload.keeps_stage_outputs``);
-  ``logits`` (the loss at its backward, on the last stage, per logit of one micro-batch: torch's cross-entropy
-  holds the head's output, the float32 log-softmax and the float32 gradients in and out, ``e + 12`` bytes;
-  Megatron-LM's fused loss 8, ``Workload.fused_loss``); ``block_backward`` (one block's backward working
+  on the last stage ``logits`` (the float32 log-softmax the loss saved for each other micro-batch in flight, and
+  this one's float32 gradient, held through the head's backward); ``block_backward`` (one block's backward working
   set: its whole activations again, made by recomputation under checkpointing or held by autograd without it); and
   what data parallelism holds to communicate: ``gathered_weights`` (ZeRO: the weights whole while blocks compute,
   every block's under v0/v1, the largest block's under v2, two where the next one's gather is prefetched),
@@ -26,6 +25,11 @@ largest of its moments:
   one tensor's fresh gradient, the largest, before it moves into its flat bucket or is added to an earlier
   micro-batch's), and ``accumulated_gradients`` (ZeRO v0 over micro-batches and
   zero-bubble schedules: every gradient whole, float32, until the last micro-batch);
+- **the loss's backward**, on the last stage: ``logits``, torch's cross-entropy's float32 log-softmax of each
+  micro-batch in flight and this one's float32 gradients in and out (Megatron-LM's fused loss: 8 bytes a logit
+  for this one, ``Workload.fused_loss``), with the activations and ZeRO v0/v1's whole weights;
+- **the end of the forward**, on the last stage under tensor parallelism with ``Workload.gathered_logits``:
+  ``logits``, the all-gather's working set, ``(3 + 2/t)`` logits-sized tensors in the compute dtype;
 - **the end of the backward** under ZeRO v0/v1 on one stage: the root's embedding and head weights gathered
   (``gathered_weights``) and their gradients twice (``gradient_buffers``), the activations gone;
 - **the optimizer step**: ``optimizer_temporary``, a float32 tensor the size of what it updates (torch's foreach
@@ -62,8 +66,9 @@ TERM_MEANINGS: dict[str, str] = {
     "parallelism's buckets keep them)",
     "optimizer": "the optimizer's float32 states",
     "activations": "saved for backward by the stage's blocks, for the micro-batches in flight",
-    "logits": "the loss's logits of one micro-batch at its backward: the head's output, the float32 log-softmax and "
-    "the gradient in and out (Megatron's fused loss: its float32 softmax and the gradient)",
+    "logits": "the loss's logits-sized tensors: the float32 log-softmax it saved for each micro-batch in flight and, "
+    "at its backward, the gradients in and out (Megatron's fused loss: its float32 softmax and the gradient); under "
+    "tensor parallelism at the end of the forward, the logits' all-gather's working set",
     "stage_outputs": "the stage's outputs kept until their backward, one per micro-batch in flight",
     "block_backward": "one block's backward working set (its activations recomputed, or held by autograd)",
     "gathered_weights": "weights gathered whole by ZeRO",
@@ -73,6 +78,8 @@ TERM_MEANINGS: dict[str, str] = {
 }
 #: The moment of a step each peak is at.
 MOMENTS = ("start of the backward", "end of the backward", "optimizer step")
+#: The last stage's moments besides: the loss's backward, and the end of the forward where the logits are gathered.
+LOSS_MOMENT, FORWARD_END = "the loss's backward", "end of the forward"
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,15 @@ def memory_breakdown(shape: ModelShape, layout: Layout, workload: Workload) -> M
         (stage_breakdown(shape, layout, workload, stage) for stage in stages_to_check(layout)),
         key=lambda breakdown: breakdown.peak,
     )
+
+
+def losses_in_flight(layout: Layout) -> float:
+    """Micro-batches whose loss waits for its backward on the last stage: every one under GPipe, ``p`` under EPL's
+    ZeroBubble, one under 1F1B and interleaved 1F1B (the last chunk runs each backward right after its forward)."""
+    p, m = layout.pipeline, layout.micro_batches
+    if p == 1:
+        return 1.0
+    return float(m if layout.schedule == "GPipe" else min(m, p) if layout.schedule == "ZeroBubble" else 1)
 
 
 def context_as_data(layout: Layout, workload: Workload) -> tuple[Layout, Workload]:
@@ -158,11 +174,21 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
     m = layout.micro_batches
     last = stage == p - 1
     vocab_share = shape.vocab if workload.gathered_logits else shape.vocab / t
-    # torch's cross-entropy on the head's output (transformers, torchtitan): the output (kept: the model returns
-    # it), the float32 log-softmax it saves, and at its backward the gradient coming in and the one going out, all
-    # float32 (a float32 copy of a bf16 output is freed once the log-softmax is made); Megatron's vocabulary-
-    # parallel cross-entropy computes its float32 softmax in place and reuses it for the gradient
-    per_logit = 8 if workload.fused_loss else e + 12
+    # torch's cross-entropy on the head's output (transformers, torchtitan) saves its float32 log-softmax for each
+    # micro-batch in flight, and at its backward holds the float32 gradients in and out besides; the head's output
+    # is freed with the model's outputs before the backward (EPL's runners; torchtitan deletes it). Measured at the
+    # log-softmax's backward: 3 logits-sized float32 tensors of the micro-batch, and 1 more per micro-batch in
+    # flight besides (GPipe's and ZeroBubble's last stage). On a vocabulary shard, torch's loss_parallel (DTensor:
+    # torchtitan) holds 4 at its backward (the log-softmax, its exp, the gradient zeroed and the sum; measured on 2
+    # ranks); Megatron's fused cross-entropy computes its float32 softmax in place and reuses it for the gradient
+    # (8 bytes a logit).
+    logit = b * s * vocab_share * 4  # one float32 logits-sized tensor of a micro-batch
+    sharded_loss = t > 1 and not workload.gathered_logits
+    at_loss = 8 * b * s * vocab_share if workload.fused_loss else (4 if sharded_loss else 3) * logit
+    # Tensor parallelism with gathered logits (epl.sharding.collectives._gather, at the end of the forward): the
+    # shard, its copy moved to the front, the all-gather's buffer, their concatenation and its contiguous copy,
+    # (3 + 2/t) logits in the compute dtype at once (measured: 4 on split(2)).
+    gather = (3 + 2 / t) * b * s * shape.vocab * e if workload.gathered_logits and t > 1 else 0.0
 
     def backward_moments(flight: float, grads: float, later: bool) -> list[tuple[str, dict[str, float]]]:
         """The backward's moments of a micro-batch while ``flight`` are in flight and ``grads`` bytes of gradients
@@ -172,7 +198,11 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
             outputs = flight * b * s * shape.hidden * e / (t if sequence_parallel else 1)
         saved = {"gradients": grads, "activations": blocks * block.per_device(t, sequence_parallel) * flight,
                  "stage_outputs": outputs}  # fmt: skip
-        start = {**saved, "logits": b * s * vocab_share * per_logit if last else 0.0, "block_backward": whole_block}
+        # the log-softmax the loss saved for the others in flight
+        others = (min(losses_in_flight(layout), flight) - 1) * logit if last else 0.0
+        start = {**saved, "logits": others + logit if last else 0.0, "block_backward": whole_block}
+        loss = {**saved, "logits": others + at_loss}
+        forward_end = {**saved, "logits": others + gather}
         if chunked and d > 1:
             # FSDP2 (epl_memory.zero): v0 and v1 keep every block's weights whole from its forward to the end of its
             # backward, so the stage's at the start of backward; v2 one block's at a time. A block's gradients are
@@ -183,13 +213,21 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
             gathered = weights if whole_weights else unit * (2 if workload.weights_prefetched else 1)
             start["gathered_weights"] = gathered * e
             start["gradient_buffers"] = 2 * unit * 4
+            if whole_weights:  # v2 releases the head's weights after its forward
+                loss["gathered_weights"] = forward_end["gathered_weights"] = weights * e
             if later and zero_accumulates_whole(layout):  # whole until the last micro-batch: no chunk yet
-                start["gradients"], start["accumulated_gradients"] = 0.0, weights * 4
+                for moment in (start, loss, forward_end):
+                    moment["gradients"], moment["accumulated_gradients"] = 0.0, weights * 4
         elif not zero and (d > 1 or later):
             # each gradient is a view into its flat bucket, or is added to the one an earlier micro-batch made: a
             # fresh one, the largest, is held besides until it moves there
             start["gradient_buffers"] = largest_tensor(shape, layout) * 4
-        return [(MOMENTS[0], start)]
+        moments = [(MOMENTS[0], start)]
+        if last:
+            moments.append((LOSS_MOMENT, loss))
+            if gather:
+                moments.append((FORWARD_END, forward_end))
+        return moments
 
     candidates = backward_moments(in_flight, gradients if persistent else 0.0, later=False)
     if m > 1:  # a later micro-batch's backward: the gradients made, one fewer in flight where all were
