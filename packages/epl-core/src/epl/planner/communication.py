@@ -88,12 +88,6 @@ def root_unit(shape: ModelShape, layout: Layout) -> float:
     return shape.vocab * shape.hidden / layout.tensor * (1 if shape.tied else 2) + shape.hidden
 
 
-def largest_tensor(shape: ModelShape, layout: Layout) -> float:
-    """Elements on one device of the model's largest tensor: the embedding or the head over the tensor devices, or
-    a layer's MLP matrix."""
-    return max(shape.vocab * shape.hidden / layout.tensor, shape.hidden * shape.ffn / layout.tensor)
-
-
 def updated_weights(shape: ModelShape, layout: Layout, stage: int | None = None) -> float:
     """Weights one device's optimizer updates: those it holds (:func:`weights_per_device`), or under ZeRO (v0-v2)
     its share of them over the data devices."""
