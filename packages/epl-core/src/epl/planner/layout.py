@@ -162,7 +162,7 @@ class Workload:
     gradient_bytes: float = 4
     #: The loss is Megatron-LM's vocabulary-parallel cross-entropy, which computes its float32 softmax in place
     #: (8 bytes a logit at its backward); torch's cross-entropy, which EPL, transformers and torchtitan run, holds
-    #: ``e + 12`` (:mod:`epl.planner.memory`).
+    #: 12 (:mod:`epl.planner.memory`).
     fused_loss: bool = False
     #: A pipeline stage keeps what it sent until that micro-batch's backward (EPL's runner, DeepSpeed's); Megatron-LM
     #: and Llama 3 free the data once sent.
