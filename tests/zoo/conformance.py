@@ -267,6 +267,16 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
     "fails loudly (gloo: collective mismatch), it needs a split rule for its experts",
     ("gemma3n_text", "*"): "under split a per-layer input projection fails on shard sizes at the first step (loud); it "
     "needs its own analysis",
+    **{
+        (
+            name,
+            layout,
+        ): "PEFT's target_modules='all-linear' wraps its router, an nn.Linear subclass whose forward returns "
+        "a tuple, and PEFT's lora.Linear then fails on it (AttributeError: 'tuple' object has no attribute 'dtype') "
+        "in one process as well"
+        for name in ("phimoe", "llama4_text")
+        for layout in ("LoRA split(2)", "LoRA pipeline 2 stages", "LoRA 3D split(2) x 2 stages")
+    },
 }
 
 
@@ -328,14 +338,16 @@ def _update_difference(actual: torch.Tensor, expected: torch.Tensor, initial: to
     """How far a parameter trained in parallel is from the one-process one, relative to how far training moved
     it (the largest change of the tensor, at least :data:`SMALLEST_UPDATE`): rounding differences are small beside
     the update, a wrong gradient is not. The floor keeps a tensor whose true gradient is zero (noise of 1e-21 in
-    a bias) from dividing by nothing."""
+    a bias) from dividing by nothing. A difference within the rounding of the values as stored (one unit in the last
+    place of ``expected``'s dtype: float32's 3e-8 on a weight of 0.3, beside an update of 3e-5) is not counted."""
+    rounding = torch.finfo(expected.dtype).eps if expected.is_floating_point() else 0.0
     actual, expected, initial = actual.double(), expected.double(), initial.double()
     if actual.shape != expected.shape:
         return float("inf")
     if not expected.numel():
         return 0.0
     moved = max(float((expected - initial).abs().max()), SMALLEST_UPDATE)
-    return float((actual - expected).abs().max()) / moved
+    return float(((actual - expected).abs() - rounding * expected.abs()).clamp(min=0).max()) / moved
 
 
 def _difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
