@@ -464,8 +464,8 @@ def _refuse_adapters_on_sharded_base(
     taskgraph: TaskGraph, name: str, module: nn.Module, rules: Mapping[type[nn.Module], SplitRule]
 ) -> None:
     """Refuse a wrapper of another kind than a wrapped linear (a ``base_layer`` child and adapters beside it, as PEFT's
-    ``ParamWrapper`` of stacked experts' weights) whose base a rule would shard: its adapters, kept whole, would no
-    longer match its base's shards."""
+    ``ParamWrapper`` of stacked experts' weights) whose base a rule other than the linear ones would shard: its
+    adapters, kept whole, would no longer match its base's shards."""
     base, inner_layer = module, getattr(module, "base_layer", None)
     while isinstance(inner_layer, nn.Module):
         base, inner_layer = inner_layer, getattr(inner_layer, "base_layer", None)
@@ -474,8 +474,8 @@ def _refuse_adapters_on_sharded_base(
     if not any(True for _ in base.parameters(recurse=False)):
         return
     rule = rule_for(base, rules) or fallback_rule(base)
-    if rule is None or rule is keep_whole:
-        return
+    if rule is None or rule is keep_whole or rule in LINEAR_RULES:
+        return  # a linear-like base is left to the layout: whole where no pairing shows (GPT-2's Conv1D under LoRA)
     kind, inner = type(module), type(base)
     raise AnnotationError(
         f"{taskgraph.name} (split({taskgraph.strategy.device_count})) holds the module {name!r}, a "
