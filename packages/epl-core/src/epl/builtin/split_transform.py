@@ -429,6 +429,8 @@ def find_targets(
         rule = rule_for(module, rules)
         if rule is None and not own and _wrapped_with_builtin_rules(module, rules):
             rule = shard_wrapped_linear  # sharded as its base layer, the adapters following (PEFT's LoRA)
+        if rule is None and not own:
+            _refuse_adapters_on_sharded_base(taskgraph, name, module, rules)
         if rule is None and any(id(t) in owned for t in own):
             rule = fallback_rule(module)
             if rule is None:
@@ -456,6 +458,32 @@ def _wrapped_with_builtin_rules(module: nn.Module, rules: Mapping[type[nn.Module
         return False
     layers = [parts.base, *parts.readers.values(), *parts.writers.values()]
     return all(rule_for(layer, rules) is shard_linear for layer in layers)
+
+
+def _refuse_adapters_on_sharded_base(
+    taskgraph: TaskGraph, name: str, module: nn.Module, rules: Mapping[type[nn.Module], SplitRule]
+) -> None:
+    """Refuse a wrapper of another kind than a wrapped linear (a ``base_layer`` child and adapters beside it, as PEFT's
+    ``ParamWrapper`` of stacked experts' weights) whose base a rule other than the linear ones would shard: its
+    adapters, kept whole, would no longer match its base's shards."""
+    base, inner_layer = module, getattr(module, "base_layer", None)
+    while isinstance(inner_layer, nn.Module):
+        base, inner_layer = inner_layer, getattr(inner_layer, "base_layer", None)
+    if base is module or wrapped_linear(module) is not None:
+        return
+    if not any(True for _ in base.parameters(recurse=False)):
+        return
+    rule = rule_for(base, rules) or fallback_rule(base)
+    if rule is None or rule is keep_whole or rule in LINEAR_RULES:
+        return  # a linear-like base is left to the layout: whole where no pairing shows (GPT-2's Conv1D under LoRA)
+    kind, inner = type(module), type(base)
+    raise AnnotationError(
+        f"{taskgraph.name} (split({taskgraph.strategy.device_count})) holds the module {name!r}, a "
+        f"{kind.__module__}.{kind.__qualname__} that adds adapters to its base layer, a {inner.__qualname__} that "
+        "a split rule may shard: EPL shards adapters only on linear layers (a base_layer nn.Linear), so these would "
+        "no longer match the base's shards. Leave that module out of the adapters' targets, or build the model "
+        "outside the epl.split scope."
+    )
 
 
 def _no_rule(taskgraph: TaskGraph, name: str, module: nn.Module) -> AnnotationError:
