@@ -25,8 +25,8 @@ class Projection(nn.Module):
         return x @ self.weight + self.bias
 
 
-def warnings_at_parallelize() -> list[str]:
-    """Two projections with a norm over their features between them: no pair, so both are kept whole."""
+def warnings_of(linear: type[nn.Module]) -> list[str]:
+    """The warnings of a split of two ``linear`` layers with a norm over their features between them (no pair)."""
     import epl
 
     records: list[str] = []
@@ -39,12 +39,17 @@ def warnings_at_parallelize() -> list[str]:
     epl.init()
     torch.manual_seed(0)
     with epl.split(2):
-        model = nn.Sequential(Projection(16, 64), nn.LayerNorm(64), Projection(64, 16))
+        model = nn.Sequential(linear(16, 64), nn.LayerNorm(64), linear(64, 16))
     engine = epl.parallelize(
         model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.MSELoss(), example_inputs=torch.ones(4, 16)
     )
     engine.step(torch.ones(4, 16), torch.zeros(4, 16))
     return records
+
+
+def warnings_at_parallelize() -> list[str]:
+    """Two projections with a norm over their features between them: no pair, so both are kept whole."""
+    return warnings_of(Projection)
 
 
 @pytest.mark.timeout(120)
@@ -59,24 +64,7 @@ def test_a_split_that_keeps_most_parameters_whole_names_them_and_why() -> None:
 
 def unpaired_warnings() -> list[str]:
     """Two nn.Linear with a norm over their features between them: each sharded with its output gathered."""
-    import epl
-
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logging.getLogger("epl").addHandler(Keep(logging.WARNING))
-    epl.init()
-    torch.manual_seed(0)
-    with epl.split(2):
-        model = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 16))
-    engine = epl.parallelize(
-        model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.MSELoss(), example_inputs=torch.ones(4, 16)
-    )
-    engine.step(torch.ones(4, 16), torch.zeros(4, 16))
-    return records
+    return warnings_of(nn.Linear)
 
 
 @pytest.mark.timeout(120)
