@@ -195,14 +195,13 @@ def planner_peak(shape: dict[str, int], level: str, world: int) -> float:
     import torch
 
     from epl.planner import Layout, ModelShape, Workload, estimate
-    from epl.planner.calibrate import _host_memory
-    from epl.planner.devices import DeviceProfile
+    from epl.planner.devices import DeviceProfile, host_memory
 
     with torch.device("meta"):
         model_shape = ModelShape.of(llama(shape))
     layout = Layout(data=world, tensor=1, pipeline=1, micro_batches=1, micro_batch_size=ROWS, zero=level)
     workload = Workload(ROWS * world, SEQUENCE, dtype="fp32", gathered_logits=True)
-    host = DeviceProfile("host", {"fp32": 1e11}, _host_memory(), 1e9, 1e9)
+    host = DeviceProfile("host", {"fp32": 1e11}, host_memory(), 1e9, 1e9)
     return estimate(model_shape, layout, workload, host).peak
 
 

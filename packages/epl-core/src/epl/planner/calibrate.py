@@ -36,7 +36,7 @@ import torch
 
 from epl.errors import EplError
 from epl.planner import memory_traffic
-from epl.planner.devices import PROFILES, DeviceProfile
+from epl.planner.devices import PROFILES, DeviceProfile, host_memory
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COLLECTIVE_BYTES = 64 * 2**20
@@ -255,7 +255,7 @@ def calibrate(dtype: str = "fp32", base: str | None = None, seconds: float = 1.0
         return replace(
             named, efficiency=flops / named.peak(dtype), intra_node_bandwidth=bandwidth, sources=sources, **local
         )
-    memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else _host_memory()
+    memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else host_memory()
     return DeviceProfile(
         name=f"calibrated-{os.uname().nodename}",
         flops={dtype: flops},
@@ -268,7 +268,3 @@ def calibrate(dtype: str = "fp32", base: str | None = None, seconds: float = 1.0
                  "inter_node": "not measured (one machine): the same as inside it", "memory": "this machine",
                  **local_sources},
     )  # fmt: skip
-
-
-def _host_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

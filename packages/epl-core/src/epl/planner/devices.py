@@ -23,6 +23,7 @@ Any profile can be overridden from a JSON file: :func:`device_profile` takes a n
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,11 @@ PROFILES: dict[str, DeviceProfile] = {
                  "inter_node": "200 Gb/s NIC per GPU"},
     ),
 }  # fmt: skip
+
+
+def host_memory() -> int:
+    """Bytes of this host's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def device_profile(name_or_path: str) -> DeviceProfile:

@@ -33,7 +33,6 @@ judges the run; the search runs only when it does not fit (docs/planner.md gives
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -46,7 +45,7 @@ from epl.interfaces.facts import MemoryTechniques
 from epl.placement.plan_memory import OPTIMIZER_STATES, estimate_memory
 from epl.placement.render import format_bytes
 from epl.planner.apply import known_profile
-from epl.planner.devices import PROFILES, DeviceProfile, device_profile
+from epl.planner.devices import PROFILES, DeviceProfile, device_profile, host_memory
 from epl.planner.estimate import RESERVED_BYTES, Estimate, estimate
 from epl.planner.from_plan import layout_of
 from epl.planner.layout import ZERO_LEVELS, Layout, Workload
@@ -321,8 +320,7 @@ def device_for(cluster: Cluster) -> DeviceProfile:
     among the node's processes."""
     device = cluster.device
     if device.type == "cpu":
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return replace(HOST, memory_bytes=host // cluster.local_world_size)
+        return replace(HOST, memory_bytes=host_memory() // cluster.local_world_size)
     backend: Any = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, ...
     try:
         index = device.index if device.index is not None else backend.current_device()

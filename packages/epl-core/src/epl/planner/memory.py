@@ -75,10 +75,11 @@ TERM_MEANINGS: dict[str, str] = {
     "accumulated_gradients": "every gradient whole until the last micro-batch's reduction",
     "optimizer_temporary": "the optimizer step's float32 temporary (foreach Adam's denominators)",
 }
-#: The moment of a step each peak is at.
-MOMENTS = ("start of the backward", "end of the backward", "optimizer step")
-#: The last stage's moments besides: the loss's backward, and the end of the forward where the logits are gathered.
-LOSS_MOMENT, FORWARD_END = "the loss's backward", "end of the forward"
+#: The moments of a step a peak can be at (``MemoryBreakdown.moment``, ``--json``'s ``peak_moment``); the loss's
+#: backward and the end of the forward (where the logits are gathered) on the last stage only.
+BACKWARD_START, LOSS_MOMENT, FORWARD_END = "start of the backward", "the loss's backward", "end of the forward"
+BACKWARD_END, OPTIMIZER_STEP = "end of the backward", "optimizer step"
+MOMENTS = (BACKWARD_START, LOSS_MOMENT, FORWARD_END, BACKWARD_END, OPTIMIZER_STEP)
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,7 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
             # micro-batch's activations are gone; measured on 2 stages: 1F1B, GPipe, ZeroBubble's first stage)
             fresh = shape.vocab * shape.hidden if last else shape.hidden * max(shape.ffn, shape.hidden)
             start["gradient_buffers"] = fresh / t * 4
-        moments = [(MOMENTS[0], start)]
+        moments = [(BACKWARD_START, start)]
         if last:
             moments.append((LOSS_MOMENT, loss))
             if gather:
@@ -240,7 +241,7 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
         root = root_unit(shape, layout)
         end_of_backward.update({"gathered_weights": root * e, "gradient_buffers": 2 * root * 4})
     step = {"gradients": gradients, "optimizer_temporary": updated * 4 if workload.optimizer_states >= 2 else 0.0}
-    moments = [*candidates, (MOMENTS[1], end_of_backward), (MOMENTS[2], step)]
+    moments = [*candidates, (BACKWARD_END, end_of_backward), (OPTIMIZER_STEP, step)]
     moment, extra = max(moments, key=lambda item: sum(item[1].values()))
     terms = {"parameters": held["parameters"], "gradients": extra["gradients"], "optimizer": held["optimizer"]}
     terms.update({name: size for name, size in extra.items() if size and name != "gradients"})
