@@ -95,6 +95,56 @@ def test_a_wrapper_not_shown_additive_keeps_whole_outputs() -> None:
     assert found["2.lora_A.weight"] == ((2, 64), (2, 64))
 
 
+class GatedConv1D(Gated):
+    """``Gated`` around GPT-2's ``Conv1D`` (its weight ``[in, out]``), square."""
+
+    def __init__(self, features: int) -> None:
+        from transformers.pytorch_utils import Conv1D
+
+        super().__init__(features, features)
+        self.base_layer = Conv1D(features, features)
+
+
+def test_a_square_conv1d_base_not_shown_additive_is_cut_as_it_computes() -> None:
+    """Its output gathered, in the orientation the example run shows (``[in, out]``): read as ``[out, in]``, a
+    square weight would be cut by its input and be silently wrong, as the shapes are the same."""
+    import epl
+    from epl.annotations.taskgraph import TaskGraph
+    from epl.builtin.split_transform import find_targets, layout_of
+    from epl.sharding.rules import BUILTIN_RULES
+
+    model = nn.Sequential(GatedConv1D(16), nn.ReLU(), GatedConv1D(16))
+    taskgraph = TaskGraph(index=0, strategy=epl.split(2, name="s"), tensors=[*model.parameters(), *model.buffers()])
+    layout = layout_of(model, find_targets(model, taskgraph, BUILTIN_RULES), None, torch.randn(2, 16))
+    for name in ("0", "2"):
+        assert (layout.decisions[name].role, layout.decisions[name].weight_layout) == ("alone", "in_out")
+        assert layout.reasons[name] == "its forward is not its base layer's and adapters' sum"
+
+
+def test_gpt2_conv1d_lora_layers_are_sharded_as_their_base_layers() -> None:
+    """GPT-2's Conv1D layers hold their weight [in, out]: c_attn (q, k and v fused) and c_fc column parallel, the
+    c_proj of attention and of the MLP row parallel, the adapters following as for nn.Linear bases."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import epl
+
+    epl.init()
+    with epl.split(2):
+        config = GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=16)
+        lora = LoraConfig(r=4, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True)
+        model = get_peft_model(GPT2LMHeadModel(config), lora)
+    found = shards(model)
+    block = "base_model.model.transformer.h.0"
+    assert found[f"{block}.attn.c_attn.base_layer.weight"] == ((32, 48), (32, 96))
+    assert found[f"{block}.attn.c_attn.lora_B.default.weight"] == ((48, 4), (96, 4))
+    assert found[f"{block}.attn.c_proj.base_layer.weight"] == ((16, 32), (32, 32))
+    assert found[f"{block}.attn.c_proj.lora_A.default.weight"] == ((4, 16), (4, 32))
+    assert found[f"{block}.mlp.c_fc.base_layer.weight"] == ((32, 64), (32, 128))
+    assert found[f"{block}.mlp.c_proj.base_layer.weight"] == ((64, 32), (128, 32))
+    assert found[f"{block}.mlp.c_proj.lora_A.default.weight"] == ((4, 64), (4, 128))
+
+
 def test_sequence_parallelism_with_paired_adapters_is_refused() -> None:
     """The adapters of a column-parallel wrapped layer read the gathered input whole: not proven under it."""
     import epl

@@ -456,8 +456,9 @@ def _wrapped_with_builtin_rules(module: nn.Module, rules: Mapping[type[nn.Module
     parts = wrapped_linear(module)
     if parts is None:
         return False
-    layers = [parts.base, *parts.readers.values(), *parts.writers.values()]
-    return all(rule_for(layer, rules) is shard_linear for layer in layers)
+    base_rule = rule_for(parts.base, rules) or fallback_rule(parts.base)
+    adapters = [*parts.readers.values(), *parts.writers.values()]
+    return base_rule in (shard_linear, shard_linear_like) and all(rule_for(a, rules) is shard_linear for a in adapters)
 
 
 def _refuse_adapters_on_sharded_base(

@@ -1,7 +1,8 @@
 """Wrapped linear layers (PEFT's LoRA): sharded exactly as their base layer, the adapters following it.
 
 A *wrapped linear* is a module holding no tensors of its own, with a ``base_layer`` child that
-is an ``nn.Linear``, and whose every other parameter lies in ``nn.Linear`` adapters of two kinds:
+is an ``nn.Linear`` or linear-like (a 2-D ``weight`` and an optional ``bias`` vector: GPT-2's ``Conv1D``, its
+weight ``[in, out]``), and whose every other parameter lies in ``nn.Linear`` adapters of two kinds:
 those that *read* the wrapper's input (``in_features`` of the base: LoRA's ``lora_A``) and those
 that *write* into its output (``out_features`` of the base: ``lora_B``), a reader's outputs being
 a writer's inputs (the rank). PEFT's ``BaseTunerLayer`` wrappers of ``nn.Linear`` (LoRA, and the
@@ -38,6 +39,7 @@ from epl.interfaces.split_rule import ShardContext
 from epl.sharding import collectives as C
 from epl.sharding.linear import ColumnParallelLinear, RowParallelLinear, shard_linear
 from epl.sharding.parameters import sharded_parameter
+from epl.sharding.rules import is_linear_like
 
 #: The torch calls a wrapped linear's forward may make for the example run to show it additive: products with the
 #: weights, scaling, sums, casts and dropout (property reads show up as ``__get__``).
@@ -45,33 +47,53 @@ ADDITIVE_CALLS = frozenset(
     {"linear", "__get__", "mul", "__mul__", "__rmul__", "add", "__add__", "__radd__", "__iadd__", "add_", "to"}
     | {"dropout", "type", "float", "double", "half", "bfloat16", "contiguous"}
 )
+#: What a base layer holding its weight ``[in, out]`` adds to them (GPT-2's ``Conv1D``: the tokens viewed as rows,
+#: ``addmm`` with the weight and the bias, viewed back).
+IN_OUT_BASE_CALLS = frozenset({"size", "view", "addmm"})
+#: The calls that are products with a weight.
+PRODUCTS = ("linear", "addmm")
 
 
 @dataclass(frozen=True)
 class WrappedLinear:
-    """A wrapped linear's parts: its base layer, and its adapters by qualified name (readers, writers)."""
+    """A wrapped linear's parts: its base layer with its features, and its adapters by qualified name (readers,
+    writers). Which way a linear-like base holds its weight, the example run shows (a square one either way)."""
 
-    base: nn.Linear
+    base: nn.Module
     readers: dict[str, nn.Linear]
     writers: dict[str, nn.Linear]
+    in_features: int = 0
+    out_features: int = 0
 
 
 def wrapped_linear(module: nn.Module) -> WrappedLinear | None:
     """``module``'s parts when it is a wrapped linear (module docstring), else None."""
     base = getattr(module, "base_layer", None)
-    if not isinstance(base, nn.Linear) or next(module.parameters(recurse=False), None) is not None:
+    if not isinstance(base, nn.Module) or next(module.parameters(recurse=False), None) is not None:
         return None
     if next(module.buffers(recurse=False), None) is not None:
         return None
+    if isinstance(base, nn.Linear):
+        return _adapters_of(module, base, base.in_features, base.out_features)
+    if not is_linear_like(base) or any(True for _ in base.children()):
+        return None
+    rows, columns = base.get_parameter("weight").shape
+    # the orientation under which every adapter reads the input or writes the output (a square base: either)
+    return _adapters_of(module, base, columns, rows) or _adapters_of(module, base, rows, columns)
+
+
+def _adapters_of(module: nn.Module, base: nn.Module, in_features: int, out_features: int) -> WrappedLinear | None:
+    """``module``'s parts around ``base`` of these features, or None when an adapter is neither a reader nor a
+    writer of them."""
     covered = {id(p) for p in base.parameters()}
     readers: dict[str, nn.Linear] = {}
     writers: dict[str, nn.Linear] = {}
     for name, child in module.named_modules():
         if child is base or name.startswith("base_layer.") or not isinstance(child, nn.Linear):
             continue
-        if child.in_features == base.in_features and child.out_features != base.out_features:
+        if child.in_features == in_features and child.out_features != out_features:
             readers[name] = child
-        elif child.out_features == base.out_features and child.in_features != base.in_features:
+        elif child.out_features == out_features and child.in_features != in_features:
             writers[name] = child
         else:
             return None  # a square adapter or a shape of neither kind: no proof of which side it is on
@@ -81,15 +103,22 @@ def wrapped_linear(module: nn.Module) -> WrappedLinear | None:
     ranks = {r.out_features for r in readers.values()}
     if ranks != {w.in_features for w in writers.values()}:
         return None
-    return WrappedLinear(base, readers, writers)
+    return WrappedLinear(base, readers, writers, in_features, out_features)
 
 
 def additive(inner: list[str], wrapped: WrappedLinear) -> bool:
     """Whether the torch calls of one call of a wrapped linear (by name, as the example run recorded them) are the
     base's product and some adapters' (the active ones: a reader and a writer each at least, each adapter once),
-    scaled, summed, cast and dropped out, and nothing else."""
-    products = inner.count("linear")
-    return set(inner) <= ADDITIVE_CALLS and 3 <= products <= 1 + len(wrapped.readers) + len(wrapped.writers)
+    scaled, summed, cast and dropped out, and nothing else. A ``Conv1D`` base computes its product as
+    ``addmm`` of the tokens viewed as rows (:data:`IN_OUT_BASE_CALLS`): a base of another type than ``nn.Linear``
+    may, once."""
+    linear_base = isinstance(wrapped.base, nn.Linear)
+    allowed = ADDITIVE_CALLS if linear_base else ADDITIVE_CALLS | IN_OUT_BASE_CALLS
+    products = sum(inner.count(name) for name in PRODUCTS)
+    base_product_once = linear_base or inner.count("addmm") == 1
+    return (
+        set(inner) <= allowed and base_product_once and 3 <= products <= 1 + len(wrapped.readers) + len(wrapped.writers)
+    )
 
 
 class ShardedWriter(nn.Module):

@@ -261,7 +261,9 @@ def example_input(model: nn.Module) -> Any | None:
     if isinstance(dummy, dict) and dummy:
         example = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in dummy.items()}
         accepted = inspect.signature(model.forward).parameters
-        if "use_cache" in accepted:
+        # A wrapper passing its keywords on (PEFT's PeftModel) takes the wrapped model's, whose config says so.
+        passes_on = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+        if "use_cache" in accepted or (passes_on and hasattr(getattr(model, "config", None), "use_cache")):
             example["use_cache"] = False  # training runs keep no key/value cache
         if shapes_only(model) and "attention_mask" in accepted and "input_ids" in example:
             # epl plan: the layers compute shapes on meta; a mask of real values (no padding) spares transformers'

@@ -97,6 +97,9 @@ def decide_layout(
             flow = record_dataflow(model, linears | embeddings, example)
             impure = {name for name in subclassed if any(not _plain_product(c) for c in flow.calls_of(name))}
             impure |= {name for name in wrapped if not _additive(model, name, flow.calls_of(name))}
+            # How each of them held its weight when called: a layer looked through keeps its whole output, cut in
+            # the orientation it computes with (a square Conv1D's [in, out] read as [out, in] would be wrong)
+            impure_layouts = {name: {c.weight_layout for c in flow.calls_of(name)} for name in impure}
             if impure:  # looked through instead: what they add to the product may not keep a shard a shard
                 linears = linears - impure
                 flow = record_dataflow(model, linears | embeddings, example)
@@ -113,6 +116,12 @@ def decide_layout(
             for name in wrapped & decisions.keys():
                 if decisions[name].role == "logits":  # a sum of adapters on sharded logits: not proven
                     decisions[name] = replace(decisions[name], role="alone")
+            for name, layouts in impure_layouts.items():
+                (computed, *others) = layouts or {None}
+                if computed is None or others:  # never called, or called both ways: no orientation proven
+                    decisions[name] = Decision("whole")
+                else:
+                    decisions[name] = Decision("alone", weight_layout=computed)
             reasons = {**dict.fromkeys(subclassed - linears, "its forward adds work to the product"), **pairing.reasons}
             reasons |= dict.fromkeys(wrapped - linears, "its forward is not its base layer's and adapters' sum")
             return SplitLayout(decisions, dict(pairing.partial_gradients), reasons, frozenset(subclassed & linears))
