@@ -263,8 +263,6 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("nllb-moe", "*"): "its router runs in float32 by design (router_dtype) and routes each token to its top 2 "
     "experts with a capacity: a rounding difference of the layout can send a token elsewhere, so no float64 "
     "comparison holds",
-    ("afmoe", "*"): "under split its ranks run different collectives (a data-dependent loop over experts); the job "
-    "fails loudly (gloo: collective mismatch), it needs a split rule for its experts",
     ("gemma3n_text", "*"): "under split a per-layer input projection fails on shard sizes at the first step (loud); it "
     "needs its own analysis",
     **{

@@ -6,7 +6,7 @@ import copy
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -124,7 +124,24 @@ def _expert_parallel_forward(
     local = local.masked_fill(~mine, held.count)
     original = cast(type[nn.Module], type(self).__mro__[1]).forward
     partial = original(self, tokens, local, top_k_weights.masked_fill(~mine, 0.0))
+    # The input-gradient collectives above run backward only where a gradient reaches them, and a device whose
+    # experts no token was routed to computes nothing from its inputs: it would skip them while the others wait
+    # (a mismatch). The tie keeps both inputs on every device's graph, whatever the routing.
+    partial = _Tie.apply(partial, tokens, top_k_weights)
     return C.reduce_scatter_rows(partial, group) if group.batch_split else C.reduce_from_shards(partial, group)
+
+
+class _Tie(torch.autograd.Function):
+    """``output`` itself, with ``inputs`` on its graph: backward, they receive zeros besides what else reaches them."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.inputs = [(t.shape, t.dtype, t.device) for t in inputs]
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs))
 
 
 def _extra_repr(self: nn.Module) -> str:
