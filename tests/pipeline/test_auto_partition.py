@@ -86,6 +86,29 @@ def test_wrappers_are_looked_through_by_a_rule_for_any_class() -> None:
     ]
 
 
+class WithBuffer(Wrapper):
+    """A wrapper with a buffer of its own, which its forward reads (as BART's ``final_logits_bias`` under PEFT)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__(inner)
+        self.register_buffer("bias", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) + self.bias
+
+
+def test_a_wrapper_with_buffers_opens_and_every_stage_keeps_them() -> None:
+    import epl
+    from epl_pipeline.auto import partition
+
+    epl.init(config(2))
+    torch.manual_seed(0)
+    model = Wrapper(WithBuffer(Tower()))
+    stages = partition(model, [], 2)
+    assert [stage.modules[0] for stage in stages] == ["inner.inner.embed", "inner.inner.blocks.3"]
+    assert all(any(t is model.inner.bias for t in stage.tensors) for stage in stages)
+
+
 def test_an_uneven_partition_says_why_t5() -> None:
     """T5 on 2 stages: 0.64 of the parameters on the decoder's stage (issue 44 asked for at most 0.55). No cut
     between blocks does better (two decoder blocks of 0.28 each; the tied embedding, 0.08, on both stages): the

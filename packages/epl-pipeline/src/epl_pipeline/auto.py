@@ -274,11 +274,12 @@ def _has_parts(module: nn.Module) -> bool:
 
 
 def _openable(module: nn.Module) -> bool:
-    """Whether ``module`` opens into several blocks: no tensors of its own, and several children holding tensors
-    (through containers: BERT's encoder holds one ModuleList of layers), or a wrapper: one child holding every
-    tensor, itself openable (PEFT's ``PeftModel`` -> ``LoraModel`` -> ``LlamaForCausalLM``, whatever the classes)."""
-    own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-    if own:
+    """Whether ``module`` opens into several blocks: no parameters of its own, and several children holding
+    tensors (through containers: BERT's encoder holds one ModuleList of layers), or a wrapper: one child holding
+    every tensor, itself openable (PEFT's ``PeftModel`` -> ``LoraModel`` -> ``LlamaForCausalLM``, whatever the
+    classes). Buffers of its own do not stop it: like the model's own (BART's ``final_logits_bias`` under PEFT's
+    wrappers), they are constants every stage keeps (``_stages``)."""
+    if any(True for _ in module.parameters(recurse=False)):
         return False
     parts = _open(module, "")
     return len(parts) > 1 or (len(parts) == 1 and _openable(parts[0][1]))
