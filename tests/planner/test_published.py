@@ -10,7 +10,7 @@ import statistics
 from dataclasses import replace
 
 from epl.planner import estimate, search
-from epl.planner.estimate import RESERVED_BYTES
+from epl.planner.estimate import RESERVED_BYTES, device_bytes, reserved_bytes
 from epl.planner.memory import memory_breakdown, stage_breakdown
 from tests.planner.published import (
     FITTED_ON,
@@ -91,21 +91,22 @@ def predicted_peak(run: MemoryRun) -> float:
 
 
 def predicted_figure(run: MemoryRun) -> float:
-    """The bytes the planner predicts ``run``'s measure shows: its peak for torch's allocated or reserved memory
-    (the allocator's reserve is not modelled), and with nvidia-smi the runtime's share besides, which the planner
-    keeps aside on every device (``RESERVED_BYTES``: the CUDA context and the communicators' buffers)."""
-    return predicted_peak(run) + (RESERVED_BYTES if run.measure == "nvidia-smi" else 0)
+    """The bytes the planner predicts ``run``'s measure shows: its peak for torch's allocated memory; with the
+    allocator's reserve for its reserved memory (``reserved_bytes``); and with the runtime's share outside the
+    allocator besides for nvidia-smi's (``device_bytes``: the CUDA context and the communicators' buffers)."""
+    peak = predicted_peak(run)
+    return {"max allocated": peak, "max reserved": reserved_bytes(peak)}.get(run.measure, device_bytes(peak))
 
 
 def test_published_memory_figures_are_predicted() -> None:
-    """Where the figure is allocated memory (what the planner counts), within 15%. Where it is the allocator's
-    reserved memory or nvidia-smi's, which add the allocator's reserve and the libraries' own buffers, never above
-    it and within 30% (docs/planner.md lists each error and what is missing). A run its source says did not fit is
-    predicted not to."""
+    """Within 15% where the figure is allocated memory (what the planner counts). Where it is the allocator's
+    reserved memory or nvidia-smi's, never above it and within 20% (docs/planner.md lists each error and what is
+    missing: torchtitan's float8, compile and asynchronous TP). A run its source says did not fit is predicted not
+    to."""
     for run in MEMORY_RUNS:
         if run.published_gib is None:
             assert predicted_peak(run) > run.device.memory_bytes - RESERVED_BYTES, run.name
         elif run.measure == "max allocated":
             assert abs(memory_error(run)) <= 0.15, (run.name, memory_error(run))
         else:
-            assert -0.3 <= memory_error(run) <= 0.0, (run.name, memory_error(run))
+            assert -0.2 <= memory_error(run) <= 0.0, (run.name, memory_error(run))

@@ -57,8 +57,29 @@ from epl.planner.layout import Layout, Workload
 from epl.planner.memory import MemoryBreakdown, context_as_data, memory_breakdown
 from epl.planner.shape import ModelShape
 
-#: Bytes a device keeps for itself (CUDA context, allocator slack) when deciding whether a plan fits.
+#: Bytes a device keeps outside torch's allocator (the CUDA context, the communication libraries' buffers) when
+#: deciding whether a plan fits.
 RESERVED_BYTES = 2 * 2**30
+#: The caching allocator's reserve: what it holds (``max_memory_reserved``) over the tensors' peak
+#: (``max_memory_allocated``). 0.10 is the one published run found giving both (NeMo's Llama 3 8B on 8 B200s: 119.0
+#: GiB reserved over 107.8 GiB allocated, 1.104; notes/issue-43-memory-runs.md, X1). Fragmentation varies with
+#: the run: a typical figure, not a bound, so ``fits`` does not add it (with it, torchtitan's Llama 2 13B run
+#: without recomputation, which ran on 80 GB H100s, would miss by 0.1 GiB); ``epl plan`` prints it beside the
+#: peak, and reserved and nvidia-smi figures are predicted with it (:func:`reserved_bytes`, :func:`device_bytes`).
+ALLOCATOR_RESERVE = 0.10
+
+
+def device_bytes(peak: float) -> float:
+    """What a device needs for tensors peaking at ``peak`` bytes: the peak, the allocator's reserve over it
+    (:data:`ALLOCATOR_RESERVE`), and what the runtime keeps outside the allocator (:data:`RESERVED_BYTES`)."""
+    return reserved_bytes(peak) + RESERVED_BYTES
+
+
+def reserved_bytes(peak: float) -> float:
+    """The allocator's reserved memory (``max_memory_reserved``) for tensors peaking at ``peak`` bytes."""
+    return peak * (1 + ALLOCATOR_RESERVE)
+
+
 #: What the estimate of a context-parallel layout assumes that EPL does not do yet (docs/context.md, "Not yet").
 CONTEXT_KERNEL_NOTE = (
     "the attention is timed as SDPA runs it; EPL's ring and all-gather attention run each block through torch's "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from epl.placement.render import format_bytes
 from epl.planner.devices import DeviceProfile
-from epl.planner.estimate import MFU_FORMULA, RESERVED_BYTES, Estimate
+from epl.planner.estimate import ALLOCATOR_RESERVE, MFU_FORMULA, RESERVED_BYTES, Estimate, reserved_bytes
 from epl.planner.layout import Layout, Workload
 from epl.planner.memory import TERM_MEANINGS
 from epl.planner.search import SearchResult
@@ -34,7 +34,9 @@ def describe(result: Estimate, device: DeviceProfile) -> str:
         [
             f"  layout: {describe_layout(result.layout)}",
             f"  peak memory per device {format_bytes(int(result.peak))} ({stage}{memory.moment}) of "
-            f"{format_bytes(device.memory_bytes)}, {format_bytes(RESERVED_BYTES)} kept for the runtime: {fits}",
+            f"{format_bytes(device.memory_bytes)}, {format_bytes(RESERVED_BYTES)} kept for the runtime: {fits}; the "
+            f"allocator reserves about {format_bytes(int(reserved_bytes(result.peak)))} for it "
+            f"({ALLOCATOR_RESERVE:.0%} over, typical)",
             *(
                 f"    {name.replace('_', ' ')} {format_bytes(int(size))}: {TERM_MEANINGS[name]}"
                 for name, size in memory.terms.items()
