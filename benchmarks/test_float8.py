@@ -46,7 +46,8 @@ def llama(**shape: int) -> torch.nn.Module:
 
     torch.manual_seed(0)
     sizes = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
-             "num_key_value_heads": KV_HEADS, "intermediate_size": INTERMEDIATE, "vocab_size": VOCABULARY, **shape}  # fmt: skip
+             "num_key_value_heads": KV_HEADS, "intermediate_size": INTERMEDIATE, "vocab_size": VOCABULARY}  # fmt: skip
+    sizes.update(shape)
     config = LlamaConfig(**sizes, max_position_embeddings=4096, attn_implementation="sdpa", use_cache=False)
     return LlamaForCausalLM(config)
 
