@@ -9,6 +9,8 @@ replica's rows and each micro-batch as a separate forward, as the layout does: f
 - data parallel, 2 replicas: ``DP_TOLERANCE``;
 - ZeRO v2 over 2 replicas, weights all-gathered in float8 (tensorwise: the amax of the chunks' amaxes, the same
   scale as the whole weight's): ``DP_TOLERANCE``, and the rowwise recipe (gathered in float32);
+- ZeRO v2 with each block compiled (``compile.backend aot_eager``) against the one process eager:
+  ``DP_TOLERANCE``;
 - an automatic 2-stage pipeline of 2 micro-batches (layer 1 on the first stage, layer 2 on the second):
   ``DP_TOLERANCE``.
 """
@@ -75,7 +77,10 @@ def train(config: dict[str, Any], replicas: int = 1) -> dict[str, Any]:
     float8 = [name for name, m in modules.items() if type(m).__name__ == "Float8Linear"]
     weights = {name: modules[name].weight for name in float8}
     kinds = {type(w.to_local() if hasattr(w, "to_local") else w.data).__name__ for w in weights.values()}
-    return {"losses": losses, "replica": engine.replica_index, "state": state, "float8": float8, "weights": kinds}
+    report = engine.compile_report
+    compiled = (report.compiled, report.eager) if report is not None else None
+    return {"losses": losses, "replica": engine.replica_index, "state": state, "float8": float8, "weights": kinds,
+            "compiled": compiled}  # fmt: skip
 
 
 def assert_equal_to_local(
@@ -119,6 +124,19 @@ def test_zero_v2_float8_equals_one_process(recipe: str) -> None:
     assert all("model.layers.2.self_attn.q_proj" in result["float8"] for result in results)
     gathered = "WeightWithDynamicFloat8CastTensor" if recipe == "tensorwise" else "Tensor"
     assert all(result["weights"] == {gathered} for result in results), [result["weights"] for result in results]
+
+
+def zero_v2_compiled() -> dict[str, Any]:
+    return train({"zero.level": "v2", "compile.enabled": True, "compile.backend": "aot_eager"}, replicas=2)
+
+
+@pytest.mark.timeout(300)
+def test_zero_v2_float8_compiled_equals_one_process_eager() -> None:
+    """torchtitan's usual setup: float8 weights all-gathered by FSDP2, each block compiled (aot_eager here)."""
+    results = run_ranks(zero_v2_compiled, 2, timeout=240)
+    print("ZeRO v2 compiled, largest difference:", assert_equal_to_local(results, 1, 2))
+    assert all(result["weights"] == {"WeightWithDynamicFloat8CastTensor"} for result in results)
+    assert all(result["compiled"] == ([f"model.layers.{i}" for i in range(4)], {}) for result in results), results[0]
 
 
 def pipeline() -> dict[str, Any]:
