@@ -149,3 +149,32 @@ def test_a_two_stage_pipeline_of_float8_equals_one_process() -> None:
     print("pipeline, largest difference:", assert_equal_to_local(results, 2, 1))
     held = [set(result["float8"]) for result in results]
     assert any("model.layers.1.mlp.up_proj" in h for h in held) and any("model.layers.2.mlp.up_proj" in h for h in held)
+
+
+def save_and_resume(folder: str) -> list[list[float]]:
+    """One rank, ZeRO v2 with float8 all-gather: 2 steps, save, 2 more; then a model of another seed loads the save
+    and takes the same 2 steps. Both pairs of losses."""
+    import epl
+
+    data = batches(4, ROWS * 2)
+    runs = []
+    for seed in (0, 1):
+        epl.init(epl.Config({"float8.enabled": True, "zero.level": "v2"}))
+        engine = epl.parallelize(llama(seed=seed), optimizer=adamw, loss_fn=token_loss)
+        rows = [tokens[engine.replica_index * ROWS : (engine.replica_index + 1) * ROWS] for tokens in data]
+        if seed == 0:
+            for part in rows[:2]:
+                engine.step({"input_ids": part}, part)
+            engine.save(folder)
+        else:
+            engine.load(folder)
+        runs.append([float(engine.step({"input_ids": part}, part)) for part in rows[2:]])
+    return runs
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_of_float8_weights_under_zero_resumes_exactly(tmp_path: Any) -> None:
+    """The float8-gathered weights (a torchao subclass inside FSDP2's DTensors) save and load through EPL's
+    checkpoints: the resumed run takes the same steps as the one that went on."""
+    for went_on, resumed in run_ranks(save_and_resume, 2, str(tmp_path / "checkpoint"), timeout=240):
+        assert went_on == resumed
