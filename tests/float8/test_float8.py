@@ -123,6 +123,20 @@ def test_linears_of_a_split_taskgraph_are_refused_with_the_fix() -> None:
         epl.parallelize(model)
 
 
+def test_an_exclusion_that_matches_nothing_is_a_config_error() -> None:
+    with pytest.raises(epl.ConfigError, match=r"float8.exclude: \['model.layer.2'\] match no module"):
+        choose_linears(llama(), ["model.layer.2"])
+    assert "model.layers.2.mlp.up_proj" in choose_linears(llama(), ["model.layers.1*"]).converted
+
+
+def test_a_model_built_on_meta_is_refused() -> None:
+    epl.init(epl.Config({"float8.enabled": True}))
+    with torch.device("meta"):
+        model = llama()
+    with pytest.raises(epl.EplError, match="built on the meta device .* not supported"):
+        epl.parallelize(model, optimizer=adamw)
+
+
 def test_a_bad_recipe_is_a_config_error() -> None:
     with pytest.raises(epl.ConfigError, match="float8.recipe"):
         epl.Config({"float8.recipe": "blockwise"})

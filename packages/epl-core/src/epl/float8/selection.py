@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from epl.compiling.blocks import repeated_blocks
+from epl.errors import ConfigError
 
 #: torch's float8 matmul (``_scaled_mm``) needs both dimensions of the weight to be multiples of this.
 ALIGNMENT = 16
@@ -49,7 +50,16 @@ def _inside(name: str, root: str) -> bool:
 
 def choose_linears(model: nn.Module, exclude: Sequence[str] = ()) -> Float8Choice:
     """The float8 choice for ``model`` (whole, before any transform), ``exclude`` adding fnmatch patterns of module
-    names (a pattern keeps a module and everything below it)."""
+    names (a pattern keeps a module and everything below it).
+
+    Raises ConfigError when a pattern matches no module (a misspelt name would otherwise exclude nothing)."""
+    names = [name for name, _ in model.named_modules() if name]
+    unmatched = [pattern for pattern in exclude if not any(matches(name, [pattern]) for name in names)]
+    if unmatched:
+        raise ConfigError(
+            f"float8.exclude: {unmatched} match no module of the model. Patterns are fnmatch patterns of qualified "
+            f"module names (print(model) shows them), such as 'model.layers.2' or '*.mlp.down_proj'."
+        )
     linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
     blocks = [name for name, _ in repeated_blocks(model)]
     edge = {blocks[0], blocks[-1]} if blocks else set()
