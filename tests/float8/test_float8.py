@@ -127,6 +127,8 @@ def test_an_exclusion_that_matches_nothing_is_a_config_error() -> None:
     with pytest.raises(epl.ConfigError, match=r"float8.exclude: \['model.layer.2'\] match no module"):
         choose_linears(llama(), ["model.layer.2"])
     assert "model.layers.2.mlp.up_proj" in choose_linears(llama(), ["model.layers.1*"]).converted
+    with pytest.raises(epl.ConfigError, match=r"float8.exclude takes module name patterns \(strings\), not \[3\]"):
+        choose_linears(llama(), [3])  # type: ignore[list-item]
 
 
 def test_a_model_built_on_meta_is_refused() -> None:

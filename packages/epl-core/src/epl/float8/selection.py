@@ -53,6 +53,9 @@ def choose_linears(model: nn.Module, exclude: Sequence[str] = ()) -> Float8Choic
     names (a pattern keeps a module and everything below it).
 
     Raises ConfigError when a pattern matches no module (a misspelt name would otherwise exclude nothing)."""
+    wrong = [pattern for pattern in exclude if not isinstance(pattern, str)]
+    if wrong:
+        raise ConfigError(f"float8.exclude takes module name patterns (strings), not {wrong}.")
     names = [name for name, _ in model.named_modules() if name]
     unmatched = [pattern for pattern in exclude if not any(matches(name, [pattern]) for name in names)]
     if unmatched:
