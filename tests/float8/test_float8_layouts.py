@@ -13,6 +13,8 @@ replica's rows and each micro-batch as a separate forward, as the layout does: f
   ``DP_TOLERANCE``;
 - an automatic 2-stage pipeline of 2 micro-batches (layer 1 on the first stage, layer 2 on the second):
   ``DP_TOLERANCE``.
+
+And a checkpoint of ZeRO v2's float8-gathered weights resumes exactly.
 """
 
 from __future__ import annotations
