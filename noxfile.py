@@ -19,10 +19,10 @@ CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 EXAMPLE_PLUGINS = ("-e", str(ROOT / "examples" / "plugin"))
 #: tensorboard: epl.Progress's optional scalars (tests/core/test_progress.py); accelerate and deepspeed: the
 #: originals of the migration guides (tests/examples/test_migration.py); peft, tokenizers and datasets: fine-tuning
-#: with adapters and examples/finetune (docs/finetuning.md).
+#: with adapters and examples/finetune (docs/finetuning.md); torchao: float8 training (docs/float8.md).
 TEST_TOOLS = (
     "pytest", "pytest-timeout", "pytest-benchmark", "numpy", "mpi4py", "mpich", "transformers", "tensorboard",
-    "accelerate", "deepspeed", "peft", "tokenizers", "datasets",
+    "accelerate", "deepspeed", "peft", "tokenizers", "datasets", "torchao",
 )  # fmt: skip
 #: benchmarks/report.py draws its plots with matplotlib (also epl-pipeline's ``plot`` extra, for timeline pictures).
 BENCH_TOOLS = ("matplotlib",)

@@ -35,7 +35,7 @@ PLUGINS = {
 LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["epl.errors", "epl.ports", "epl.lazy", "epl.torch_private"]),
     ("interfaces", ["epl.interfaces"]),
-    ("parallel layers", ["epl.nn", "epl.sharding", "epl.materialize", "epl.context", "epl.compiling"]),
+    ("parallel layers", ["epl.nn", "epl.sharding", "epl.materialize", "epl.context", "epl.compiling", "epl.float8"]),
     ("config", ["epl.config"]),
     ("annotations", ["epl.annotations"]),
     ("placement", ["epl.placement"]),

@@ -53,7 +53,8 @@ def epl_split_rules() -> dict[type[nn.Module], SplitRule]:
 def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | None:
     """Decide the split TaskGraphs' layout on the whole model, then shard them by their rules (in a one-process
     run: only check that every module has one); give a model built on meta the values this rank keeps; spread
-    each sequence over the context devices (``context.degree``); compile the repeated blocks (``compile.enabled``)."""
+    each sequence over the context devices (``context.degree``); train linears in float8 (``float8.enabled``);
+    compile the repeated blocks (``compile.enabled``)."""
     from epl.builtin.context_transform import ProveContextParallel, SpreadSequences
     from epl.builtin.materialize_transform import MaterializeKept
     from epl.builtin.split_transform import DecideSplitLayout, ShardSplitTaskGraphs
@@ -62,6 +63,10 @@ def epl_model_transforms(context: ParallelContext) -> list[ModelTransform] | Non
     transforms: list[ModelTransform] = []
     if any(tg.strategy.kind == "split" for tg in context.taskgraphs):
         transforms += [DecideSplitLayout(), ShardSplitTaskGraphs()]
+    if CoreSettings.from_config(context.config).float8.enabled:
+        from epl.builtin.float8_transform import ChooseFloat8Linears, ConvertToFloat8
+
+        transforms += [ChooseFloat8Linears(), ConvertToFloat8()]
     if context.lazy_init is not None:
         transforms.append(MaterializeKept())
     if context.plan.context_degree > 1 and not context.plan.local:

@@ -277,4 +277,34 @@ CORE_KEYS: tuple[ConfigKey, ...] = (
         doc='The inductor mode for compile.enabled ("default", "reduce-overhead", "max-autotune", ...); empty: '
         "torch.compile's default.",
     ),
+    # EPL for PyTorch: float8 training through torchao (docs/float8.md)
+    ConfigKey(
+        name="float8.enabled",
+        types=(bool,),
+        default=False,
+        doc="Train the model's linear layers in float8 through torchao's convert_to_float8_training (pip install "
+        "epl-core[float8]), before ZeRO and compile. The embeddings, the output head, the first and the last "
+        "repeated block and any linear whose dimensions are not multiples of 16 stay in high precision.",
+    ),
+    ConfigKey(
+        name="float8.recipe",
+        types=(str,),
+        default="tensorwise",
+        choices=("tensorwise", "rowwise"),
+        doc="torchao's float8 recipe: one scale per tensor (tensorwise) or per row (rowwise).",
+    ),
+    ConfigKey(
+        name="float8.exclude",
+        types=(list,),
+        default=[],
+        doc="Patterns (fnmatch) of module names that stay in high precision, added to the default exclusions; a "
+        "pattern matches a module and everything below it.",
+    ),
+    ConfigKey(
+        name="float8.all_gather",
+        types=(bool,),
+        default=True,
+        doc="Under zero.level on several processes, all-gather the weights in float8 (torchao's "
+        "enable_fsdp_float8_all_gather; tensorwise recipe only).",
+    ),
 )

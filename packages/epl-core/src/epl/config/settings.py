@@ -52,6 +52,16 @@ class CompileSettings:
 
 
 @dataclass(frozen=True)
+class Float8Settings:
+    """The ``float8.*`` keys: float8 training through torchao (:mod:`epl.float8`)."""
+
+    enabled: bool = False
+    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    exclude: tuple[str, ...] = ()
+    all_gather: bool = True
+
+
+@dataclass(frozen=True)
 class ContextSettings:
     """The ``context.*`` keys: context parallelism."""
 
@@ -120,6 +130,7 @@ class CoreSettings(ConfigView):
     compile: CompileSettings = field(default_factory=CompileSettings)
     context: ContextSettings = field(default_factory=ContextSettings)
     fit_check: FitCheckSettings = field(default_factory=FitCheckSettings)
+    float8: Float8Settings = field(default_factory=Float8Settings)
     io: IoSettings = field(default_factory=IoSettings)
     model: ModelSettings = field(default_factory=ModelSettings)
     planner: PlannerSettings = field(default_factory=PlannerSettings)
@@ -161,6 +172,12 @@ class CoreSettings(ConfigView):
                 enabled=config["fit_check.enabled"],
                 micro_batch_size=config["fit_check.micro_batch_size"],
                 sequence_length=config["fit_check.sequence_length"],
+            ),
+            float8=Float8Settings(
+                enabled=config["float8.enabled"],
+                recipe=config["float8.recipe"],
+                exclude=tuple(config["float8.exclude"]),
+                all_gather=config["float8.all_gather"],
             ),
             io=IoSettings(
                 check_batches=config["io.check_batches"],

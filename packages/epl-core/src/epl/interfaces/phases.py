@@ -23,6 +23,9 @@ class TransformPhase(enum.IntEnum):
     #: example forward of the whole model (the core's tensor parallelism). First: the whole model still
     #: runs, before a pipeline keeps only this rank's stage. Changes no module.
     DECIDE_LAYOUT = 5
+    #: Choose the linears that train in float8 (the core's ``float8.enabled``, :mod:`epl.float8`) on the whole
+    #: model, so that every rank and one process choose alike. Before the stage is kept. Changes no module.
+    CHOOSE_FLOAT8 = 7
     #: Keep only this rank's pipeline stage (epl-pipeline). Before the phases that change the model:
     #: they then touch only the modules and tensors this rank keeps, and no collective is issued for the
     #: other stages' tensors.
@@ -35,6 +38,10 @@ class TransformPhase(enum.IntEnum):
     #: takes this device's tokens and attends over the context group. After the model's modules are final
     #: (it changes none), before checkpointing wraps their forwards.
     CONTEXT = 22
+    #: Swap the chosen linears this rank keeps for torchao's ``Float8Linear`` (the core's ``float8.enabled``). After
+    #: the stage and split's shards are final; before ZeRO's ``fully_shard`` (which then all-gathers float8 weights)
+    #: and before compile.
+    FLOAT8 = 23
     #: Shard each tensor with several copies over them (epl-memory's ZeRO: FSDP2's ``fully_shard`` per block,
     #: replacing parameters by DTensors). After the stage, split's shards and the context are final; before
     #: materialisation, so that a model built on ``meta`` gets values only for the chunks this device keeps.

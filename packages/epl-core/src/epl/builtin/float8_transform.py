@@ -1,0 +1,80 @@
+"""The model transforms of ``float8.enabled`` (:mod:`epl.float8`): choose the float8 linears on the whole model,
+then swap this rank's for torchao's ``Float8Linear`` before ZeRO shards them and compile compiles them."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from epl.config.settings import CoreSettings
+from epl.errors import AnnotationError, EplError
+from epl.float8 import Float8Choice, check_device, choose_linears, convert, float8_config
+from epl.interfaces.facts import MemoryTechniques
+from epl.interfaces.phases import TransformPhase
+from epl.plugins.context import ParallelContext
+
+_log = logging.getLogger("epl.float8")
+
+
+@dataclass
+class Float8State:
+    """What the choice hands the conversion, and what was converted on this rank."""
+
+    choice: Float8Choice = field(default_factory=Float8Choice)
+    converted: list[str] = field(default_factory=list)
+
+
+class ChooseFloat8Linears:
+    """Model transform: decide which linears train in float8 on the whole model (before a pipeline keeps a stage), so
+    every rank and one process choose alike; refuse linears of split TaskGraphs, whose shards have no float8 path."""
+
+    name = "choose_float8_linears"
+    phase = TransformPhase.CHOOSE_FLOAT8
+
+    def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
+        """``model`` unchanged; the choice kept for :class:`ConvertToFloat8`."""
+        settings = CoreSettings.from_config(context.config).float8
+        choice = choose_linears(model, settings.exclude)
+        split = {id(t) for tg in context.taskgraphs if tg.strategy.kind == "split" for t in tg.tensors}
+        refused = [name for name in choice.converted if id(model.get_submodule(name).weight) in split]
+        if refused:
+            shown = ", ".join(refused[:4]) + (f" and {len(refused) - 4} more" if len(refused) > 4 else "")
+            raise AnnotationError(
+                f"float8.enabled: {shown} belong to an epl.split TaskGraph, whose column and row shards have no float8 "
+                "path yet. Add them to float8.exclude (patterns, e.g. the split module's name), or leave "
+                "float8.enabled off."
+            )
+        context.state(Float8State).choice = choice
+        return model
+
+
+class ConvertToFloat8:
+    """Model transform: swap the chosen linears this rank holds for ``Float8Linear`` (after the stage is kept and the
+    split shards are made, before ZeRO's ``fully_shard`` and compile)."""
+
+    name = "convert_to_float8"
+    phase = TransformPhase.FLOAT8
+
+    def __call__(self, model: nn.Module, context: ParallelContext) -> nn.Module:
+        """``model`` with the chosen linears it holds in float8, in place."""
+        settings = CoreSettings.from_config(context.config).float8
+        state = context.state(Float8State)
+        held = dict(model.named_modules())
+        names = [name for name in state.choice.converted if type(held.get(name)) is nn.Linear]
+        if names:
+            device = held[names[0]].weight.device
+            if device.type == "meta":
+                raise EplError(
+                    "float8.enabled with a model built on the meta device (model.meta_init) is not supported: build "
+                    "the model with values, or leave float8.enabled off."
+                )
+            check_device(device)
+            sharded = bool(context.facts(MemoryTechniques).zero) and not context.plan.local
+            all_gather = settings.all_gather and sharded
+            if all_gather and settings.recipe != "tensorwise":
+                _log.info("float8: the rowwise recipe all-gathers weights in high precision under zero.level")
+            state.converted = convert(model, names, float8_config(settings.recipe, all_gather))
+        _log.info("float8 (%s): %s", settings.recipe, state.choice.describe())
+        return model
