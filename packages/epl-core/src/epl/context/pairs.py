@@ -1,0 +1,101 @@
+"""Which fused-kernel calls compute a block of attention, told on the host from the tokens' runs.
+
+A block is a device's queries against one block of keys. When both sides' facts carry their ``runs`` (positions
+in consecutive runs, one document, no padding: :class:`~epl.context.masks.TokenFacts`), each pair of a query run
+and a key run sees all of its keys, the causal triangle, or nothing, and a sliding window either does not bind or
+hides the pair. :func:`plan` turns that into the fewest kernel calls (as torch's context parallelism does under
+its load balance): the whole block as one causal call when queries and keys are the same runs in increasing order
+(a device's own block), one unmasked call over the rectangle of rows and columns that see everything when the rest
+sees nothing (another device's block), otherwise one call per pair, pairs that see nothing skipped. Anything else
+(runs not known, a window that cuts a pair, runs that overlap without lining up) is None: the block keeps the
+exact masked path. Only Python integers are read: no device tensor, so no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epl.context.masks import Masking, Runs
+
+#: A pair that sees all its keys, the causal triangle, or nothing.
+FULL, TRIANGLE, NOTHING = "full", "triangle", "nothing"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One fused-kernel call: query ``rows`` against key ``columns`` (slices of the block), causal or not."""
+
+    rows: slice
+    columns: slice
+    causal: bool
+
+
+#: The calls that compute one block (empty: it sees nothing), or None: the exact path.
+Plan = tuple[Call, ...] | None
+
+
+def plan(queries: Runs | None, keys: Runs | None, masking: Masking) -> Plan:
+    """The fused-kernel calls for queries of ``queries`` runs against keys of ``keys`` runs under ``masking``."""
+    if queries is None or keys is None or not queries or not keys:
+        return None
+    if masking.causal and queries == keys and _increasing(queries) and _unbound(queries, keys, masking):
+        length = sum(tokens for _, tokens in queries)
+        return (Call(slice(0, length), slice(0, length), True),)
+    kinds = {}
+    for i, query_run in enumerate(queries):
+        for j, key_run in enumerate(keys):
+            kind = _kind(query_run, key_run, masking)
+            if kind is None:
+                return None
+            kinds[i, j] = kind
+    row_slices, column_slices = _slices(queries), _slices(keys)
+    seen = [pair for pair, kind in kinds.items() if kind != NOTHING]
+    rows = sorted({i for i, _ in seen})
+    columns = sorted({j for _, j in seen})
+    rectangle = len(seen) == len(rows) * len(columns) and _consecutive(rows) and _consecutive(columns)
+    if seen and rectangle and all(kinds[pair] == FULL for pair in seen):
+        first_row, last_row = row_slices[rows[0]], row_slices[rows[-1]]
+        first_column, last_column = column_slices[columns[0]], column_slices[columns[-1]]
+        return (Call(slice(first_row.start, last_row.stop), slice(first_column.start, last_column.stop), False),)
+    return tuple(Call(row_slices[i], column_slices[j], kinds[i, j] == TRIANGLE) for i, j in seen)
+
+
+def _kind(query_run: tuple[int, int], key_run: tuple[int, int], masking: Masking) -> str | None:
+    """What a run of queries sees of a run of keys (None: a mask no single fused call gives)."""
+    (a, m), (b, n) = query_run, key_run
+    if masking.causal and b > a + m - 1:
+        return NOTHING
+    window = masking.window
+    if window is not None and a - (b + n - 1) >= window:
+        return NOTHING  # every key is past the window
+    if window is not None and a + m - 1 - b >= window:
+        return None  # the window cuts the pair
+    if not masking.causal or b + n - 1 <= a:
+        return FULL
+    return TRIANGLE if (a, m) == (b, n) else None
+
+
+def _increasing(runs: Runs) -> bool:
+    """Whether each run starts after the one before it ends (then the tokens' order is the positions')."""
+    return all(first >= previous + tokens for (previous, tokens), (first, _) in zip(runs, runs[1:], strict=False))
+
+
+def _unbound(queries: Runs, keys: Runs, masking: Masking) -> bool:
+    """Whether no query is as far as the window from a key it could see."""
+    if masking.window is None:
+        return True
+    farthest = max(first + tokens - 1 for first, tokens in queries) - min(first for first, _ in keys)
+    return farthest < masking.window
+
+
+def _slices(runs: Runs) -> list[slice]:
+    """Each run's tokens as a slice of the block."""
+    slices, start = [], 0
+    for _, tokens in runs:
+        slices.append(slice(start, start + tokens))
+        start += tokens
+    return slices
+
+
+def _consecutive(indices: list[int]) -> bool:
+    return indices == list(range(indices[0], indices[0] + len(indices))) if indices else True
