@@ -180,7 +180,9 @@ class Gradients:
         """The queries' gradient over every block added, in their dtype."""
         return torch.zeros_like(self.query) if self.dq is None else self.dq.to(self.query.dtype)
 
-    def fused(self, k: torch.Tensor, v: torch.Tensor, calls: tuple[pairs.Call, ...]) -> tuple[torch.Tensor, ...]:
+    def fused(
+        self, k: torch.Tensor, v: torch.Tensor, calls: tuple[pairs.Call, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The gradients of block ``k``, ``v`` by the fused kernel's backward, a call per ``calls``."""
         dk: torch.Tensor | None = None
         dv: torch.Tensor | None = None
@@ -259,7 +261,7 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         query, key, value, output, lse = ctx.saved_tensors
-        gradients = Gradients(query, grad_output.contiguous(), output, lse, ctx.scale)
+        gradients = Gradients(query, grad_output, output, lse, ctx.scale)
 
         def gradients_of(k: torch.Tensor, v: torch.Tensor, keys: TokenFacts) -> tuple[torch.Tensor, torch.Tensor]:
             calls = ctx.plans.of(keys)

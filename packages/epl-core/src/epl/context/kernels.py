@@ -68,6 +68,7 @@ def backward(
         )
         return dq, dk, dv
     if _flash(query):
+        dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # a sum's gradient is expanded: no stride
         unused = torch.empty((), dtype=torch.int64)  # the random state: no dropout, never read
         t, s = query.shape[2], key.shape[2]
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(

@@ -12,6 +12,7 @@ that :mod:`epl.context.pairs` can tell which blocks torch's fused kernels comput
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,12 +63,17 @@ class TokenFacts:
         columns = zip(*((f.positions, f.documents, f.valid) for f in parts), strict=True)
         known = all(f.runs is not None for f in parts)
         runs = merged_runs([run for f in parts for run in f.runs or ()]) if known else None
-        return cls(*(torch.cat(pieces, 1) for pieces in columns), runs=runs)
+        positions, documents, valid = (torch.cat(pieces, 1) for pieces in columns)
+        return cls(positions, documents, valid, runs)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor], runs: Runs | None = None) -> TokenFacts:
+        """``fn`` of each of the three tensors (the same tokens' facts elsewhere, or some of them: ``runs``)."""
+        return TokenFacts(fn(self.positions), fn(self.documents), fn(self.valid), runs)
 
     def narrow(self, start: int, length: int) -> TokenFacts:
         """The facts of tokens ``start:start+length``."""
         runs = None if self.runs is None else narrowed_runs(self.runs, start, length)
-        return TokenFacts(*(t.narrow(1, start, length) for t in (self.positions, self.documents, self.valid)), runs)
+        return self.map(lambda t: t.narrow(1, start, length), runs)
 
 
 def merged_runs(runs: list[tuple[int, int]] | Runs) -> Runs:

@@ -6,9 +6,10 @@ and a key run sees all of its keys, the causal triangle, or nothing, and a slidi
 hides the pair. :func:`plan` turns that into the fewest kernel calls (as torch's context parallelism does under
 its load balance): the whole block as one causal call when queries and keys are the same runs in increasing order
 (a device's own block), one unmasked call over the rectangle of rows and columns that see everything when the rest
-sees nothing (another device's block), otherwise one call per pair, pairs that see nothing skipped. Anything else
-(runs not known, a window that cuts a pair, runs that overlap without lining up) is None: the block keeps the
-exact masked path. Only Python integers are read: no device tensor, so no host synchronisation.
+sees nothing (another device's block), otherwise one call per pair (runs cut where the other side's start or
+end, so that pairs line up), pairs that see nothing skipped. Anything else (runs not known, a window that cuts a
+pair) is None: the block keeps the exact masked path. Only Python integers are read: no device tensor, so no host
+synchronisation.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def plan(queries: Runs | None, keys: Runs | None, masking: Masking) -> Plan:
     if masking.causal and queries == keys and _increasing(queries) and _unbound(queries, keys, masking):
         length = sum(tokens for _, tokens in queries)
         return (Call(slice(0, length), slice(0, length), True),)
+    # Runs cut where the other side's runs start or end, so that pairs line up (a whole sequence's queries
+    # against one device's slice of keys).
+    queries, keys = _cut(queries, keys), _cut(keys, queries)
     kinds = {}
     for i, query_run in enumerate(queries):
         for j, key_run in enumerate(keys):
@@ -73,6 +77,16 @@ def _kind(query_run: tuple[int, int], key_run: tuple[int, int], masking: Masking
     if not masking.causal or b + n - 1 <= a:
         return FULL
     return TRIANGLE if (a, m) == (b, n) else None
+
+
+def _cut(runs: Runs, at: Runs) -> Runs:
+    """``runs`` cut at every position where a run of ``at`` starts or ends."""
+    cuts = sorted({first for first, _ in at} | {first + tokens for first, tokens in at})
+    pieces = []
+    for first, tokens in runs:
+        starts = [first, *(c for c in cuts if first < c < first + tokens), first + tokens]
+        pieces.extend((a, b - a) for a, b in zip(starts, starts[1:], strict=False))
+    return tuple(pieces)
 
 
 def _increasing(runs: Runs) -> bool:

@@ -113,10 +113,9 @@ class _Ring:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Round again: each block's gradients so far move on with it, and reach its owner after the last hop."""
         group, k, v = self.group, key, value
-        dk, dv = torch.zeros_like(key), torch.zeros_like(value)
-        for step in range(group.count):
-            if step:
-                k, v, dk, dv = _split_kv(group.shift(torch.cat([k, v, dk, dv])), key.shape[0])
+        dk, dv = gradients_of(k, v, self.facts[group.index])
+        for step in range(1, group.count):
+            k, v, dk, dv = _split_kv(group.shift(torch.cat([k, v, dk, dv])), key.shape[0])
             block_dk, block_dv = gradients_of(k, v, self.facts[(group.index - step) % group.count])
             dk, dv = dk + block_dk, dv + block_dv
         if group.count > 1:

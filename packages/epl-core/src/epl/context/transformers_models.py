@@ -221,7 +221,7 @@ def _my_facts(
     facts = TokenFacts.of(positions, documents, mask)
     c, index = run.group.count, run.group.index
     runs = local_runs(positions.shape[1], index, c) if _plain(positions, mask, packed=packed) else None
-    return TokenFacts(*(shard_sequence(t, 1, index, c) for t in (facts.positions, facts.documents, facts.valid)), runs)
+    return facts.map(lambda t: shard_sequence(t, 1, index, c), runs)
 
 
 def _plain(positions: torch.Tensor, mask: torch.Tensor | None, *, packed: bool) -> bool:
