@@ -82,7 +82,7 @@ def _kind(query_run: tuple[int, int], key_run: tuple[int, int], masking: Masking
 def _cut(runs: Runs, at: Runs) -> Runs:
     """``runs`` cut at every position where a run of ``at`` starts or ends."""
     cuts = sorted({first for first, _ in at} | {first + tokens for first, tokens in at})
-    pieces = []
+    pieces: list[tuple[int, int]] = []
     for first, tokens in runs:
         starts = [first, *(c for c in cuts if first < c < first + tokens), first + tokens]
         pieces.extend((a, b - a) for a, b in zip(starts, starts[1:], strict=False))
