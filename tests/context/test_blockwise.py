@@ -50,7 +50,9 @@ def test_the_plan_is_one_call_per_block_under_the_load_balance() -> None:
     assert plan(one, zero, Masking()) == (Call(whole, first, False),)  # chunks 1 and 2 see chunk 0 whole
     assert plan(zero, one, Masking(causal=False)) == (Call(whole, whole, False),)
     assert plan(zero, one, Masking(window=SEQUENCE)) == (Call(second, whole, False),)  # the window does not bind
-    assert plan(zero, one, Masking(window=3)) is None  # the window cuts a pair: the exact path
+    # A pair the window cuts is computed exactly, the others still fused: the choice is per pair.
+    assert plan(zero, one, Masking(window=3)) == (Call(second, whole, False, masked=True),)
+    assert plan(zero, zero, Masking(window=9)) == (Call(first, first, True), Call(second, second, True))
     # Runs that overlap without lining up are cut where the other side's start or end.
     assert plan(((0, 4),), ((2, 4),), Masking()) == (Call(slice(2, 4), slice(0, 2), True),)
     assert plan(((0, 8),), ((0, 4), (4, 4)), Masking()) == (
@@ -218,8 +220,8 @@ def test_packed_documents_keep_the_exact_path(kernel_calls: list[tuple[int, int,
     assert kernel_calls == []
 
 
-@pytest.mark.parametrize(("window", "fused"), [(3, False), (SEQUENCE, True)])
-def test_a_window_that_cuts_a_block_keeps_the_exact_path(
+@pytest.mark.parametrize(("window", "fused"), [(3, False), (9, True), (SEQUENCE, True)])
+def test_a_window_that_cuts_a_pair_keeps_the_exact_path_for_that_pair(
     window: int, fused: bool, kernel_calls: list[tuple[int, int, bool]]
 ) -> None:
     check(torch.float64, "cpu", Masking(window=window), 1e-12, 2)

@@ -1,7 +1,8 @@
 """Context-parallel attention on 2 and 4 real processes (gloo), float64, in each mode (ring, all-gather, Ulysses),
 against attention over the whole sequence in one process: outputs and the gradients of queries, keys and values
 within 1e-12, for causal, right-padded and packed-document batches, a sliding window, bidirectional attention,
-and grouped-query attention; keys and values travel compact: the ring's and the all-gather's forward send
+and grouped-query attention (causal, bidirectional and windowed also with facts made on the host: the fused kernels,
+one call per block); keys and values travel compact: the ring's and the all-gather's forward send
 2(c-1)/c·b·s·h_kv·d elements."""
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ CASES = {
     # Facts made on the host (no position_ids, no padding): the fused kernels compute every block.
     "causal, fused": {"causal": True, "fused": True},
     "bidirectional, fused": {"causal": False, "fused": True},
+    "sliding window, fused": {"causal": True, "window": 5, "fused": True},  # pairs the window cuts: exact
 }
 
 

@@ -8,13 +8,13 @@ log-sum-exp of its scores; they merge as the online softmax does (Milakov & Gime
 queries, keys, values, output and log-sum-exp, never a score matrix. Keys and values stay compact: grouped-query
 attention's ``h_kv`` heads, never expanded here.
 
-A block whose mask is whole runs of tokens (:mod:`epl.context.pairs`, told on the host from the tokens' runs,
-without reading a device tensor) is computed by torch's fused kernels (:mod:`epl.context.kernels`), in as few calls
-as its mask allows (one for a device's own block: the causal triangle; one for another device's under the causal
-load balance), and differentiated by their backward kernels from the merged output and log-sum-exp, as torch's
-own context parallelism does; the plan is made once, in the forward, and kept for the backward. Any other block
-(padding, packed documents, a sliding window that cuts it, runs not known) is computed exactly by matrix products
-under the mask rebuilt from the tokens' facts.
+A block whose tokens' runs are known on the host is planned pair by pair (:mod:`epl.context.pairs`, without
+reading a device tensor) and computed by torch's fused kernels (:mod:`epl.context.kernels`), in as few calls as its
+mask allows (one for a device's own block: the causal triangle; one for another device's under the causal load
+balance), and differentiated by their backward kernels from the merged output and log-sum-exp, as torch's own
+context parallelism does; a pair that a sliding window cuts is computed exactly. The plan is made once, in the
+forward, and kept for the backward. A block whose runs are not known (padding, packed documents, facts made from
+tensors) is computed exactly by matrix products under the mask rebuilt from the tokens' facts.
 """
 
 from __future__ import annotations
@@ -145,14 +145,38 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) 
     return scores.masked_fill(~mask[:, None, None], float("-inf"))
 
 
-def fused_block(
-    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: tuple[pairs.Call, ...], scale: float, merge: Merge
-) -> None:
-    """Add one block to ``merge`` by the fused kernel, a call per :class:`~epl.context.pairs.Call`."""
-    for call in calls:
-        out, lse = kernels.forward(
-            query[:, :, call.rows], k[:, :, call.columns], v[:, :, call.columns], call.causal, scale
+#: The mask ``[b, rows, columns]`` of some rows and columns of a block.
+MaskOf = Callable[[slice, slice], torch.Tensor]
+
+
+def mask_of(queries: TokenFacts, keys: TokenFacts, masking: Masking) -> MaskOf:
+    """The mask of any rows and columns of the block of ``queries`` against ``keys``."""
+
+    def mask(rows: slice, columns: slice) -> torch.Tensor:
+        return masking.between(
+            queries.narrow(rows.start, rows.stop - rows.start), keys.narrow(columns.start, columns.stop - columns.start)
         )
+
+    return mask
+
+
+def planned_block(
+    query: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    calls: tuple[pairs.Call, ...],
+    scale: float,
+    merge: Merge,
+    mask: MaskOf,
+) -> None:
+    """Add one block to ``merge``, a fused-kernel call per :class:`~epl.context.pairs.Call` (a masked one by
+    matrix products)."""
+    for call in calls:
+        rows, columns = query[:, :, call.rows], (k[:, :, call.columns], v[:, :, call.columns])
+        if call.masked:
+            out, lse = exact_block(rows, *columns, mask(call.rows, call.columns), scale)
+        else:
+            out, lse = kernels.forward(rows, *columns, call.causal, scale)
         merge.add(call.rows, out, lse)
 
 
@@ -180,19 +204,23 @@ class Gradients:
         """The queries' gradient over every block added, in their dtype."""
         return torch.zeros_like(self.query) if self.dq is None else self.dq.to(self.query.dtype)
 
-    def fused(
-        self, k: torch.Tensor, v: torch.Tensor, calls: tuple[pairs.Call, ...]
+    def planned(
+        self, k: torch.Tensor, v: torch.Tensor, calls: tuple[pairs.Call, ...], mask: MaskOf
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The gradients of block ``k``, ``v`` by the fused kernel's backward, a call per ``calls``."""
+        """The gradients of block ``k``, ``v`` by the fused kernel's backward, a call per ``calls`` (a masked one
+        by matrix products)."""
         dk: torch.Tensor | None = None
         dv: torch.Tensor | None = None
         for call in calls:
             rows, columns = call.rows, call.columns
-            gq, gk, gv = kernels.backward(
-                self.dout[:, :, rows], self.query[:, :, rows], k[:, :, columns], v[:, :, columns],
-                self.output[:, :, rows], self.lse[:, :, rows].contiguous(), call.causal, self.scale,
-            )  # fmt: skip
-            self._add_dq(rows, gq)
+            if call.masked:
+                gk, gv = self.exact(k[:, :, columns], v[:, :, columns], mask(rows, columns), rows)
+            else:
+                gq, gk, gv = kernels.backward(
+                    self.dout[:, :, rows], self.query[:, :, rows], k[:, :, columns], v[:, :, columns],
+                    self.output[:, :, rows], self.lse[:, :, rows].contiguous(), call.causal, self.scale,
+                )  # fmt: skip
+                self._add_dq(rows, gq)
             if len(calls) == 1 and columns == slice(0, k.shape[2]):
                 dk, dv = gk, gv
                 continue
@@ -218,10 +246,13 @@ class Gradients:
             self._grouped[kv_heads] = (q, dout, delta, torch.where(empty, torch.zeros_like(lse), lse), empty)
         return self._grouped[kv_heads]
 
-    def exact(self, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The gradients of block ``k``, ``v`` by matrix products under ``mask`` (and its share of the
-        queries', kept)."""
-        q, dout, delta, lse, empty = self.grouped_inputs(k.shape[1])
+    def exact(
+        self, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, rows: slice | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gradients of block ``k``, ``v`` by matrix products under ``mask`` (and its share of the gradient
+        of the queries' ``rows``, all by default, kept)."""
+        rows = slice(0, self.query.shape[2]) if rows is None else rows
+        q, dout, delta, lse, empty = (t[:, :, :, rows] for t in self.grouped_inputs(k.shape[1]))
         given = k.dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
         probabilities = torch.exp(_scores(q, k, mask, self.scale) - lse[..., None])
@@ -229,7 +260,7 @@ class Gradients:
         dv = torch.einsum("bkgqs,bkgqd->bksd", probabilities, dout)
         dscores = probabilities * (torch.einsum("bkgqd,bksd->bkgqs", dout, v) - delta[..., None])
         dq = torch.einsum("bkgqs,bksd->bkgqd", dscores, k) * self.scale
-        self._add_dq(slice(0, self.query.shape[2]), dq.reshape(self.query.shape))
+        self._add_dq(rows, dq.flatten(1, 2))
         return (torch.einsum("bkgqs,bkgqd->bksd", dscores, q) * self.scale).to(given), dv.to(given)
 
 
@@ -252,7 +283,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             if calls is None:
                 merge.add(slice(0, query.shape[2]), *exact_block(query, k, v, masking.between(queries, keys), scale))
             else:
-                fused_block(query, k, v, calls, scale, merge)
+                planned_block(query, k, v, calls, scale, merge, mask_of(queries, keys, masking))
         output, lse = merge.result(query.dtype)
         ctx.save_for_backward(query, key, value, output, lse)
         ctx.queries, ctx.blocks, ctx.masking, ctx.scale, ctx.plans = queries, blocks, masking, scale, plans
@@ -267,7 +298,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             calls = ctx.plans.of(keys)
             if calls is None:
                 return gradients.exact(k, v, ctx.masking.between(ctx.queries, keys))
-            return gradients.fused(k, v, calls)
+            return gradients.planned(k, v, calls, mask_of(ctx.queries, keys, ctx.masking))
 
         dk, dv = ctx.blocks.backward(key, value, gradients_of)
         return gradients.query_gradient(), dk, dv, None, None, None, None

@@ -2,14 +2,14 @@
 
 A block is a device's queries against one block of keys. When both sides' facts carry their ``runs`` (positions
 in consecutive runs, one document, no padding: :class:`~epl.context.masks.TokenFacts`), each pair of a query run
-and a key run sees all of its keys, the causal triangle, or nothing, and a sliding window either does not bind or
-hides the pair. :func:`plan` turns that into the fewest kernel calls (as torch's context parallelism does under
+and a key run sees all of its keys, the causal triangle, or nothing, unless a sliding window cuts it.
+:func:`plan` turns that into the fewest kernel calls (as torch's context parallelism does under
 its load balance): the whole block as one causal call when queries and keys are the same runs in increasing order
 (a device's own block), one unmasked call over the rectangle of rows and columns that see everything when the rest
 sees nothing (another device's block), otherwise one call per pair (runs cut where the other side's start or
-end, so that pairs line up), pairs that see nothing skipped. Anything else (runs not known, a window that cuts a
-pair) is None: the block keeps the exact masked path. Only Python integers are read: no device tensor, so no host
-synchronisation.
+end, so that pairs line up), pairs that see nothing skipped, and a pair a window cuts computed exactly under its
+mask (``masked``): the choice is made per pair. Runs not known give None: the whole block keeps the exact masked
+path. Only Python integers are read: no device tensor, so no host synchronisation.
 """
 
 from __future__ import annotations
@@ -18,20 +18,22 @@ from dataclasses import dataclass
 
 from epl.context.masks import Masking, Runs
 
-#: A pair that sees all its keys, the causal triangle, or nothing.
-FULL, TRIANGLE, NOTHING = "full", "triangle", "nothing"
+#: A pair that sees all its keys, the causal triangle, nothing, or what a mask no fused call gives lets it see.
+FULL, TRIANGLE, NOTHING, MASKED = "full", "triangle", "nothing", "masked"
 
 
 @dataclass(frozen=True)
 class Call:
-    """One fused-kernel call: query ``rows`` against key ``columns`` (slices of the block), causal or not."""
+    """One fused-kernel call: query ``rows`` against key ``columns`` (slices of the block), causal or not; or,
+    ``masked``, those rows and columns computed exactly under their mask."""
 
     rows: slice
     columns: slice
     causal: bool
+    masked: bool = False
 
 
-#: The calls that compute one block (empty: it sees nothing), or None: the exact path.
+#: The calls that compute one block (empty: it sees nothing), or None: the exact path for all of it.
 Plan = tuple[Call, ...] | None
 
 
@@ -45,13 +47,7 @@ def plan(queries: Runs | None, keys: Runs | None, masking: Masking) -> Plan:
     # Runs cut where the other side's runs start or end, so that pairs line up (a whole sequence's queries
     # against one device's slice of keys).
     queries, keys = _cut(queries, keys), _cut(keys, queries)
-    kinds = {}
-    for i, query_run in enumerate(queries):
-        for j, key_run in enumerate(keys):
-            kind = _kind(query_run, key_run, masking)
-            if kind is None:
-                return None
-            kinds[i, j] = kind
+    kinds = {(i, j): _kind(q, k, masking) for i, q in enumerate(queries) for j, k in enumerate(keys)}
     row_slices, column_slices = _slices(queries), _slices(keys)
     seen = [pair for pair, kind in kinds.items() if kind != NOTHING]
     rows = sorted({i for i, _ in seen})
@@ -61,11 +57,11 @@ def plan(queries: Runs | None, keys: Runs | None, masking: Masking) -> Plan:
         first_row, last_row = row_slices[rows[0]], row_slices[rows[-1]]
         first_column, last_column = column_slices[columns[0]], column_slices[columns[-1]]
         return (Call(slice(first_row.start, last_row.stop), slice(first_column.start, last_column.stop), False),)
-    return tuple(Call(row_slices[i], column_slices[j], kinds[i, j] == TRIANGLE) for i, j in seen)
+    return tuple(Call(row_slices[i], column_slices[j], kinds[i, j] == TRIANGLE, kinds[i, j] == MASKED) for i, j in seen)
 
 
-def _kind(query_run: tuple[int, int], key_run: tuple[int, int], masking: Masking) -> str | None:
-    """What a run of queries sees of a run of keys (None: a mask no single fused call gives)."""
+def _kind(query_run: tuple[int, int], key_run: tuple[int, int], masking: Masking) -> str:
+    """What a run of queries sees of a run of keys."""
     (a, m), (b, n) = query_run, key_run
     if masking.causal and b > a + m - 1:
         return NOTHING
@@ -73,10 +69,10 @@ def _kind(query_run: tuple[int, int], key_run: tuple[int, int], masking: Masking
     if window is not None and a - (b + n - 1) >= window:
         return NOTHING  # every key is past the window
     if window is not None and a + m - 1 - b >= window:
-        return None  # the window cuts the pair
+        return MASKED  # the window cuts the pair
     if not masking.causal or b + n - 1 <= a:
         return FULL
-    return TRIANGLE if (a, m) == (b, n) else None
+    return TRIANGLE if (a, m) == (b, n) else MASKED  # (cut runs line up: not reached)
 
 
 def _cut(runs: Runs, at: Runs) -> Runs:
