@@ -260,3 +260,20 @@ def test_the_fused_path_equals_attention_over_the_whole_sequence_on_cuda(
     check(dtype, "cuda", Masking(), tolerance, 2, dim=head_size)
     check(dtype, "cuda", Masking(causal=False), tolerance, 4, dim=head_size)
     assert kernel_calls
+
+
+@pytest.mark.parametrize(("dtype", "flash"), [(torch.bfloat16, True), (torch.float32, False)])
+def test_the_cuda_calls_fit_the_kernels_schemas_on_the_meta_device(
+    dtype: torch.dtype, flash: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a GPU: the CUDA path's arguments fit the ops (their meta kernels check them), grouped-query
+    attention's ``h_kv`` heads in and out, on a slice of the rows and columns."""
+    monkeypatch.setattr(kernels, "_ampere", lambda device: True)
+    q, dout = (torch.empty(2, 8, 64, 128, device="meta", dtype=dtype) for _ in range(2))
+    k, v = (torch.empty(2, 2, 64, 128, device="meta", dtype=dtype) for _ in range(2))
+    assert kernels._flash(q) == flash
+    rows = slice(32, 64)
+    out, lse, state = kernels.forward(q[:, :, rows], k, v, False, 0.1)
+    assert out.shape == (2, 8, 32, 128) and lse.shape == (2, 8, 32) and len(state) == 2
+    dq, dk, dv = kernels.backward(dout[:, :, rows], q[:, :, rows], k, v, out, lse, False, 0.1, state)
+    assert dq.shape == (2, 8, 32, 128) and dk.shape == dv.shape == (2, 2, 64, 128)

@@ -82,6 +82,8 @@ class Plans:
     def __init__(self, queries: TokenFacts, masking: Masking, fused: bool) -> None:
         self.queries, self.masking, self.fused = queries.runs, masking, fused
         self.made: dict[Runs, pairs.Plan] = {}
+        #: What each call's forward kernel handed its backward, by the block's runs (a state per call).
+        self.states: dict[Runs, list[kernels.State]] = {}
 
     def of(self, keys: TokenFacts) -> pairs.Plan:
         """The fused-kernel calls for a block of keys with these facts; None: the exact path."""
@@ -168,16 +170,20 @@ def planned_block(
     scale: float,
     merge: Merge,
     mask: MaskOf,
-) -> None:
+) -> list[kernels.State]:
     """Add one block to ``merge``, a fused-kernel call per :class:`~epl.context.pairs.Call` (a masked one by
-    matrix products)."""
+    matrix products); returns what each call's kernel hands its backward."""
+    states: list[kernels.State] = []
     for call in calls:
         rows, columns = query[:, :, call.rows], (k[:, :, call.columns], v[:, :, call.columns])
+        state: kernels.State = ()
         if call.masked:
             out, lse = exact_block(rows, *columns, mask(call.rows, call.columns), scale)
         else:
-            out, lse = kernels.forward(rows, *columns, call.causal, scale)
+            out, lse, state = kernels.forward(rows, *columns, call.causal, scale)
         merge.add(call.rows, out, lse)
+        states.append(state)
+    return states
 
 
 class Gradients:
@@ -205,13 +211,18 @@ class Gradients:
         return torch.zeros_like(self.query) if self.dq is None else self.dq.to(self.query.dtype)
 
     def planned(
-        self, k: torch.Tensor, v: torch.Tensor, calls: tuple[pairs.Call, ...], mask: MaskOf
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        calls: tuple[pairs.Call, ...],
+        mask: MaskOf,
+        states: list[kernels.State],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The gradients of block ``k``, ``v`` by the fused kernel's backward, a call per ``calls`` (a masked one
-        by matrix products)."""
+        by matrix products), given what each call's forward kernel handed on."""
         dk: torch.Tensor | None = None
         dv: torch.Tensor | None = None
-        for call in calls:
+        for call, state in zip(calls, states or [()] * len(calls), strict=True):
             rows, columns = call.rows, call.columns
             if call.masked:
                 gk, gv = self.exact(k[:, :, columns], v[:, :, columns], mask(rows, columns), rows)
@@ -219,6 +230,7 @@ class Gradients:
                 gq, gk, gv = kernels.backward(
                     self.dout[:, :, rows], self.query[:, :, rows], k[:, :, columns], v[:, :, columns],
                     self.output[:, :, rows], self.lse[:, :, rows].contiguous(), call.causal, self.scale,
+                    state,
                 )  # fmt: skip
                 self._add_dq(rows, gq)
             if len(calls) == 1 and columns == slice(0, k.shape[2]):
@@ -283,7 +295,9 @@ class _BlockwiseAttention(torch.autograd.Function):
             if calls is None:
                 merge.add(slice(0, query.shape[2]), *exact_block(query, k, v, masking.between(queries, keys), scale))
             else:
-                planned_block(query, k, v, calls, scale, merge, mask_of(queries, keys, masking))
+                states = planned_block(query, k, v, calls, scale, merge, mask_of(queries, keys, masking))
+                if keys.runs is not None:  # (always, with a plan)
+                    plans.states[keys.runs] = states
         output, lse = merge.result(query.dtype)
         ctx.save_for_backward(query, key, value, output, lse)
         ctx.queries, ctx.blocks, ctx.masking, ctx.scale, ctx.plans = queries, blocks, masking, scale, plans
@@ -298,7 +312,8 @@ class _BlockwiseAttention(torch.autograd.Function):
             calls = ctx.plans.of(keys)
             if calls is None:
                 return gradients.exact(k, v, ctx.masking.between(ctx.queries, keys))
-            return gradients.planned(k, v, calls, mask_of(ctx.queries, keys, ctx.masking))
+            states = ctx.plans.states.get(keys.runs, [])
+            return gradients.planned(k, v, calls, mask_of(ctx.queries, keys, ctx.masking), states)
 
         dk, dv = ctx.blocks.backward(key, value, gradients_of)
         return gradients.query_gradient(), dk, dv, None, None, None, None

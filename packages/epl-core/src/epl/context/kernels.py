@@ -33,22 +33,29 @@ def supported(query: torch.Tensor) -> bool:
     return query.dtype in DTYPES.get(query.device.type, ())
 
 
+#: What a kernel's forward hands its backward beside the output and log-sum-exp (its random state: unused
+#: without dropout, passed back as torch's own autograd does).
+State = tuple[torch.Tensor, ...]
+
+
 def forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(output, log-sum-exp)`` of ``query`` over ``key``/``value`` (``h_kv`` heads), causal (aligned at the
-    first token) or not."""
+) -> tuple[torch.Tensor, torch.Tensor, State]:
+    """``(output, log-sum-exp, state for the backward)`` of ``query`` over ``key``/``value`` (``h_kv`` heads),
+    causal (aligned at the first token) or not."""
     if query.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, scale=scale)
-        return out, lse
+        return out, lse, ()
     if _flash(query):
-        out, lse, *_ = aten._scaled_dot_product_flash_attention(query, key, value, 0.0, causal, False, scale=scale)
-        return out, lse
+        out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+            query, key, value, 0.0, causal, False, scale=scale
+        )
+        return out, lse, (seed, offset)
     heads = query.shape[1]
-    out, lse, _, _ = aten._scaled_dot_product_efficient_attention(
+    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
         query, _expanded(key, heads), _expanded(value, heads), None, True, 0.0, causal, scale=scale
     )
-    return out, lse[..., : query.shape[2]]
+    return out, lse[..., : query.shape[2]], (seed, offset)
 
 
 def backward(
@@ -60,22 +67,24 @@ def backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    state: State = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of ``query``, ``key`` and ``value`` (``h_kv`` heads) from the merged ``out`` and ``lse``."""
+    """The gradients of ``query``, ``key`` and ``value`` (``h_kv`` heads) from the merged ``out`` and ``lse``;
+    ``state``: what :func:`forward` returned for this call."""
     if query.device.type == "cpu":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, query, key, value, out, lse, 0.0, causal, scale=scale
         )
         return dq, dk, dv
+    seed, offset = state or (torch.zeros((), dtype=torch.int64),) * 2
     if _flash(query):
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # a sum's gradient is expanded: no stride
-        unused = torch.empty((), dtype=torch.int64)  # the random state: no dropout, never read
         t, s = query.shape[2], key.shape[2]
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            dout, query, key, value, out, lse.contiguous(), None, None, t, s, 0.0, causal, unused, unused, scale=scale
+            dout, query, key, value, out, lse.contiguous(), None, None, t, s, 0.0, causal, seed, offset, scale=scale
         )
         return dq, dk, dv
-    return _efficient_backward(dout, query, key, value, out, lse, causal, scale)
+    return _efficient_backward(dout, query, key, value, out, lse, causal, scale, seed, offset)
 
 
 def _efficient_backward(
@@ -87,9 +96,10 @@ def _efficient_backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     heads, kv_heads = query.shape[1], key.shape[1]
-    seed = torch.zeros((), dtype=torch.int64)  # the kernel reads its (unused: no dropout) philox state on the host
     # The kernel takes its tensors laid out as its forward made them: [b, t, h, d] in memory ...
     dout, query, key, value, out = (
         x.transpose(1, 2).contiguous().transpose(1, 2)
@@ -99,7 +109,7 @@ def _efficient_backward(
     padded = lse.new_zeros((*lse.shape[:-1], -(-lse.shape[-1] // 32) * 32), dtype=torch.float32)
     padded[..., : lse.shape[-1]] = lse
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        dout, query, key, value, None, out, padded, seed, seed, 0.0, [True, True, True, False], causal, scale=scale
+        dout, query, key, value, None, out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale
     )
     if heads != kv_heads:  # each key/value head's gradient sums over the query heads that share it
         dk, dv = (x.unflatten(1, (kv_heads, heads // kv_heads)).sum(2) for x in (dk, dv))
