@@ -277,3 +277,17 @@ def test_the_cuda_calls_fit_the_kernels_schemas_on_the_meta_device(
     assert out.shape == (2, 8, 32, 128) and lse.shape == (2, 8, 32) and len(state) == 2
     dq, dk, dv = kernels.backward(dout[:, :, rows], q[:, :, rows], k, v, out, lse, False, 0.1, state)
     assert dq.shape == (2, 8, 32, 128) and dk.shape == dv.shape == (2, 2, 64, 128)
+
+
+def test_a_models_batch_is_plain_without_position_ids_or_padding() -> None:
+    """The runs a model's batch carries: known without reading a tensor when neither ``position_ids`` nor an
+    ``attention_mask`` is given, else read once per forward."""
+    from epl.context.transformers_models import _plain
+
+    positions = torch.arange(SEQUENCE).expand(BATCH, -1)
+    packed = torch.cat([torch.arange(5), torch.arange(11)]).expand(BATCH, -1)
+    padded = torch.ones(BATCH, SEQUENCE, dtype=torch.long)
+    padded[1, 12:] = 0
+    assert _plain(positions, None, packed=False)
+    assert _plain(positions, None, packed=True) and not _plain(packed, None, packed=True)
+    assert _plain(positions, torch.ones_like(padded), packed=False) and not _plain(positions, padded, packed=False)
