@@ -255,8 +255,8 @@ def test_no_device_tensor_is_read_on_the_host(monkeypatch: pytest.MonkeyPatch) -
 def test_the_fused_path_equals_attention_over_the_whole_sequence_on_cuda(
     dtype: torch.dtype, tolerance: float, head_size: int, kernel_calls: list[tuple[int, int, bool]]
 ) -> None:
-    """Head size 8 in float32 and bfloat16: the memory-efficient kernel (keys expanded for it); 128 in bfloat16:
-    FlashAttention 2 (grouped-query attention as it is)."""
+    """float32: the memory-efficient kernel (keys and values expanded for it); bfloat16: FlashAttention 2
+    (grouped-query attention as it is); head sizes 8 and 128."""
     check(dtype, "cuda", Masking(), tolerance, 2, dim=head_size)
     check(dtype, "cuda", Masking(causal=False), tolerance, 4, dim=head_size)
     assert kernel_calls
