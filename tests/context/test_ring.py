@@ -1,7 +1,8 @@
 """Context-parallel attention on 2 and 4 real processes (gloo), float64, in each mode (ring, all-gather, Ulysses),
 against attention over the whole sequence in one process: outputs and the gradients of queries, keys and values
 within 1e-12, for causal, right-padded and packed-document batches, a sliding window, bidirectional attention,
-and grouped-query attention; keys and values travel compact: the ring's and the all-gather's forward send
+and grouped-query attention (causal, bidirectional and windowed also with facts made on the host: the fused kernels,
+one call per block); keys and values travel compact: the ring's and the all-gather's forward send
 2(c-1)/c·b·s·h_kv·d elements."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from epl.context.chunks import local_positions, shard_sequence
+from epl.context.chunks import local_facts, local_positions, shard_sequence
 from epl.context.masks import TokenFacts, allowed, documents_from_positions
 from tests.helpers.distributed import run_ranks
 
@@ -25,6 +26,10 @@ CASES = {
     "packed documents": {"causal": True, "packed": True},
     "sliding window": {"causal": True, "window": 3},
     "bidirectional": {"causal": False, "padded": True},
+    # Facts made on the host (no position_ids, no padding): the fused kernels compute every block.
+    "causal, fused": {"causal": True, "fused": True},
+    "bidirectional, fused": {"causal": False, "fused": True},
+    "sliding window, fused": {"causal": True, "window": 5, "fused": True},  # pairs the window cuts: exact
 }
 
 
@@ -67,12 +72,21 @@ def whole_attention(case: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def ring_rank(names: list[str]) -> dict[str, Any]:
+    from epl.context import kernels
     from epl.context.allgather import allgather_attention
     from epl.context.ring import ContextGroup, Masking, ring_attention
     from epl.context.ulysses import ulysses_attention
     from epl.interfaces.cluster import Cluster
     from epl_comm.torch_communicator import TorchCommunicator
 
+    fused_calls: list[bool] = []
+    forward = kernels.forward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        fused_calls.append(True)
+        return forward(*args, **kwargs)
+
+    kernels.forward = counted  # type: ignore[assignment]  # this rank's own process
     cluster = Cluster.from_environ()
     group = ContextGroup(TorchCommunicator.join(cluster, timeout=60))
     attention = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
@@ -84,13 +98,16 @@ def ring_rank(names: list[str]) -> dict[str, Any]:
         facts = facts_of(data)
         local = TokenFacts(*(shard_sequence(t, 1, group.index, group.count) for t in
                              (facts.positions, facts.documents, facts.valid)))  # fmt: skip
+        if case.get("fused"):
+            local = local_facts(BATCH, SEQUENCE, group.index, group.count)
         q, k, v = (mine[n].clone().requires_grad_() for n in ("q", "k", "v"))
         group.collectives.clear()
+        calls = len(fused_calls)
         out = attention[mode](q, k, v, local, group, masking=Masking(case["causal"], case.get("window")))
         forward_sent = group.collectives["send_elements"]
         out.backward(mine["grad"])
         results[mode, name] = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-                               "forward_sent": forward_sent}  # fmt: skip
+                               "forward_sent": forward_sent, "fused_calls": len(fused_calls) - calls}  # fmt: skip
     return results
 
 
@@ -111,6 +128,19 @@ def test_context_attention_equals_attention_over_the_whole_sequence(
         got = result[mode, name]
         for key, dim in (("out", 2), ("dq", 2), ("dk", 2), ("dv", 2)):
             torch.testing.assert_close(got[key], shard_sequence(expected[key], dim, index, count), rtol=0, atol=1e-12)
+
+
+@pytest.mark.timeout(300)
+def test_facts_made_on_the_host_go_to_the_fused_kernels(ranks: tuple[int, list[dict[str, Any]]]) -> None:
+    """One call per block under the load balance (a device's own block: the triangle), none for the masks the
+    kernels do not take (padding, packed documents, a window that cuts a block)."""
+    count, results = ranks
+    for result in results:
+        for mode in ("ring", "allgather"):
+            assert result[mode, "causal, fused"]["fused_calls"] == count
+            assert result[mode, "bidirectional, fused"]["fused_calls"] == count
+            for name in ("right-padded", "packed documents", "sliding window", "bidirectional"):
+                assert result[mode, name]["fused_calls"] == 0
 
 
 @pytest.mark.timeout(300)

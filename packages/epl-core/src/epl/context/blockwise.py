@@ -1,19 +1,20 @@
-"""Exact attention a block of keys at a time: the online softmax forward, FlashAttention's backward.
+"""Exact attention a block of keys at a time: partial results merged by log-sum-exp, FlashAttention's backward.
 
 The queries stay on their device; the keys and values come in blocks from a :class:`KeyBlocks`, which also says
 where each block's gradients go: round a ring (:mod:`epl.context.ring`), reduce-scattered to their owners
-(:mod:`epl.context.allgather`), or kept (:mod:`epl.context.ulysses`). Partial results merge by the online
-softmax (Milakov & Gimelshein 2018) in the input's dtype: float64 stays float64. A device saves for backward only
-its queries, keys, values, output and log-sum-exp, never a score matrix (each block's scores are made, used and
-freed, in the forward and again in the backward). Keys and values stay compact: grouped-query attention's
-``h_kv`` heads, not expanded to the query heads. Masks are rebuilt per block from the tokens' facts.
+(:mod:`epl.context.allgather`), or kept (:mod:`epl.context.ulysses`). Each block gives an output and the
+log-sum-exp of its scores; they merge as the online softmax does (Milakov & Gimelshein 2018), in float32 for
+16-bit inputs and in the input's dtype otherwise (float64 stays float64). A device saves for backward only its
+queries, keys, values, output and log-sum-exp, never a score matrix. Keys and values stay compact: grouped-query
+attention's ``h_kv`` heads, never expanded here.
 
-A block whose mask is made of whole chunks (one document, no padding, each chunk's positions consecutive, no
-sliding window that binds: every pair of a query chunk and a key chunk then sees all, the causal triangle, or
-nothing) is computed by torch's fused kernels, which return the log-sum-exp the merge needs, and differentiated by
-their backward kernels from the merged output and log-sum-exp (as torch's own context parallelism does): flash
-attention for the CPU in float32 and float64, memory-efficient attention on CUDA. Any other block, and any other
-dtype or device, is computed by matrix products.
+A block whose tokens' runs are known on the host is planned pair by pair (:mod:`epl.context.pairs`, without
+reading a device tensor) and computed by torch's fused kernels (:mod:`epl.context.kernels`), in as few calls as its
+mask allows (one for a device's own block: the causal triangle; one for another device's under the causal load
+balance), and differentiated by their backward kernels from the merged output and log-sum-exp, as torch's own
+context parallelism does; a pair that a sliding window cuts is computed exactly. The plan is made once, in the
+forward, and kept for the backward. A block whose runs are not known (padding, packed documents, facts made from
+tensors) is computed exactly by matrix products under the mask rebuilt from the tokens' facts.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any, Protocol
 
 import torch
 
-from epl.context.masks import Masking, TokenFacts
+from epl.context import kernels, pairs
+from epl.context.masks import Masking, Runs, TokenFacts
 
 #: The gradients of one block of keys and values, given the block and its tokens' facts.
 BlockGradientsOf = Callable[[torch.Tensor, torch.Tensor, TokenFacts], tuple[torch.Tensor, torch.Tensor]]
@@ -68,100 +70,75 @@ def grouped(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return query.reshape(b, kv_heads, h // kv_heads, t, d)
 
 
-#: A pair of a query chunk and a key chunk for the fused kernel: (query rows, key rows, causal triangle or not).
-ChunkPair = tuple[slice, slice, bool]
-#: The dtypes each device's fused kernel is used for.
-_FUSED = {"cpu": (torch.float32, torch.float64), "cuda": (torch.float32, torch.float16, torch.bfloat16)}
+def merge_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial results merge in: float64 and float32 their own, 16-bit ones float32 (as torch's)."""
+    return dtype if dtype in (torch.float64, torch.float32) else torch.float32
 
 
-def fused_forward(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(output, log-sum-exp)`` of one chunk pair by the device's fused kernel (``[b, h, t, d]``, heads alike)."""
-    if query.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, scale=scale)
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        query, key, value, None, True, 0.0, causal, scale=scale
-    )
-    return out, lse[..., : query.shape[2]]
+class Plans:
+    """Each block's plan (:func:`epl.context.pairs.plan`), made on the host in the forward and kept for the
+    backward, by the block's runs."""
 
+    def __init__(self, queries: TokenFacts, masking: Masking, fused: bool) -> None:
+        self.queries, self.masking, self.fused = queries.runs, masking, fused
+        self.made: dict[Runs, pairs.Plan] = {}
+        #: What each call's forward kernel handed its backward, by the block's runs (a state per call).
+        self.states: dict[Runs, list[kernels.State]] = {}
 
-def fused_backward(
-    dout: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of one chunk pair's query, key and value by the device's fused backward kernel, from the
-    merged ``out`` and ``lse``."""
-    if query.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, query, key, value, out, lse, 0.0, causal, scale=scale
-        )
-    seed = torch.zeros((), dtype=torch.int64)  # the kernel reads its (unused: no dropout) philox state on the host
-    # The kernel takes its tensors laid out as its forward made them: [b, t, h, d] in memory.
-    dout, query, key, value, out = (
-        x.transpose(1, 2).contiguous().transpose(1, 2) for x in (dout, query, key, value, out)
-    )
-    # ... and its log-sum-exp padded to a multiple of 32 tokens, as its forward returns it.
-    padded = lse.new_zeros((*lse.shape[:-1], -(-lse.shape[-1] // 32) * 32), dtype=torch.float32)
-    padded[..., : lse.shape[-1]] = lse
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, query, key, value, None, out, padded, seed, seed, 0.0, [True, True, True, False], causal, scale=scale
-    )
-    return dq, dk, dv
-
-
-def chunk_pairs(queries: TokenFacts, keys: TokenFacts, masking: Masking, query: torch.Tensor) -> list[ChunkPair] | None:
-    """The pairs of chunks (two halves of the queries, two of the keys) the fused kernel computes for this block,
-    leaving out those that see nothing; None when the block's mask is not made of whole chunks or the kernel does
-    not apply (then it is computed by matrix products)."""
-    if query.dtype not in _FUSED.get(query.device.type, ()):
-        return None
-    t, s = queries.positions.shape[1], keys.positions.shape[1]
-    if t != s or t % 2:
-        return None
-    if not (bool(queries.valid.all()) and bool(keys.valid.all())):
-        return None
-    document = queries.documents[0, 0]
-    if not (bool((queries.documents == document).all()) and bool((keys.documents == document).all())):
-        return None
-    starts = []
-    half = t // 2
-    step = torch.arange(half, device=queries.positions.device)
-    for facts in (queries, keys):
-        positions = facts.positions
-        if not bool((positions == positions[:1]).all()):
+    def of(self, keys: TokenFacts) -> pairs.Plan:
+        """The fused-kernel calls for a block of keys with these facts; None: the exact path."""
+        if not self.fused or keys.runs is None:
             return None
-        row = positions[0]
-        for first in (0, half):
-            if not torch.equal(row[first : first + half], row[first] + step):
-                return None
-        starts.append((int(row[0]), int(row[half])))
-    reach = max(starts[0]) + half - min(starts[1])
-    if masking.window is not None and masking.window < reach:
-        return None
-    pairs = []
-    for qi, a in enumerate(starts[0]):
-        for kj, b in enumerate(starts[1]):
-            rows, columns = slice(qi * half, (qi + 1) * half), slice(kj * half, (kj + 1) * half)
-            if not masking.causal or b + half - 1 <= a:
-                pairs.append((rows, columns, False))
-            elif b == a:
-                pairs.append((rows, columns, True))
-            elif b <= a + half - 1:
-                return None  # chunks that overlap without lining up
-    return pairs
+        if keys.runs not in self.made:
+            self.made[keys.runs] = pairs.plan(self.queries, keys.runs, self.masking)
+        return self.made[keys.runs]
 
 
-def _expanded(tensor: torch.Tensor, heads: int) -> torch.Tensor:
-    """Keys or values ``[b, h_kv, s, d]`` repeated for the ``heads`` query heads (grouped-query attention)."""
-    groups = heads // tensor.shape[1]
-    return tensor if groups == 1 else tensor.repeat_interleave(groups, dim=1)
+class Merge:
+    """The output ``[b, h, t, d]`` and log-sum-exp ``[b, h, t]`` of queries over the blocks added so far."""
+
+    def __init__(self, query: torch.Tensor) -> None:
+        self.shape, self.dtype, self.device = query.shape, merge_dtype(query.dtype), query.device
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+
+    def add(self, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Take in one partial result of query ``rows`` (``lse`` ``-inf`` where a query saw nothing)."""
+        if self.out is None and rows == slice(0, self.shape[2]):
+            self.out, self.lse = out, lse  # the first result of every query: kept as it is
+            return
+        if self.out is None or self.lse is None:
+            self.out = torch.zeros(self.shape, dtype=self.dtype, device=out.device)
+            self.lse = torch.full(self.shape[:-1], float("-inf"), dtype=self.dtype, device=out.device)
+        self.out, self.lse = self.out.to(self.dtype), self.lse.to(self.dtype)
+        old_out, old_lse = self.out[:, :, rows], self.lse[:, :, rows]
+        lse = lse.to(self.dtype)
+        new_lse = torch.logaddexp(old_lse, lse)
+        safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
+        old_weight, weight = torch.exp(old_lse - safe)[..., None], torch.exp(lse - safe)[..., None]
+        self.out[:, :, rows] = old_out * old_weight + out.to(self.dtype) * weight
+        self.lse[:, :, rows] = new_lse
+
+    def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output in ``dtype`` and the log-sum-exp (``-inf`` for a query that saw nothing, whose output is 0)."""
+        if self.out is None or self.lse is None:
+            out = torch.zeros(self.shape, dtype=dtype, device=self.device)
+            return out, torch.full(self.shape[:-1], float("-inf"), dtype=self.dtype, device=self.device)
+        return self.out.to(dtype), self.lse.to(self.dtype)
+
+
+def exact_block(
+    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(output, log-sum-exp)`` of ``query`` ``[b, h, t, d]`` over one block ``[b, h_kv, s, d]`` under ``mask``
+    ``[b, t, s]``, by matrix products in the merge's dtype."""
+    dtype = merge_dtype(query.dtype)
+    q = grouped(query, k.shape[1]).to(dtype)
+    scores = _scores(q, k.to(dtype), mask, scale)
+    lse = torch.logsumexp(scores, -1)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    out = torch.einsum("bkgqs,bksd->bkgqd", torch.exp(scores - safe[..., None]), v.to(dtype))
+    return out.reshape(query.shape), lse.reshape(query.shape[:-1])
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -170,117 +147,133 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) 
     return scores.masked_fill(~mask[:, None, None], float("-inf"))
 
 
-class OnlineSoftmax:
-    """Attention of queries ``q`` ``[b, h_kv, g, t, d]`` over blocks of keys added one by one: the running max, sum
-    of exponentials and unnormalised output, in the input's dtype."""
-
-    def __init__(self, q: torch.Tensor) -> None:
-        # float64 and float32 merge in their own dtype; 16-bit inputs in float32, as torch's merge does.
-        dtype = q.dtype if q.dtype in (torch.float64, torch.float32) else torch.float32
-        self.running_max = q.new_full(q.shape[:-1], float("-inf"), dtype=dtype)
-        self.running_sum = q.new_zeros(q.shape[:-1], dtype=dtype)
-        self.output = torch.zeros_like(q, dtype=dtype)
-
-    def add(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> None:
-        """Take in one block of keys and values (``[b, h_kv, s, d]``) under ``mask`` ``[b, t, s]``."""
-        scores = _scores(q, k, mask, scale)
-        new_max = torch.maximum(self.running_max, scores.amax(-1))
-        safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-        weights = torch.exp(scores - safe[..., None])
-        rescale = torch.exp(self.running_max - safe)
-        self.running_sum = self.running_sum * rescale + weights.sum(-1)
-        self.output = self.output * rescale[..., None] + torch.einsum("bkgqs,bksd->bkgqd", weights, v.to(weights.dtype))
-        self.running_max = new_max
-
-    def add_fused(
-        self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pairs: list[ChunkPair], scale: float
-    ) -> None:
-        """Take in one block by the fused kernel, chunk pair by chunk pair (``query`` ``[b, h, t, d]``)."""
-        heads = query.shape[1]
-        key, value = _expanded(k, heads), _expanded(v, heads)
-        for rows, columns, causal in pairs:
-            out, lse = fused_forward(
-                query[:, :, rows].contiguous(),
-                key[:, :, columns].contiguous(),
-                value[:, :, columns].contiguous(),
-                causal,
-                scale,
-            )
-            out = grouped(out, k.shape[1]).to(self.output.dtype)
-            lse = grouped(lse[..., None], k.shape[1])[..., 0].to(self.running_max.dtype)
-            old_max = self.running_max[..., rows]
-            new_max = torch.maximum(old_max, lse)
-            safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-            rescale, weight = torch.exp(old_max - safe), torch.exp(lse - safe)
-            self.running_sum[..., rows] = self.running_sum[..., rows] * rescale + weight
-            self.output[..., rows, :] = self.output[..., rows, :] * rescale[..., None] + out * weight[..., None]
-            self.running_max[..., rows] = new_max
-
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention output and the log-sum-exp of each query's scores (``-inf`` for one that attends to
-        nothing, whose output is 0, as a masked row)."""
-        empty = self.running_sum == 0
-        output = self.output / torch.where(empty, torch.ones_like(self.running_sum), self.running_sum)[..., None]
-        finite = self.running_max + self.running_sum.log()
-        lse = torch.where(empty, torch.full_like(self.running_sum, float("-inf")), finite)
-        return output, lse
+#: The mask ``[b, rows, columns]`` of some rows and columns of a block.
+MaskOf = Callable[[slice, slice], torch.Tensor]
 
 
-class BlockGradients:
-    """The backward pass of :class:`OnlineSoftmax`, block by block, from the final output and log-sum-exp (as
-    FlashAttention's): accumulates the queries' gradient, returns each block's keys' and values' gradients."""
+def mask_of(queries: TokenFacts, keys: TokenFacts, masking: Masking) -> MaskOf:
+    """The mask of any rows and columns of the block of ``queries`` against ``keys``."""
+
+    def mask(rows: slice, columns: slice) -> torch.Tensor:
+        return masking.between(
+            queries.narrow(rows.start, rows.stop - rows.start), keys.narrow(columns.start, columns.stop - columns.start)
+        )
+
+    return mask
+
+
+def planned_block(
+    query: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    calls: tuple[pairs.Call, ...],
+    scale: float,
+    merge: Merge,
+    mask: MaskOf,
+) -> list[kernels.State]:
+    """Add one block to ``merge``, a fused-kernel call per :class:`~epl.context.pairs.Call` (a masked one by
+    matrix products); returns what each call's kernel hands its backward."""
+    states: list[kernels.State] = []
+    for call in calls:
+        rows, columns = query[:, :, call.rows], (k[:, :, call.columns], v[:, :, call.columns])
+        state: kernels.State = ()
+        if call.masked:
+            out, lse = exact_block(rows, *columns, mask(call.rows, call.columns), scale)
+        else:
+            out, lse, state = kernels.forward(rows, *columns, call.causal, scale)
+        merge.add(call.rows, out, lse)
+        states.append(state)
+    return states
+
+
+class Gradients:
+    """The backward pass, block by block, from the final output and log-sum-exp (as FlashAttention's): accumulates
+    the queries' gradient, returns each block's keys' and values' gradients."""
 
     def __init__(
-        self, q: torch.Tensor, dout: torch.Tensor, output: torch.Tensor, lse: torch.Tensor, scale: float
+        self, query: torch.Tensor, dout: torch.Tensor, output: torch.Tensor, lse: torch.Tensor, scale: float
     ) -> None:
-        # Computed in the merge's dtype (float32 for 16-bit inputs); the fused kernels take the inputs' own.
-        self.given = (q, dout)
-        self.q, self.dout, self.scale = q.to(lse.dtype), dout.to(lse.dtype), scale
-        self.delta = (self.dout * output).sum(-1)  # D = rowsum(dO ∘ O)
-        self.empty = torch.isinf(lse)
-        self.lse = torch.where(self.empty, torch.zeros_like(lse), lse)
-        self.dq = torch.zeros_like(self.q)
+        self.query, self.dout, self.output, self.lse, self.scale = query, dout, output, lse, scale
+        self.dq: torch.Tensor | None = None
+        self._grouped: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def add(self, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The gradients of block ``k``, ``v`` (and its share of the queries', kept)."""
-        given = k.dtype
-        k, v = k.to(self.q.dtype), v.to(self.q.dtype)
-        probabilities = torch.exp(_scores(self.q, k, mask, self.scale) - self.lse[..., None])
-        probabilities = probabilities.masked_fill(self.empty[..., None], 0.0)
-        dv = torch.einsum("bkgqs,bkgqd->bksd", probabilities, self.dout)
-        dscores = probabilities * (torch.einsum("bkgqd,bksd->bkgqs", self.dout, v) - self.delta[..., None])
-        self.dq = self.dq + torch.einsum("bkgqs,bksd->bkgqd", dscores, k) * self.scale
-        return (torch.einsum("bkgqs,bkgqd->bksd", dscores, self.q) * self.scale).to(given), dv.to(given)
+    def _add_dq(self, rows: slice, dq: torch.Tensor) -> None:
+        if self.dq is None and rows == slice(0, self.query.shape[2]):
+            self.dq = dq
+            return
+        if self.dq is None:
+            self.dq = torch.zeros(self.query.shape, dtype=self.lse.dtype, device=dq.device)
+        self.dq = self.dq.to(self.lse.dtype)
+        self.dq[:, :, rows] += dq.to(self.dq.dtype)
 
-    def add_fused(
-        self, k: torch.Tensor, v: torch.Tensor, pairs: list[ChunkPair], output: torch.Tensor
+    def query_gradient(self) -> torch.Tensor:
+        """The queries' gradient over every block added, in their dtype."""
+        return torch.zeros_like(self.query) if self.dq is None else self.dq.to(self.query.dtype)
+
+    def planned(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        calls: tuple[pairs.Call, ...],
+        mask: MaskOf,
+        states: list[kernels.State],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The gradients of block ``k``, ``v`` by the fused kernel's backward, chunk pair by chunk pair, from the
-        merged ``output`` (grouped, as :meth:`OnlineSoftmax.result` gives it)."""
-        b, kv, g, t, d = self.q.shape
-        flat = (b, kv * g, t)
-        query, dout, out = (x.reshape(*flat, x.shape[-1]) for x in (*self.given, output))
-        lse = self.lse.reshape(flat)
-        key, value = _expanded(k, kv * g), _expanded(v, kv * g)
-        dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
-        for rows, columns, causal in pairs:
-            gq, gk, gv = fused_backward(
-                dout[:, :, rows].contiguous(),
-                query[:, :, rows].contiguous(),
-                key[:, :, columns].contiguous(),
-                value[:, :, columns].contiguous(),
-                out[:, :, rows].to(query.dtype).contiguous(),
-                lse[:, :, rows].contiguous(),
-                causal,
-                self.scale,
-            )
-            dq[:, :, rows] += gq
-            dk[:, :, columns] += gk
-            dv[:, :, columns] += gv
-        self.dq = self.dq + dq.reshape(self.q.shape).to(self.dq.dtype)
-        if g > 1:  # each key/value head's gradient sums over the query heads that share it
-            dk, dv = (x.reshape(b, kv, g, *x.shape[2:]).sum(2) for x in (dk, dv))
-        return dk, dv
+        """The gradients of block ``k``, ``v`` by the fused kernel's backward, a call per ``calls`` (a masked one
+        by matrix products), given what each call's forward kernel handed on."""
+        dk: torch.Tensor | None = None
+        dv: torch.Tensor | None = None
+        for call, state in zip(calls, states or [()] * len(calls), strict=True):
+            rows, columns = call.rows, call.columns
+            if call.masked:
+                gk, gv = self.exact(k[:, :, columns], v[:, :, columns], mask(rows, columns), rows)
+            else:
+                gq, gk, gv = kernels.backward(
+                    self.dout[:, :, rows], self.query[:, :, rows], k[:, :, columns], v[:, :, columns],
+                    self.output[:, :, rows], self.lse[:, :, rows].contiguous(), call.causal, self.scale,
+                    state,
+                )  # fmt: skip
+                self._add_dq(rows, gq)
+            if len(calls) == 1 and columns == slice(0, k.shape[2]):
+                dk, dv = gk, gv
+                continue
+            if dk is None or dv is None:
+                dk = torch.zeros(k.shape, dtype=self.lse.dtype, device=k.device)
+                dv = torch.zeros(v.shape, dtype=self.lse.dtype, device=v.device)
+            dk[:, :, columns] += gk.to(dk.dtype)
+            dv[:, :, columns] += gv.to(dv.dtype)
+        if dk is None or dv is None:
+            return torch.zeros_like(k), torch.zeros_like(v)
+        return dk.to(k.dtype), dv.to(v.dtype)
+
+    def grouped_inputs(self, kv_heads: int) -> tuple[torch.Tensor, ...]:
+        """Queries, output gradient and ``D = rowsum(dO ∘ O)`` grouped ``[b, h_kv, g, t, ...]`` in the merge's
+        dtype, the log-sum-exp with ``-inf`` (queries that saw nothing) made 0, and where it was (for
+        :meth:`exact`; made once)."""
+        if kv_heads not in self._grouped:
+            dtype = self.lse.dtype
+            q, dout = grouped(self.query.to(dtype), kv_heads), grouped(self.dout.to(dtype), kv_heads)
+            delta = (dout * grouped(self.output.to(dtype), kv_heads)).sum(-1)
+            lse = grouped(self.lse[..., None], kv_heads)[..., 0]
+            empty = torch.isinf(lse)
+            self._grouped[kv_heads] = (q, dout, delta, torch.where(empty, torch.zeros_like(lse), lse), empty)
+        return self._grouped[kv_heads]
+
+    def exact(
+        self, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, rows: slice | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gradients of block ``k``, ``v`` by matrix products under ``mask`` (and its share of the gradient
+        of the queries' ``rows``, all by default, kept)."""
+        rows = slice(0, self.query.shape[2]) if rows is None else rows
+        q, dout, delta, lse, empty = (t[:, :, :, rows] for t in self.grouped_inputs(k.shape[1]))
+        given = k.dtype
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        probabilities = torch.exp(_scores(q, k, mask, self.scale) - lse[..., None])
+        probabilities = probabilities.masked_fill(empty[..., None], 0.0)
+        dv = torch.einsum("bkgqs,bkgqd->bksd", probabilities, dout)
+        dscores = probabilities * (torch.einsum("bkgqd,bksd->bkgqs", dout, v) - delta[..., None])
+        dq = torch.einsum("bkgqs,bksd->bkgqd", dscores, k) * self.scale
+        self._add_dq(rows, dq.flatten(1, 2))
+        return (torch.einsum("bkgqs,bkgqd->bksd", dscores, q) * self.scale).to(given), dv.to(given)
 
 
 class _BlockwiseAttention(torch.autograd.Function):
@@ -295,33 +288,35 @@ class _BlockwiseAttention(torch.autograd.Function):
         masking: Masking,
         scale: float,
     ) -> torch.Tensor:
-        q = grouped(query, key.shape[1])
-        merge = OnlineSoftmax(q)
+        plans = Plans(queries, masking, kernels.supported(query))
+        merge = Merge(query)
         for k, v, keys in blocks.forward(key, value):
-            pairs = chunk_pairs(queries, keys, masking, query)
-            if pairs is None:
-                merge.add(q, k, v, masking.between(queries, keys), scale)
+            calls = plans.of(keys)
+            if calls is None:
+                merge.add(slice(0, query.shape[2]), *exact_block(query, k, v, masking.between(queries, keys), scale))
             else:
-                merge.add_fused(query, k, v, pairs, scale)
-        output, lse = merge.result()
+                states = planned_block(query, k, v, calls, scale, merge, mask_of(queries, keys, masking))
+                if keys.runs is not None:  # (always, with a plan)
+                    plans.states[keys.runs] = states
+        output, lse = merge.result(query.dtype)
         ctx.save_for_backward(query, key, value, output, lse)
-        ctx.queries, ctx.blocks, ctx.masking, ctx.scale = queries, blocks, masking, scale
-        return output.reshape(query.shape).to(query.dtype)
+        ctx.queries, ctx.blocks, ctx.masking, ctx.scale, ctx.plans = queries, blocks, masking, scale, plans
+        return output
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         query, key, value, output, lse = ctx.saved_tensors
-        q = grouped(query, key.shape[1])
-        gradients = BlockGradients(q, grouped(grad_output.contiguous(), key.shape[1]), output, lse, ctx.scale)
+        gradients = Gradients(query, grad_output, output, lse, ctx.scale)
 
         def gradients_of(k: torch.Tensor, v: torch.Tensor, keys: TokenFacts) -> tuple[torch.Tensor, torch.Tensor]:
-            pairs = chunk_pairs(ctx.queries, keys, ctx.masking, query)
-            if pairs is None:
-                return gradients.add(k, v, ctx.masking.between(ctx.queries, keys))
-            return gradients.add_fused(k, v, pairs, output)
+            calls = ctx.plans.of(keys)
+            if calls is None:
+                return gradients.exact(k, v, ctx.masking.between(ctx.queries, keys))
+            states = ctx.plans.states.get(keys.runs, [])
+            return gradients.planned(k, v, calls, mask_of(ctx.queries, keys, ctx.masking), states)
 
         dk, dv = ctx.blocks.backward(key, value, gradients_of)
-        return gradients.dq.reshape(query.shape).to(query.dtype), dk, dv, None, None, None, None
+        return gradients.query_gradient(), dk, dv, None, None, None, None
 
 
 @dataclass(eq=False)

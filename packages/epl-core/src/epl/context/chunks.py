@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from epl.context.masks import Runs, TokenFacts, merged_runs
 from epl.errors import AnnotationError
 
 
@@ -39,6 +40,20 @@ def local_positions(length: int, index: int, count: int, device: torch.device | 
         [torch.arange(first * chunk, (first + 1) * chunk, device=device),
          torch.arange(second * chunk, (second + 1) * chunk, device=device)]
     )  # fmt: skip
+
+
+def local_runs(length: int, index: int, count: int) -> Runs:
+    """The global positions device ``index`` holds, as runs ``(first, tokens)`` known on the host."""
+    chunk = check_length(length, count)
+    return merged_runs([(first * chunk, chunk) for first in chunks_of(index, count)])
+
+
+def local_facts(
+    batch: int, length: int, index: int, count: int, device: torch.device | str | None = None
+) -> TokenFacts:
+    """The facts of the tokens device ``index`` holds of ``batch`` sequences of ``length`` tokens, one document
+    each without padding (their runs known on the host: the fused kernels' case)."""
+    return TokenFacts.of_runs(local_runs(length, index, count), batch, device)
 
 
 def shard_sequence(tensor: torch.Tensor, dim: int, index: int, count: int) -> torch.Tensor:

@@ -68,9 +68,7 @@ class SimulatedDevices:
 
 
 def _rows(facts: TokenFacts, device: int, rows: int) -> TokenFacts:
-    return TokenFacts(
-        *(t[device * rows : (device + 1) * rows] for t in (facts.positions, facts.documents, facts.valid))
-    )
+    return facts.map(lambda t: t[device * rows : (device + 1) * rows])
 
 
 def prove_context_parallel(model: nn.Module, count: int, attention: str) -> None:

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from epl.context.blockwise import BlockGradientsOf, blockwise_attention
+from epl.context.chunks import local_runs
 from epl.context.masks import Masking, TokenFacts
 from epl.interfaces.communicator import Communicator
 
@@ -73,15 +74,20 @@ def ring_attention(
 
 
 def gather_facts(facts: TokenFacts, group: ContextGroup) -> list[TokenFacts]:
-    """Every device's token facts, by ring index (small int64 tensors, gathered once per call)."""
+    """Every device's token facts, by ring index (small int64 tensors, gathered once per call). Where this
+    device's runs are the causal load balance's (:func:`~epl.context.chunks.local_runs`), every device's are, and
+    each device's facts carry theirs (every device of a replica reads its facts from the same whole batch)."""
+    if group.count == 1:
+        return [facts]
     stacked = facts.stacked().contiguous()
     output = stacked.new_empty((group.count, *stacked.shape))
-    if group.count > 1:
-        group.collectives["all_gather"] += 1
-        group.communicator.all_gather(output.view(-1, *stacked.shape[1:]), stacked).wait()
-    else:
-        output[0] = stacked
-    return [TokenFacts.unstacked(piece) for piece in output]
+    group.collectives["all_gather"] += 1
+    group.communicator.all_gather(output.view(-1, *stacked.shape[1:]), stacked).wait()
+    gathered = [TokenFacts.unstacked(piece) for piece in output]
+    length = 2 * group.count * (facts.positions.shape[1] // 2)
+    if facts.runs is None or facts.runs != local_runs(length, group.index, group.count):
+        return gathered
+    return [replace(f, runs=local_runs(length, r, group.count)) for r, f in enumerate(gathered)]
 
 
 @dataclass(eq=False)
@@ -107,10 +113,9 @@ class _Ring:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Round again: each block's gradients so far move on with it, and reach its owner after the last hop."""
         group, k, v = self.group, key, value
-        dk, dv = torch.zeros_like(key), torch.zeros_like(value)
-        for step in range(group.count):
-            if step:
-                k, v, dk, dv = _split_kv(group.shift(torch.cat([k, v, dk, dv])), key.shape[0])
+        dk, dv = gradients_of(k, v, self.facts[group.index])
+        for step in range(1, group.count):
+            k, v, dk, dv = _split_kv(group.shift(torch.cat([k, v, dk, dv])), key.shape[0])
             block_dk, block_dv = gradients_of(k, v, self.facts[(group.index - step) % group.count])
             dk, dv = dk + block_dk, dv + block_dv
         if group.count > 1:

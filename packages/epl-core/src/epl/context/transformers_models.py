@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from epl.context.allgather import allgather_attention
-from epl.context.chunks import check_length, shard_sequence, unshard_sequence
+from epl.context.chunks import check_length, local_runs, shard_sequence, unshard_sequence
 from epl.context.masks import Masking, TokenFacts, documents_from_positions
 from epl.context.ring import ContextGroup, ring_attention
 from epl.context.ulysses import ulysses_attention
@@ -220,7 +220,20 @@ def _my_facts(
     kwargs["use_cache"] = False
     facts = TokenFacts.of(positions, documents, mask)
     c, index = run.group.count, run.group.index
-    return TokenFacts(*(shard_sequence(t, 1, index, c) for t in (facts.positions, facts.documents, facts.valid)))
+    runs = local_runs(positions.shape[1], index, c) if _plain(positions, mask, packed=packed) else None
+    return facts.map(lambda t: shard_sequence(t, 1, index, c), runs)
+
+
+def _plain(positions: torch.Tensor, mask: torch.Tensor | None, *, packed: bool) -> bool:
+    """Whether the whole batch is one document per row at positions ``0..s-1`` without padding (then the fused
+    kernels compute its attention): known on the host when neither ``position_ids`` nor ``attention_mask`` was
+    given, else read from them once per forward (one host synchronisation, not one per attention block)."""
+    checks = []
+    if packed:
+        checks.append((positions == torch.arange(positions.shape[1], device=positions.device)).all())
+    if mask is not None:
+        checks.append(mask.bool().all())
+    return not checks or bool(torch.stack(checks).all())
 
 
 def _take_presliced(

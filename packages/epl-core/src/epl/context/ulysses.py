@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from epl.context.blockwise import KeySlices, blockwise_attention
 from epl.context.chunks import shard_sequence, unshard_sequence
-from epl.context.masks import Masking, TokenFacts
+from epl.context.masks import Masking, TokenFacts, merged_runs
 from epl.context.ring import ContextGroup, gather_facts
 from epl.errors import AnnotationError
 
@@ -61,6 +61,8 @@ def _plain(everything: TokenFacts, masking: Masking, count: int) -> bool:
     batch, length = everything.positions.shape
     if masking.window is not None and masking.window < length:
         return False
+    if everything.runs is not None:  # known on the host: the runs tile 0..s-1
+        return merged_runs(sorted(everything.runs)) == ((0, length),)
     if not bool(everything.valid.all()) or not bool((everything.documents == everything.documents[:, :1]).all()):
         return False
     ordered = unshard_sequence(list(everything.positions.split(length // count, 1)), 1)

@@ -82,9 +82,9 @@ def reserved_bytes(peak: float) -> float:
 
 #: What the estimate of a context-parallel layout assumes that EPL does not do yet (docs/context.md, "Not yet").
 CONTEXT_KERNEL_NOTE = (
-    "the attention is timed as SDPA runs it; EPL's ring and all-gather attention run each block through torch's "
-    "memory-efficient kernel, measured 5.6-7x slower than SDPA on an H200 (Ulysses with a causal mask calls SDPA "
-    "itself; docs/context.md)"
+    "the attention is timed as SDPA runs it; EPL's ring and all-gather attention run each block through SDPA's "
+    "flash kernel, one call per block, not yet timed against SDPA on a GPU (before: 5.6-7x slower on an H200; "
+    "padded or packed batches take matrix products; docs/context.md)"
 )
 MFU_FORMULA = "MFU = (6*N + 12*L*h*s) * tokens / (step time * devices * peak FLOP/s); N: block and head weights"
 
