@@ -4,7 +4,9 @@ A checkpointed module keeps its name, parameters and hooks: only its ``forward``
 is replaced (an instance attribute) by one that runs the original under
 ``torch.utils.checkpoint`` (non-reentrant, random state preserved, so dropout draws
 the same mask when it is recomputed). ``nn.Sequential`` segments are checkpointed
-the same way, through the container's ``forward``.
+the same way, through the container's ``forward``. Selectively (``gradient_checkpoint.type = "selective"``),
+the matrix products' outputs are kept and only the cheap operations between them recomputed
+(:mod:`epl_memory.selective`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
+
+from epl_memory.selective import checkpointed
 
 _log = logging.getLogger("epl.memory")
 _MARK = "_epl_checkpoint"
@@ -40,8 +43,11 @@ def is_marked(module: nn.Module) -> bool:
     return bool(getattr(module, _MARK, False))
 
 
-def recompute_forward(module: nn.Module, check: GradientCheck | None = None, name: str = "") -> None:
-    """Replace ``module.forward`` by a checkpointed call of it (idempotent)."""
+def recompute_forward(
+    module: nn.Module, check: GradientCheck | None = None, name: str = "", selective: bool = False
+) -> None:
+    """Replace ``module.forward`` by a checkpointed call of it (idempotent); ``selective``: keep the matrix
+    products' outputs (:mod:`epl_memory.selective`)."""
     if getattr(module, _WRAPPED, False):
         return
     original = module.forward
@@ -51,8 +57,8 @@ def recompute_forward(module: nn.Module, check: GradientCheck | None = None, nam
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
         if check is not None and check.pending(name):
-            return check.run(name, original, list(module.parameters()), args, kwargs)
-        return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+            return check.run(name, original, list(module.parameters()), args, kwargs, selective)
+        return checkpointed(original, selective)(*args, **kwargs)
 
     module.forward = forward
     setattr(module, _WRAPPED, True)
@@ -72,12 +78,20 @@ class GradientCheck:
         """Whether ``name`` has not been checked yet."""
         return name not in self.results
 
-    def run(self, name: str, fn: Callable[..., Any], params: list[nn.Parameter], args: Any, kwargs: Any) -> Any:
+    def run(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        params: list[nn.Parameter],
+        args: Any,
+        kwargs: Any,
+        selective: bool = False,
+    ) -> Any:
         """Run ``fn`` plainly and checkpointed from the same random state; compare; return the checkpointed output."""
         state = torch.random.get_rng_state()
         plain = fn(*args, **kwargs)
         torch.random.set_rng_state(state)
-        out = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        out = checkpointed(fn, selective)(*args, **kwargs)
         if not isinstance(out, torch.Tensor) or not out.requires_grad:
             self.results[name] = None
             return out
@@ -95,7 +109,7 @@ class GradientCheck:
         return out
 
 
-def recompute_segments(sequential: nn.Sequential, segments: Sequence[range]) -> None:
+def recompute_segments(sequential: nn.Sequential, segments: Sequence[range], selective: bool = False) -> None:
     """Make ``sequential`` run each of ``segments`` (ranges of its items) as one checkpointed call."""
     items = list(sequential)
 
@@ -108,7 +122,7 @@ def recompute_segments(sequential: nn.Sequential, segments: Sequence[range]) -> 
         for part in segments:
             step: Callable[[Any], Any] = functools.partial(run, part)
             if torch.is_grad_enabled() and len(part) > 0:
-                x = torch.utils.checkpoint.checkpoint(step, x, use_reentrant=False)
+                x = checkpointed(step, selective)(x)
             else:
                 x = step(x)
         return x
@@ -185,14 +199,17 @@ def balanced_segments(sequential: nn.Sequential) -> tuple[range, ...]:
     return tuple(segments)
 
 
-def apply_plan(model: nn.Module, plan: CheckpointPlan, check: GradientCheck | None = None) -> None:
-    """Checkpoint what ``plan`` names in ``model`` (``check``: compare gradients once per module)."""
+def apply_plan(
+    model: nn.Module, plan: CheckpointPlan, check: GradientCheck | None = None, selective: bool = False
+) -> None:
+    """Checkpoint what ``plan`` names in ``model`` (``check``: compare gradients once per module; ``selective``:
+    keep the matrix products' outputs)."""
     for name in plan.modules:
-        recompute_forward(model.get_submodule(name) if name else model, check, name)
+        recompute_forward(model.get_submodule(name) if name else model, check, name, selective)
     for name, ranges in plan.segments:
         sequential = model.get_submodule(name) if name else model
         assert isinstance(sequential, nn.Sequential)
-        recompute_segments(sequential, ranges)
+        recompute_segments(sequential, ranges, selective)
 
 
 @dataclass

@@ -1,0 +1,170 @@
+"""``gradient_checkpoint.type = "selective"``: each repeated block keeps its matrix products' and attention kernels'
+outputs and recomputes the rest; training equals the run without checkpointing.
+
+transformers' Llama (tiny config, random weights, float64): losses and parameters within 1e-10 of the run without
+checkpointing, in one process and under data parallelism, ZeRO v2, split(2) and a 2-stage pipeline (2 processes).
+What autograd keeps lies between whole-block recomputation's and no checkpointing's, and backward runs no more
+matrix products than without checkpointing (whole-block recomputation runs each block's forward ones again).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import epl
+from epl_memory.checkpointing import CheckpointingState
+from epl_memory.selective import MATRIX_PRODUCTS
+from tests.helpers.distributed import run_ranks
+from tests.memory.test_checkpointing import assert_same_training
+from tests.memory.test_checkpointing import train as train_tower
+from tests.models.test_transformers_pipeline import (
+    MAX_NORM,
+    MICRO,
+    REPLICA_ROWS,
+    adamw,
+    batches,
+    build,
+    token_loss,
+    train_here,
+)
+
+#: Relative and absolute tolerance of losses and parameters (float64).
+TOLERANCE = 1e-10
+SELECTIVE = {"gradient_checkpoint.type": "selective"}
+BLOCKS = tuple(f"model.layers.{i}" for i in range(4))
+
+
+def train(config: dict[str, Any], split: int = 1) -> dict[str, Any]:
+    """One rank (or this process): the 4-layer Llama trained with EPL, 2 micro-batches, clipped; what
+    its losses, gradient norms, whole parameters and checkpointed modules."""
+    epl.init(epl.Config({"pipeline.num_micro_batch": MICRO, "optimizer.max_grad_norm": MAX_NORM, **config}))
+    engine = epl.parallelize(build("llama", split), optimizer=adamw, loss_fn=token_loss)
+    losses, norms = [], []
+    for tokens in batches(engine.num_replicas):
+        rows = tokens[engine.replica_index * REPLICA_ROWS : (engine.replica_index + 1) * REPLICA_ROWS]
+        losses.append(float(engine.step({"input_ids": rows}, rows)))
+        norms.append(engine.grad_norm)
+    plan = engine.context.state(CheckpointingState).plan
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": engine.state_dict(full=True)["model"],
+        "modules": plan.modules if plan else None,
+    }
+
+
+def assert_equal(result: dict[str, Any], losses: list[float] | None, state: dict[str, torch.Tensor]) -> None:
+    """``result``'s losses (unless None) and parameters equal ``losses`` and ``state`` within :data:`TOLERANCE`."""
+    if losses is not None:
+        torch.testing.assert_close(result["losses"], losses, rtol=TOLERANCE, atol=TOLERANCE)
+    for name, value in result["state"].items():
+        torch.testing.assert_close(value, state[name], rtol=TOLERANCE, atol=TOLERANCE, msg=name)
+
+
+def test_selective_llama_equals_the_run_without_checkpointing() -> None:
+    plain = train({})
+    selective = train(SELECTIVE)
+    assert selective["modules"] == BLOCKS  # the blocks "auto" recomputes
+    assert_equal(selective, plain["losses"], plain["state"])
+    losses, _, state = train_here("llama")
+    assert_equal(selective, losses, state)  # and the plain PyTorch loop
+
+
+def test_selective_with_dropout_draws_the_same_masks() -> None:
+    plain = train_tower({})
+    selective = train_tower(SELECTIVE)
+    assert selective["plan"] == "4 modules"
+    assert_same_training(selective, plain)  # bit for bit: the recomputed dropout draws the same masks
+
+
+class ProductCount(TorchDispatchMode):
+    """Counts the matrix products run while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += func in MATRIX_PRODUCTS
+        return func(*args, **(kwargs or {}))
+
+
+class Kept(TorchDispatchMode):
+    """Every storage the operations run while it is on make, by weak reference: :meth:`alive` sums those left.
+
+    What a forward keeps for backward, however it is kept: in autograd's graph (no checkpointing), in the
+    checkpoint's inputs, or in selective checkpointing's cache (which saved-tensor hooks do not see)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                self.made.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
+        return out
+
+    def alive(self) -> int:
+        return sum(size for ref, size in self.made.values() if not ref.expired())
+
+
+def measured(config: dict[str, Any]) -> tuple[int, int]:
+    """Bytes one forward of the Llama keeps for backward, and the matrix products its backward runs."""
+    epl.init(epl.Config(config))
+    engine = epl.parallelize(build("llama"), optimizer=adamw, loss_fn=token_loss)
+    tokens = batches(1)[0]
+    with Kept() as kept:
+        loss = token_loss(engine.model(input_ids=tokens), tokens)
+    alive = kept.alive()
+    with ProductCount() as products:
+        loss.backward()
+    return alive, products.count
+
+
+def test_selective_keeps_less_than_no_checkpointing_and_recomputes_no_product() -> None:
+    plain_bytes, plain_products = measured({})
+    full_bytes, full_products = measured({"gradient_checkpoint.type": "auto"})
+    selective_bytes, selective_products = measured(SELECTIVE)
+    print(f"kept: none {plain_bytes}, selective {selective_bytes}, full {full_bytes} bytes")
+    assert full_bytes < selective_bytes < plain_bytes, (full_bytes, selective_bytes, plain_bytes)
+    assert selective_products == plain_products  # each product's output kept: none runs again
+    # each of 4 blocks' projections but the last again (torch's recomputation stops once it has what backward needs)
+    assert full_products == plain_products + 4 * 6
+
+
+def every_layout() -> dict[str, dict[str, Any]]:
+    """On each of 2 ranks: selective checkpointing under data parallelism, ZeRO v2, split(2) and 2 stages."""
+    return {
+        "data": train(SELECTIVE),
+        "zero v2": train({**SELECTIVE, "zero.level": "v2"}),
+        "split": train(SELECTIVE, split=2),
+        "pipeline": train({**SELECTIVE, "auto.auto_parallel": True, "pipeline.num_stages": 2}),
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_selective_equals_the_local_run_under_every_layout() -> None:
+    ranks = run_ranks(every_layout, 2, timeout=360)
+    references = {
+        "data": train_here("llama", 2),
+        "zero v2": train_here("llama", 2, after_average=True),
+        "split": train_here("llama"),
+        "pipeline": train_here("llama"),
+    }
+    for layout, (losses, _, state) in references.items():
+        replicated = layout in ("data", "zero v2")  # each replica's loss is its own half's: the parameters tell
+        for result in ranks:
+            assert result[layout]["modules"], layout
+            assert_equal(result[layout], None if replicated else losses, state)
+    assert Counter(m for r in ranks for m in r["pipeline"]["modules"]) == Counter(BLOCKS)  # each stage its own
