@@ -10,6 +10,7 @@ matrix products than without checkpointing (whole-block recomputation runs each 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -100,18 +101,21 @@ class Kept(TorchDispatchMode):
     """Every storage the operations run while it is on make, by weak reference: :meth:`alive` sums those left.
 
     What a forward keeps for backward, however it is kept: in autograd's graph (no checkpointing), in the
-    checkpoint's inputs, or in selective checkpointing's cache (which saved-tensor hooks do not see)."""
+    checkpoint's inputs, or in selective checkpointing's cache (which saved-tensor hooks do not see). Storages of
+    ``exclude`` (parameters, inputs: a weight's transpose is its storage) are not counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self.made: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.excluded = {t.untyped_storage()._cdata for t in exclude}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for tensor in pytree.tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 storage = tensor.untyped_storage()
-                self.made.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
+                if storage._cdata not in self.excluded:
+                    self.made.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
         return out
 
     def alive(self) -> int:
@@ -123,7 +127,7 @@ def measured(config: dict[str, Any]) -> tuple[int, int]:
     epl.init(epl.Config(config))
     engine = epl.parallelize(build("llama"), optimizer=adamw, loss_fn=token_loss)
     tokens = batches(1)[0]
-    with Kept() as kept:
+    with Kept(exclude=[*engine.model.parameters(), tokens]) as kept:
         loss = token_loss(engine.model(input_ids=tokens), tokens)
     alive = kept.alive()
     with ProductCount() as products:
