@@ -83,6 +83,10 @@ def test_selective_with_dropout_draws_the_same_masks() -> None:
     selective = train_tower(SELECTIVE)
     assert selective["plan"] == "4 modules"
     assert_same_training(selective, plain)  # bit for bit: the recomputed dropout draws the same masks
+    checked = train_tower({**SELECTIVE, "gradient_checkpoint.check_gradients": True})
+    assert set(checked["check"]) == {f"blocks.{i}" for i in range(4)}
+    assert all(difference is not None and difference < 1e-12 for difference in checked["check"].values())
+    assert_same_training(checked, plain)
 
 
 class ProductCount(TorchDispatchMode):

@@ -87,7 +87,10 @@ class GradientCheck:
         kwargs: Any,
         selective: bool = False,
     ) -> Any:
-        """Run ``fn`` plainly and checkpointed from the same random state; compare; return the checkpointed output."""
+        """Run ``fn`` plainly and checkpointed from the same random state; compare; return the checkpointed output.
+
+        Selectively checkpointed regions allow one backward each (torch's rule): the comparison runs on a checkpointed
+        call of its own, and the output returned is a third call's, from the same random state again."""
         state = torch.random.get_rng_state()
         plain = fn(*args, **kwargs)
         torch.random.set_rng_state(state)
@@ -95,12 +98,16 @@ class GradientCheck:
         if not isinstance(out, torch.Tensor) or not out.requires_grad:
             self.results[name] = None
             return out
+        probe = out
+        if selective:
+            torch.random.set_rng_state(state)
+            out = checkpointed(fn, selective)(*args, **kwargs)
         targets = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + [
             p for p in params if p.requires_grad
         ]
         projection = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out)
         expected = torch.autograd.grad(plain, targets, projection, allow_unused=True)
-        got = torch.autograd.grad(out, targets, projection, retain_graph=True, allow_unused=True)
+        got = torch.autograd.grad(probe, targets, projection, retain_graph=not selective, allow_unused=True)
         differences = [
             float((a - b).abs().max()) for a, b in zip(expected, got, strict=True) if a is not None and b is not None
         ]
