@@ -2,7 +2,9 @@
 outputs and recomputes the rest; training equals the run without checkpointing.
 
 transformers' Llama (tiny config, random weights, float64): losses and parameters within 1e-10 of the run without
-checkpointing, in one process and under data parallelism, ZeRO v2, split(2) and a 2-stage pipeline (2 processes).
+checkpointing, in one process and under data parallelism, ZeRO v2, split(2) and a 2-stage pipeline (2 processes);
+bit-equal under bfloat16 AMP and with dropout (a tower of MLP blocks). Context parallelism and compiled blocks:
+``tests/context/test_context_training.py``, ``tests/compiling/test_compile_layouts.py``.
 What autograd keeps lies between whole-block recomputation's and no checkpointing's, and backward runs no more
 matrix products than without checkpointing (whole-block recomputation runs each block's forward ones again).
 """
@@ -76,6 +78,23 @@ def test_selective_llama_equals_the_run_without_checkpointing() -> None:
     assert_equal(selective, plain["losses"], plain["state"])
     losses, _, state = train_here("llama")
     assert_equal(selective, losses, state)  # and the plain PyTorch loop
+
+
+def test_selective_under_amp_equals_amp_without_checkpointing() -> None:
+    """bfloat16 autocast: the recomputation runs under the forward's autocast state, the kept products in bfloat16:
+    bit-equal losses and parameters."""
+
+    def run(config: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
+        epl.init(epl.Config({"amp.level": "O1", "amp.dtype": "bfloat16", **config}))
+        engine = epl.parallelize(build("llama").float(), optimizer=adamw, loss_fn=token_loss)
+        losses = [float(engine.step({"input_ids": tokens}, tokens)) for tokens in batches(1)]
+        return losses, {k: v.clone() for k, v in engine.model.state_dict().items()}
+
+    plain_losses, plain_state = run({})
+    losses, state = run(SELECTIVE)
+    assert losses == plain_losses
+    for name, value in state.items():
+        torch.testing.assert_close(value, plain_state[name], rtol=0, atol=0, msg=name)
 
 
 def test_selective_with_dropout_draws_the_same_masks() -> None:
