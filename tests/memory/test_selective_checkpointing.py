@@ -80,6 +80,33 @@ def test_selective_llama_equals_the_run_without_checkpointing() -> None:
     assert_equal(selective, losses, state)  # and the plain PyTorch loop
 
 
+@pytest.mark.parametrize("kind", ["selective", "auto"])
+def test_a_model_with_its_key_value_cache_on_is_checkpointed_without_it(
+    kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """transformers' Llama built with use_cache=True (its default) writes its cache in each layer's forward: the
+    checkpointed layers run without it (as transformers' own checkpointing does), said once, and train as the
+    model does without checkpointing."""
+    from tests.models.test_transformers_split import batches as token_batches
+    from tests.models.test_transformers_split import llama as cached_llama
+    from tests.models.test_transformers_split import next_token_loss
+
+    def run(config: dict[str, Any]) -> list[float]:
+        epl.init(epl.Config(config))
+        torch.manual_seed(0)
+        model = cached_llama().double()
+        assert model.config.use_cache
+        engine = epl.parallelize(model, optimizer=adamw, loss_fn=next_token_loss)
+        return [float(engine.step(tokens, tokens)) for tokens in token_batches()]
+
+    plain = run({})
+    with caplog.at_level("WARNING", logger="epl.memory"):
+        checkpointed = run({"gradient_checkpoint.type": kind})
+    torch.testing.assert_close(checkpointed, plain, rtol=TOLERANCE, atol=TOLERANCE)
+    warnings = [r for r in caplog.records if "key/value cache" in r.getMessage()]
+    assert len(warnings) == 1, caplog.text  # once for the model, not once a layer
+
+
 def test_selective_under_amp_equals_amp_without_checkpointing() -> None:
     """bfloat16 autocast: the recomputation runs under the forward's autocast state, the kept products in bfloat16:
     bit-equal losses and parameters."""

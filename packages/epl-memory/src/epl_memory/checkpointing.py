@@ -44,24 +44,58 @@ def is_marked(module: nn.Module) -> bool:
 
 
 def recompute_forward(
-    module: nn.Module, check: GradientCheck | None = None, name: str = "", selective: bool = False
+    module: nn.Module,
+    check: GradientCheck | None = None,
+    name: str = "",
+    selective: bool = False,
+    warned: set[str] | None = None,
 ) -> None:
     """Replace ``module.forward`` by a checkpointed call of it (idempotent); ``selective``: keep the matrix
-    products' outputs (:mod:`epl_memory.selective`)."""
+    products' outputs (:mod:`epl_memory.selective`); ``warned``: shared by the modules of one plan, which say
+    once that they run without their key/value cache (:func:`without_cache`)."""
     if getattr(module, _WRAPPED, False):
         return
     original = module.forward
+    warned = set() if warned is None else warned
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
+        kwargs = without_cache(kwargs, name, warned)
         if check is not None and check.pending(name):
             return check.run(name, original, list(module.parameters()), args, kwargs, selective)
         return checkpointed(original, selective)(*args, **kwargs)
 
     module.forward = forward
     setattr(module, _WRAPPED, True)
+
+
+#: The keyword arguments by which transformers' layers receive their key/value cache (as its own checkpointing
+#: drops them: ``transformers.modeling_layers.GradientCheckpointingLayer``).
+CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def without_cache(kwargs: dict[str, Any], name: str, warned: set[str]) -> dict[str, Any]:
+    """``kwargs`` without a key/value cache (None) and with ``use_cache=False``; the warning once for the modules
+    sharing ``warned`` (those of one plan).
+
+    A layer that writes its cache would write it again when its forward is recomputed: the recomputation would
+    attend over the keys twice (and selective checkpointing finds operations the forward did not run). The cache
+    serves generation, not training; transformers' own checkpointing drops it the same way."""
+    dropped = [key for key in CACHE_ARGUMENTS if kwargs.get(key) is not None]
+    if not dropped and not kwargs.get("use_cache"):
+        return kwargs
+    kwargs = {**kwargs, **dict.fromkeys(dropped), **({"use_cache": False} if "use_cache" in kwargs else {})}
+    if not warned:  # once: every layer of a model gets the same cache
+        warned.add(name)
+        _log.warning(
+            "Gradient checkpointing of %s runs it without its key/value cache (%s): recomputation would write the "
+            "cache twice. Build the model with use_cache=False to silence this.",
+            name or "the model",
+            ", ".join([*dropped, "use_cache"] if "use_cache" in kwargs else dropped),
+        )
+    return kwargs
 
 
 @dataclass
@@ -211,8 +245,9 @@ def apply_plan(
 ) -> None:
     """Checkpoint what ``plan`` names in ``model`` (``check``: compare gradients once per module; ``selective``:
     keep the matrix products' outputs)."""
+    warned: set[str] = set()
     for name in plan.modules:
-        recompute_forward(model.get_submodule(name) if name else model, check, name, selective)
+        recompute_forward(model.get_submodule(name) if name else model, check, name, selective, warned)
     for name, ranges in plan.segments:
         sequential = model.get_submodule(name) if name else model
         assert isinstance(sequential, nn.Sequential)
