@@ -50,8 +50,10 @@ def train(config: dict[str, Any], split: int = 1) -> dict[str, Any]:
     epl.init(epl.Config({"pipeline.num_micro_batch": MICRO, "optimizer.max_grad_norm": MAX_NORM, **config}))
     engine = epl.parallelize(build("llama", split), optimizer=adamw, loss_fn=token_loss)
     losses, norms = [], []
+    groups = list(engine.context.shard_groups.values())
     for tokens in batches(engine.num_replicas):
         rows = tokens[engine.replica_index * REPLICA_ROWS : (engine.replica_index + 1) * REPLICA_ROWS]
+        before = sum((g.collectives for g in groups), Counter())
         losses.append(float(engine.step({"input_ids": rows}, rows)))
         norms.append(engine.grad_norm)
     plan = engine.context.state(CheckpointingState).plan
@@ -60,6 +62,7 @@ def train(config: dict[str, Any], split: int = 1) -> dict[str, Any]:
         "norms": norms,
         "state": engine.state_dict(full=True)["model"],
         "modules": plan.modules if plan else None,
+        "collectives": dict(sum((g.collectives for g in groups), Counter()) - before),  # the last step's
     }
 
 
@@ -202,6 +205,8 @@ def every_layout() -> dict[str, dict[str, Any]]:
         "data": train(SELECTIVE),
         "zero v2": train({**SELECTIVE, "zero.level": "v2"}),
         "split": train(SELECTIVE, split=2),
+        "split, none": train({}, split=2),
+        "split, auto": train({"gradient_checkpoint.type": "auto"}, split=2),
         "pipeline": train({**SELECTIVE, "auto.auto_parallel": True, "pipeline.num_stages": 2}),
     }
 
@@ -222,3 +227,7 @@ def test_selective_equals_the_local_run_under_every_layout() -> None:
             assert result[layout]["modules"], layout
             assert_equal(result[layout], None if replicated else losses, state)
     assert Counter(m for r in ranks for m in r["pipeline"]["modules"]) == Counter(BLOCKS)  # each stage its own
+    # split's all-reduces are torch.distributed's, in place: the recomputation runs each block's attention one again
+    # (the MLP's is not needed by backward), as whole-block recomputation does
+    counts = {name: ranks[0][name]["collectives"]["all_reduce"] for name in ("split", "split, none", "split, auto")}
+    assert counts["split"] == counts["split, auto"] == counts["split, none"] + MICRO * len(BLOCKS), counts

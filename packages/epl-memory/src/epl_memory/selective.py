@@ -10,7 +10,9 @@ torchtitan's per-operation policy (``torchtitan/distributed/activation_checkpoin
 mm", and Korthikanti et al.'s selective recomputation in kind: the expensive products are never run twice.
 
 torch.distributed's in-place collectives (what EPL's split layers call) are recomputed, as whole-block
-recomputation runs them: a saved in-place result would leave the recomputed tensor it wrote to unreduced.
+recomputation runs them: a saved in-place result would leave the recomputed tensor it wrote to unreduced. Under
+``epl.split`` that is one all-reduce more per block and micro-batch, the attention's (backward needs the MLP's input,
+which follows it; torch's recomputation stops before the MLP's), as under ``auto``.
 """
 
 from __future__ import annotations
