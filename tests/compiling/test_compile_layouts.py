@@ -28,6 +28,7 @@ PIPELINE = {"pipeline.num_stages": 2, "auto.auto_parallel": True, "pipeline.num_
 LAYOUTS: dict[str, tuple[str | None, dict[str, Any], int]] = {
     "data parallel": (None, {}, 2),
     "data parallel, checkpointing": (None, {"gradient_checkpoint.type": "auto"}, 2),
+    "data parallel, selective checkpointing": (None, {"gradient_checkpoint.type": "selective"}, 2),
     "ZeRO v1": (None, {"zero.level": "v1"}, 2),
     "ZeRO v2": (None, {"zero.level": "v2"}, 2),
     "split(2)": ("split", {}, 2),
@@ -40,8 +41,9 @@ LAYOUTS: dict[str, tuple[str | None, dict[str, Any], int]] = {
 BACKEND = os.environ.get("EPL_COMPILE_BACKEND", "aot_eager")
 #: What CI runs: data parallelism's hooks with checkpointing, ZeRO's fetches, split's collectives with
 #: checkpointing, the split backward of ZeroBubble, 3D, and context parallelism's attention.
-CI_SLICE = ["data parallel, checkpointing", "ZeRO v2", "split(2), checkpointing", "2 stages, 1F1B",
-            "2 stages, ZeroBubble", "split(2) x 2 stages", "context 2"]  # fmt: skip
+CI_SLICE = ["data parallel, checkpointing", "data parallel, selective checkpointing", "ZeRO v2",
+            "split(2), checkpointing", "2 stages, 1F1B", "2 stages, ZeroBubble", "split(2) x 2 stages",
+            "context 2"]  # fmt: skip
 #: Float32 tolerance for inductor's kernels over 3 AdamW steps; float64 and aot_eager: exact to rounding.
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}
 

@@ -169,6 +169,7 @@ COMPOSED = {
     "ZeRO v1, 2 replicas": ({"context.degree": 2, "zero.level": "v1"}, 4),
     "ZeRO v2, 2 replicas": ({"context.degree": 2, "zero.level": "v2"}, 4),
     "checkpointing": ({"context.degree": 2, "gradient_checkpoint.type": "auto"}, 2),
+    "selective checkpointing": ({"context.degree": 2, "gradient_checkpoint.type": "selective"}, 2),
 }
 
 

@@ -57,19 +57,21 @@ def test_an_unannotated_script_is_planned_as_epl_plan_auto_would(tmp_path: Path)
         Layout(2, 1, 2, 4, 1, "v1", "none", "interleaved", 2),
         Layout(1, 2, 2, 4, 1, "none", "none", "ZeroBubble"),
         Layout(2, 2, 1, 1, 4, sequence_parallel=True),
+        Layout(1, 2, 1, 1, 1, gradient_checkpoint="auto"),
     ],
 )
 def test_the_config_of_a_layout_is_one_epl_accepts(layout: Layout) -> None:
     config = Config(layout.config())
     assert config["pipeline.num_stages"] in (None, layout.pipeline * layout.virtual_stages)
-    if layout.gradient_checkpoint == "full":
-        assert config["gradient_checkpoint.type"] == "auto"
+    # the planner's full recomputation is EPL's "auto" (each block from its input), its selective EPL's "selective"
+    expected = {"none": "", "full": "auto", "auto": "selective"}[layout.gradient_checkpoint]
+    assert config["gradient_checkpoint.type"] == expected
     assert config["split.sequence_parallel"] == layout.sequence_parallel
 
 
 def test_layouts_epl_cannot_run_have_no_config() -> None:
-    with pytest.raises(EplError, match="selective recomputation"):
-        Layout(1, 2, 1, 1, 1, gradient_checkpoint="auto").config()
+    with pytest.raises(EplError, match="uneven stages"):
+        Layout(1, 1, 2, 2, 1, stage_layers=(1, 3)).config()
 
 
 def train(profile: str, planned: bool, batch: int) -> dict[str, Any]:

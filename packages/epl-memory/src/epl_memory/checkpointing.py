@@ -4,7 +4,9 @@ A checkpointed module keeps its name, parameters and hooks: only its ``forward``
 is replaced (an instance attribute) by one that runs the original under
 ``torch.utils.checkpoint`` (non-reentrant, random state preserved, so dropout draws
 the same mask when it is recomputed). ``nn.Sequential`` segments are checkpointed
-the same way, through the container's ``forward``.
+the same way, through the container's ``forward``. Selectively (``gradient_checkpoint.type = "selective"``),
+the matrix products' outputs are kept and only the cheap operations between them recomputed
+(:mod:`epl_memory.selective`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
+
+from epl_memory.selective import checkpointed
 
 _log = logging.getLogger("epl.memory")
 _MARK = "_epl_checkpoint"
@@ -40,22 +43,59 @@ def is_marked(module: nn.Module) -> bool:
     return bool(getattr(module, _MARK, False))
 
 
-def recompute_forward(module: nn.Module, check: GradientCheck | None = None, name: str = "") -> None:
-    """Replace ``module.forward`` by a checkpointed call of it (idempotent)."""
+def recompute_forward(
+    module: nn.Module,
+    check: GradientCheck | None = None,
+    name: str = "",
+    selective: bool = False,
+    warned: set[str] | None = None,
+) -> None:
+    """Replace ``module.forward`` by a checkpointed call of it (idempotent); ``selective``: keep the matrix
+    products' outputs (:mod:`epl_memory.selective`); ``warned``: shared by the modules of one plan, which say
+    once that they run without their key/value cache (:func:`without_cache`)."""
     if getattr(module, _WRAPPED, False):
         return
     original = module.forward
+    warned = set() if warned is None else warned
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
+        kwargs = without_cache(kwargs, name, warned)
         if check is not None and check.pending(name):
-            return check.run(name, original, list(module.parameters()), args, kwargs)
-        return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+            return check.run(name, original, list(module.parameters()), args, kwargs, selective)
+        return checkpointed(original, selective)(*args, **kwargs)
 
     module.forward = forward
     setattr(module, _WRAPPED, True)
+
+
+#: The keyword arguments by which transformers' layers receive their key/value cache (as its own checkpointing
+#: drops them: ``transformers.modeling_layers.GradientCheckpointingLayer``).
+CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def without_cache(kwargs: dict[str, Any], name: str, warned: set[str]) -> dict[str, Any]:
+    """``kwargs`` without a key/value cache (None) and with ``use_cache=False``; the warning once for the modules
+    sharing ``warned`` (those of one plan).
+
+    A layer that writes its cache would write it again when its forward is recomputed: the recomputation would
+    attend over the keys twice (and selective checkpointing finds operations the forward did not run). The cache
+    serves generation, not training; transformers' own checkpointing drops it the same way."""
+    dropped = [key for key in CACHE_ARGUMENTS if kwargs.get(key) is not None]
+    if not dropped and not kwargs.get("use_cache"):
+        return kwargs
+    kwargs = {**kwargs, **dict.fromkeys(dropped), **({"use_cache": False} if "use_cache" in kwargs else {})}
+    if not warned:  # once: every layer of a model gets the same cache
+        warned.add(name)
+        _log.warning(
+            "Gradient checkpointing of %s runs it without its key/value cache (%s): recomputation would write the "
+            "cache twice. Build the model with use_cache=False to silence this.",
+            name or "the model",
+            ", ".join([*dropped, "use_cache"] if "use_cache" in kwargs else dropped),
+        )
+    return kwargs
 
 
 @dataclass
@@ -72,21 +112,36 @@ class GradientCheck:
         """Whether ``name`` has not been checked yet."""
         return name not in self.results
 
-    def run(self, name: str, fn: Callable[..., Any], params: list[nn.Parameter], args: Any, kwargs: Any) -> Any:
-        """Run ``fn`` plainly and checkpointed from the same random state; compare; return the checkpointed output."""
+    def run(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        params: list[nn.Parameter],
+        args: Any,
+        kwargs: Any,
+        selective: bool = False,
+    ) -> Any:
+        """Run ``fn`` plainly and checkpointed from the same random state; compare; return the checkpointed output.
+
+        Selectively checkpointed regions allow one backward each (torch's rule): the comparison runs on a checkpointed
+        call of its own, and the output returned is a third call's, from the same random state again."""
         state = torch.random.get_rng_state()
         plain = fn(*args, **kwargs)
         torch.random.set_rng_state(state)
-        out = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        out = checkpointed(fn, selective)(*args, **kwargs)
         if not isinstance(out, torch.Tensor) or not out.requires_grad:
             self.results[name] = None
             return out
+        probe = out
+        if selective:
+            torch.random.set_rng_state(state)
+            out = checkpointed(fn, selective)(*args, **kwargs)
         targets = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + [
             p for p in params if p.requires_grad
         ]
         projection = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out)
         expected = torch.autograd.grad(plain, targets, projection, allow_unused=True)
-        got = torch.autograd.grad(out, targets, projection, retain_graph=True, allow_unused=True)
+        got = torch.autograd.grad(probe, targets, projection, retain_graph=not selective, allow_unused=True)
         differences = [
             float((a - b).abs().max()) for a, b in zip(expected, got, strict=True) if a is not None and b is not None
         ]
@@ -95,7 +150,7 @@ class GradientCheck:
         return out
 
 
-def recompute_segments(sequential: nn.Sequential, segments: Sequence[range]) -> None:
+def recompute_segments(sequential: nn.Sequential, segments: Sequence[range], selective: bool = False) -> None:
     """Make ``sequential`` run each of ``segments`` (ranges of its items) as one checkpointed call."""
     items = list(sequential)
 
@@ -108,7 +163,7 @@ def recompute_segments(sequential: nn.Sequential, segments: Sequence[range]) -> 
         for part in segments:
             step: Callable[[Any], Any] = functools.partial(run, part)
             if torch.is_grad_enabled() and len(part) > 0:
-                x = torch.utils.checkpoint.checkpoint(step, x, use_reentrant=False)
+                x = checkpointed(step, selective)(x)
             else:
                 x = step(x)
         return x
@@ -185,14 +240,18 @@ def balanced_segments(sequential: nn.Sequential) -> tuple[range, ...]:
     return tuple(segments)
 
 
-def apply_plan(model: nn.Module, plan: CheckpointPlan, check: GradientCheck | None = None) -> None:
-    """Checkpoint what ``plan`` names in ``model`` (``check``: compare gradients once per module)."""
+def apply_plan(
+    model: nn.Module, plan: CheckpointPlan, check: GradientCheck | None = None, selective: bool = False
+) -> None:
+    """Checkpoint what ``plan`` names in ``model`` (``check``: compare gradients once per module; ``selective``:
+    keep the matrix products' outputs)."""
+    warned: set[str] = set()
     for name in plan.modules:
-        recompute_forward(model.get_submodule(name) if name else model, check, name)
+        recompute_forward(model.get_submodule(name) if name else model, check, name, selective, warned)
     for name, ranges in plan.segments:
         sequential = model.get_submodule(name) if name else model
         assert isinstance(sequential, nn.Sequential)
-        recompute_segments(sequential, ranges)
+        recompute_segments(sequential, ranges, selective)
 
 
 @dataclass

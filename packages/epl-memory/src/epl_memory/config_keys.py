@@ -12,9 +12,11 @@ KEYS: tuple[ConfigKey, ...] = (
         name="gradient_checkpoint.type",
         types=(str,),
         default="",
-        choices=("", "collection", "auto"),
-        doc="Which activations to recompute: 'collection' (modules the user marks) "
-        "or 'auto' (EPL chooses); '' disables checkpointing.",
+        choices=("", "collection", "auto", "selective"),
+        doc="Which activations to recompute: 'collection' (modules the user marks), 'auto' (EPL chooses the "
+        "repeated blocks and recomputes each from its input) or 'selective' (the same blocks, keeping their matrix "
+        "products' and attention kernels' outputs and recomputing only the cheap operations between them: norms, "
+        "activations, rotary, elementwise); '' disables checkpointing.",
     ),
     ConfigKey(
         name="gradient_checkpoint.end_taskgraph",

@@ -47,12 +47,12 @@ class GradientCheckpointing:
             indices = [owner.get(id(t), 0) for t in [*module.parameters(), *module.buffers()]]
             return end < 0 or all(index <= end for index in indices)
 
-        if settings.type == "auto":
+        if settings.type in ("auto", "selective"):
             plan = plan_auto(model, allowed, context.pipeline.stage_modules)
         else:
             plan = plan_collection(model, allowed)
         check = GradientCheck() if settings.check_gradients else None
-        apply_plan(model, plan, check)
+        apply_plan(model, plan, check, selective=settings.type == "selective")
         state = context.state(CheckpointingState)
         state.plan, state.check = plan, check
         return model

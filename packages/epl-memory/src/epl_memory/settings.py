@@ -22,7 +22,7 @@ Dtype = Literal["", "bfloat16", "float16", "float32"]
 class CheckpointSettings:
     """The ``gradient_checkpoint.*`` keys."""
 
-    type: Literal["", "collection", "auto"] = ""
+    type: Literal["", "collection", "auto", "selective"] = ""
     end_taskgraph: int = -1
     check_gradients: bool = False
 

@@ -31,7 +31,8 @@ class MemoryTechniques:
 
     #: ``zero.level``: "", "v0", "v1" or "v2".
     zero: str = ""
-    #: ``gradient_checkpoint.type``: "", "collection" or "auto".
+    #: ``gradient_checkpoint.type``: "", "collection", "auto" (whole blocks) or "selective" (blocks, keeping
+    #: their matrix products).
     recompute: str = ""
     #: ``amp.level`` is set: the model computes in a lower precision.
     mixed_precision: bool = False

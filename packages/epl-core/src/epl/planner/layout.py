@@ -18,6 +18,9 @@ ZERO_LEVELS: tuple[ZeroLevel, ...] = ("none", "v0", "v1", "v2")
 EPL_SCHEDULES: dict[Schedule, str] = {
     "GPipe": "PreferForward", "1F1B": "PreferBackward", "ZeroBubble": "ZeroBubble", "interleaved": "Interleaved1F1B",
 }  # fmt: skip
+#: The planner's checkpointing names (the literature's) -> EPL's ``gradient_checkpoint.type``: ``auto`` (selective
+#: recomputation) is EPL's ``selective``, ``full`` (each block from its input) EPL's ``auto``.
+EPL_CHECKPOINTING: dict[Checkpointing, str] = {"none": "", "auto": "selective", "full": "auto"}
 
 
 @dataclass(frozen=True)
@@ -92,13 +95,9 @@ class Layout:
 
     def config(self) -> dict[str, Any]:
         """The ``epl.Config`` dict of this layout, in EPL's names: the schedule's ``pipeline.strategy``, ``p·v``
-        stages under interleaving (``v`` a rank), and ``full`` recomputation as ``gradient_checkpoint.type: auto``
-        (EPL's, which recomputes each block from its input)."""
-        if self.gradient_checkpoint == "auto":
-            raise EplError(
-                f"EPL cannot run {self} yet: selective recomputation comes with the long-context work. The planner "
-                "estimates it for published runs only."
-            )
+        stages under interleaving (``v`` a rank), ``full`` recomputation as ``gradient_checkpoint.type: auto``
+        (EPL's, which recomputes each block from its input) and ``auto`` (selective) as ``selective`` (EPL's,
+        which keeps each block's matrix products' and attention kernels' outputs)."""
         if self.stage_layers or self.interleave_group:
             raise EplError(
                 f"The planner cannot write {self} as an epl.Config: uneven stages are cut at "
@@ -120,8 +119,8 @@ class Layout:
             config["pipeline.num_micro_batch"] = self.micro_batches
         if self.zero != "none":
             config["zero.level"] = self.zero
-        if self.gradient_checkpoint == "full":
-            config["gradient_checkpoint.type"] = "auto"
+        if self.gradient_checkpoint != "none":
+            config["gradient_checkpoint.type"] = EPL_CHECKPOINTING[self.gradient_checkpoint]
         return config
 
 

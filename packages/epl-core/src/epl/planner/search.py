@@ -2,8 +2,9 @@
 
 Searched: tensor degrees that divide the heads and fit in a node, pipeline degrees up to the layers (uneven stages
 as the automatic partition makes them: the most loaded holds ``ceil(L/p)`` blocks), data parallelism for the rest;
-micro-batch sizes dividing each replica's batch; ZeRO none, v0, v1, v2; checkpointing none and full (EPL's
-``gradient_checkpoint.type: "auto"`` recomputes each block from its input); sequence parallelism on and off under
+micro-batch sizes dividing each replica's batch; ZeRO none, v0, v1, v2; checkpointing none, auto (selective: EPL's
+``gradient_checkpoint.type: "selective"``) and full (EPL's ``"auto"``, each block from its input); sequence
+parallelism on and off under
 tensor parallelism; context parallelism (``context.degree``) with any of them (each lane of ``t x p`` devices on
 ``s/c`` tokens); 1F1B,
 interleaved (2 chunks per device) and ZeroBubble pipelines. A plan that does not fit ranks after every plan that
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 from epl.planner.devices import DeviceProfile
 from epl.planner.estimate import Estimate, estimate
-from epl.planner.layout import Checkpointing, Layout, Schedule, Workload, ZeroLevel
+from epl.planner.layout import CHECKPOINTING, Layout, Schedule, Workload, ZeroLevel
 from epl.planner.shape import ModelShape
 
 
@@ -68,8 +69,7 @@ def layouts(shape: ModelShape, workload: Workload, world_size: int) -> list[Layo
                             continue
                         zeros: tuple[ZeroLevel, ...] = ("none", "v0", "v1", "v2") if d * c > 1 else ("none",)
                         for zero in zeros:
-                            checkpoints: tuple[Checkpointing, ...] = ("none", "full")
-                            for checkpoint in checkpoints:
+                            for checkpoint in CHECKPOINTING:
                                 for sequence_parallel in sequence_choices:
                                     found.append(Layout(d, t, p, m, b, zero, checkpoint, schedule, virtual,
                                                         sequence_parallel=sequence_parallel, context=c))  # fmt: skip
