@@ -193,7 +193,8 @@ def test_the_changes_tried_are_one_setting_each_and_written_as_epl_keys() -> Non
     changed = fit_check.single_changes(layout, Workload(8, 1024))
     written = [fit_check.config_change(layout, c) for c in changed]
     assert written == [
-        'zero.level: "v0"', 'zero.level: "v1"', 'zero.level: "v2"', 'gradient_checkpoint.type: "auto"',
+        'zero.level: "v0"', 'zero.level: "v1"', 'zero.level: "v2"', 'gradient_checkpoint.type: "selective"',
+        'gradient_checkpoint.type: "auto"',
         "pipeline.num_micro_batch: 4", "pipeline.num_micro_batch: 2", "split.sequence_parallel: true",
     ]  # fmt: skip
     alone = Layout(data=1, tensor=1, pipeline=1, micro_batches=1, micro_batch_size=1, gradient_checkpoint="full")

@@ -65,6 +65,8 @@ def block_activations(
     e = dtype_bytes
     if checkpoint == "full":
         return BlockActivations(replicated=tokens * h * e, sharded=0.0)
+    if checkpoint == "ops":
+        return _products_only(shape, tokens, sequence, e, sdpa)
     replicated = tokens * (2 * h + h + h) * e  # norm inputs, q/k/v and MLP inputs
     sharded = tokens * (h + f) * e  # the output projection's and the last MLP projection's inputs
     scores = 0.0
@@ -87,6 +89,23 @@ def block_activations(
         # Llama with SDPA (measured in tests/planner/test_measured_activations.py): for EPL an upper bound.
         scores = 0.0
     return BlockActivations(replicated=replicated, sharded=sharded + core + scores + mlp)
+
+
+def _products_only(shape: ModelShape, tokens: int, sequence: int, e: int, sdpa: bool) -> BlockActivations:
+    """``ops``: torch's per-operation policy (EPL's ``selective``) keeps the block's input and the outputs of its
+    matrix products and attention kernel, and recomputes the rest: the input, the output projection's and the last
+    MLP projection's outputs whole (3h), q (h), k and v (h_kv each), the attention's output (h) and its float32
+    log-sum-exp, the MLP's first products (2f gated, f otherwise) sharded. Eager attention keeps its two batched
+    products' outputs instead: the scores (a·s) and the output (h). Measured on transformers' Llama within 10%
+    (tests/planner/test_measured_activations.py)."""
+    h, f, a = shape.hidden, shape.ffn, shape.heads
+    kv = shape.kv_heads * shape.head_dim
+    firsts = (2 if shape.gated else 1) * f
+    if sdpa:
+        attention = tokens * (h + 2 * kv + h) * e + tokens * a * 4
+    else:
+        attention = tokens * (h + 2 * kv + h) * e + tokens * a * sequence * e
+    return BlockActivations(replicated=tokens * 3 * h * e, sharded=attention + tokens * firsts * e)
 
 
 def micro_batches_in_flight(layout: Layout, stage: int = 0) -> float:

@@ -118,6 +118,12 @@ def payload_bytes(shape: ModelShape, layout: Layout, workload: Workload, grad_by
     }  # fmt: skip
 
 
+#: A block's tensor-parallel all-reduces of one micro-batch by checkpointing: 2 forward and 2 backward; recomputing
+#: the block repeats the forward's 2; torch's per-operation policy (``ops``) repeats the attention's, whose in-place
+#: collective it recomputes rather than keeps (EPL's split: tests/memory/test_selective_checkpointing.py).
+_TENSOR_ALL_REDUCES = {"none": 4, "auto": 4, "ops": 5, "full": 6}
+
+
 def tensor_parallel_all_reduces(shape: ModelShape, layout: Layout) -> float:
     """A step's tensor-parallel traffic on one device, in all-reduces of one micro-batch's activations (an
     all-gather or a reduce-scatter counts half)."""
@@ -125,7 +131,7 @@ def tensor_parallel_all_reduces(shape: ModelShape, layout: Layout) -> float:
         return 0.0
     blocks = stage_blocks(shape, layout)
     full = layout.gradient_checkpoint == "full"
-    per_block = 6 if full else 4  # recomputing a block repeats its forward's 2
+    per_block = _TENSOR_ALL_REDUCES[layout.gradient_checkpoint]
     outside: float = 2 if layout.pipeline == 1 else 1  # the embedding on the first stage, the head's input on the last
     if layout.sequence_parallel:
         per_block += 0 if full else 1  # the saved inputs gathered again (2 all-gathers)
@@ -202,7 +208,7 @@ def collective_calls(shape: ModelShape, layout: Layout, workload: Workload) -> d
     blocks = stage_blocks(shape, layout)
     tensor = 0.0
     if t > 1:
-        per_block = 6 if layout.gradient_checkpoint == "full" else 4  # recomputing a block repeats its forward's 2
+        per_block = _TENSOR_ALL_REDUCES[layout.gradient_checkpoint]
         outside = 2 if p == 1 else 1  # the embedding on the first stage, the head last
         if layout.sequence_parallel:  # each all-reduce two calls, the regathers 2, the cut and the final gather
             per_block = 2 * per_block + (0 if layout.gradient_checkpoint == "full" else 2)

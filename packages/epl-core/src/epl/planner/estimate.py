@@ -268,7 +268,7 @@ def _memory_bound_seconds(
     tokens = workload.global_batch // d * workload.sequence
     block = memory_traffic.block_bytes(shape, tokens, workload.sequence, workload.dtype_bytes, workload.sdpa)
     per_block = block.per_device(t, layout.sequence_parallel and t > 1)
-    if layout.gradient_checkpoint == "full":
+    if layout.gradient_checkpoint in ("full", "ops"):  # the elementwise kernels run again, forward
         per_block *= 4 / 3
     loss = memory_traffic.loss_bytes(shape, tokens, t, workload.gathered_logits)
     kernels = stage_blocks(shape, layout) * per_block + loss

@@ -276,12 +276,13 @@ class FitCheck:
 
 def single_changes(layout: Layout, workload: Workload) -> list[Layout]:
     """``layout`` with one setting changed to use less memory: ZeRO a level up (each higher level; with copies to
-    shard over), full checkpointing, smaller micro-batches (more of them), sequence parallelism under split."""
+    shard over), selective or full checkpointing, smaller micro-batches (more of them), sequence parallelism under
+    split."""
     changed = []
     if layout.data * layout.context > 1:
         changed += [replace(layout, zero=zero) for zero in ZERO_LEVELS[ZERO_LEVELS.index(layout.zero) + 1 :]]
-    if layout.gradient_checkpoint == "none":
-        changed.append(replace(layout, gradient_checkpoint="full"))
+    if layout.gradient_checkpoint == "none":  # EPL's selective, then whole blocks
+        changed += [replace(layout, gradient_checkpoint="ops"), replace(layout, gradient_checkpoint="full")]
     b, m = layout.micro_batch_size, layout.micro_batches
     changed += [replace(layout, micro_batch_size=k, micro_batches=m * b // k) for k in range(1, b) if b % k == 0]
     if (

@@ -9,13 +9,11 @@ from epl.config.settings import CoreSettings
 from epl.errors import EplError
 from epl.interfaces.facts import MemoryTechniques, PipelineChoices
 from epl.placement.plan import Plan
-from epl.planner.layout import EPL_CHECKPOINTING, EPL_SCHEDULES, Checkpointing, Layout, Schedule, ZeroLevel
+from epl.planner.layout import EPL_SCHEDULES, PLANNER_CHECKPOINTING, Layout, Schedule, ZeroLevel
 from epl.plugins.facts import config_facts
 
 #: epl-pipeline's schedule names (``pipeline.strategy``) -> the planner's: the one table read backwards.
 PLANNER_SCHEDULES: dict[str, Schedule] = {strategy: schedule for schedule, strategy in EPL_SCHEDULES.items()}
-#: epl-memory's ``gradient_checkpoint.type`` -> the planner's checkpointing ("collection": none the planner knows).
-PLANNER_CHECKPOINTING: dict[str, Checkpointing] = {epl: planner for planner, epl in EPL_CHECKPOINTING.items()}
 
 
 def layout_of(plan: Plan, config: Config, global_batch: int) -> Layout:
@@ -32,7 +30,7 @@ def layout_of(plan: Plan, config: Config, global_batch: int) -> Layout:
         )
     memory = config_facts(config, MemoryTechniques)
     zero = cast(ZeroLevel, memory.zero or "none")  # Layout refuses a level it does not know
-    checkpoint = PLANNER_CHECKPOINTING.get(memory.recompute, "none")
+    checkpoint = PLANNER_CHECKPOINTING.get(memory.recompute, "none")  # "collection": none the planner knows
     schedule = PLANNER_SCHEDULES.get(config_facts(config, PipelineChoices).schedule, "1F1B")
     return Layout(
         data=data,

@@ -7,10 +7,12 @@ from typing import Any, Literal
 
 from epl.errors import EplError
 
-Checkpointing = Literal["none", "auto", "full"]
+Checkpointing = Literal["none", "auto", "ops", "full"]
 Schedule = Literal["GPipe", "1F1B", "interleaved", "ZeroBubble"]
 ZeroLevel = Literal["none", "v0", "v1", "v2"]
-CHECKPOINTING: tuple[Checkpointing, ...] = ("none", "auto", "full")
+CHECKPOINTING: tuple[Checkpointing, ...] = ("none", "auto", "ops", "full")
+#: The checkpointing the search tries: what EPL runs (Korthikanti's ``auto`` is for published runs).
+SEARCHED_CHECKPOINTING: tuple[Checkpointing, ...] = ("none", "ops", "full")
 SCHEDULES: tuple[Schedule, ...] = ("GPipe", "1F1B", "interleaved", "ZeroBubble")
 ZERO_LEVELS: tuple[ZeroLevel, ...] = ("none", "v0", "v1", "v2")
 #: The planner's schedule names (the literature's) -> EPL's ``pipeline.strategy`` names (the manual's); the only
@@ -18,9 +20,12 @@ ZERO_LEVELS: tuple[ZeroLevel, ...] = ("none", "v0", "v1", "v2")
 EPL_SCHEDULES: dict[Schedule, str] = {
     "GPipe": "PreferForward", "1F1B": "PreferBackward", "ZeroBubble": "ZeroBubble", "interleaved": "Interleaved1F1B",
 }  # fmt: skip
-#: The planner's checkpointing names (the literature's) -> EPL's ``gradient_checkpoint.type``: ``auto`` (selective
-#: recomputation) is EPL's ``selective``, ``full`` (each block from its input) EPL's ``auto``.
-EPL_CHECKPOINTING: dict[Checkpointing, str] = {"none": "", "auto": "selective", "full": "auto"}
+#: The planner's checkpointing names (the literature's) -> EPL's ``gradient_checkpoint.type``: ``ops`` (torch's
+#: per-operation policy) is EPL's ``selective``, ``full`` (each block from its input) EPL's ``auto``. Korthikanti's
+#: ``auto`` runs as EPL's ``selective`` too, which keeps less than it (``planner.activations``).
+EPL_CHECKPOINTING: dict[Checkpointing, str] = {"none": "", "auto": "selective", "ops": "selective", "full": "auto"}
+#: EPL's ``gradient_checkpoint.type`` -> the planner's name (a script's layout, ``from_plan``).
+PLANNER_CHECKPOINTING: dict[str, Checkpointing] = {"": "none", "selective": "ops", "auto": "full"}
 
 
 @dataclass(frozen=True)
@@ -29,7 +34,8 @@ class Layout:
 
     ``zero``: which of the optimizer states (v0), gradients (v1) and parameters (v2) are sharded over the data
     parallel devices. ``gradient_checkpoint``: ``auto`` recomputes the attention core and the MLP's activation
-    (Korthikanti's selective recomputation), ``full`` each block from its input. ``interleaved`` runs
+    (Korthikanti's selective recomputation), ``ops`` everything but the matrix products and attention kernels
+    (torch's per-operation policy, EPL's ``selective``), ``full`` each block from its input. ``interleaved`` runs
     ``virtual_stages`` model chunks per device.
     """
 

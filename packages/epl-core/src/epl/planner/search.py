@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from epl.planner.devices import DeviceProfile
 from epl.planner.estimate import Estimate, estimate
-from epl.planner.layout import CHECKPOINTING, Layout, Schedule, Workload, ZeroLevel
+from epl.planner.layout import SEARCHED_CHECKPOINTING, Layout, Schedule, Workload, ZeroLevel
 from epl.planner.shape import ModelShape
 
 
@@ -69,7 +69,7 @@ def layouts(shape: ModelShape, workload: Workload, world_size: int) -> list[Layo
                             continue
                         zeros: tuple[ZeroLevel, ...] = ("none", "v0", "v1", "v2") if d * c > 1 else ("none",)
                         for zero in zeros:
-                            for checkpoint in CHECKPOINTING:
+                            for checkpoint in SEARCHED_CHECKPOINTING:
                                 for sequence_parallel in sequence_choices:
                                     found.append(Layout(d, t, p, m, b, zero, checkpoint, schedule, virtual,
                                                         sequence_parallel=sequence_parallel, context=c))  # fmt: skip
