@@ -115,11 +115,13 @@ def test_a_device_without_float8_matmuls_is_refused(monkeypatch: pytest.MonkeyPa
         check_device(torch.device("mps"))
 
 
-def test_linears_of_a_split_taskgraph_are_refused_with_the_fix() -> None:
-    epl.init(epl.Config({"float8.enabled": True}))
+def test_the_rowwise_recipe_on_a_split_taskgraph_is_refused_with_the_fix() -> None:
+    """Split's shards train in float8 with one scale a tensor (tests/float8/test_float8_layouts.py); a scale a row
+    would need each row's largest magnitude over the devices."""
+    epl.init(epl.Config({"float8.enabled": True, "float8.recipe": "rowwise"}))
     with epl.split(2):
         model = llama()
-    with pytest.raises(epl.AnnotationError, match="belong to an epl.split TaskGraph.*Add them to float8.exclude"):
+    with pytest.raises(epl.AnnotationError, match='tensorwise recipe only.*Set float8.recipe to "tensorwise"'):
         epl.parallelize(model)
 
 

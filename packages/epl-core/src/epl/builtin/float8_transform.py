@@ -10,10 +10,14 @@ from torch import nn
 
 from epl.config.settings import CoreSettings
 from epl.errors import AnnotationError, EplError
-from epl.float8 import Float8Choice, check_device, choose_linears, convert, float8_config
+from epl.float8 import Float8Choice, ShardedFloat8Product, check_device, choose_linears, convert, float8_config
 from epl.interfaces.facts import MemoryTechniques
 from epl.interfaces.phases import TransformPhase
 from epl.plugins.context import ParallelContext
+from epl.sharding.linear import ColumnParallelLinear, RowParallelLinear
+
+#: Split's shards of a linear layer, which train in float8 through :class:`ShardedFloat8Product`.
+PARALLEL_LINEARS = (ColumnParallelLinear, RowParallelLinear)
 
 _log = logging.getLogger("epl.float8")
 
@@ -28,7 +32,8 @@ class Float8State:
 
 class ChooseFloat8Linears:
     """Model transform: decide which linears train in float8 on the whole model (before a pipeline keeps a stage), so
-    every rank and one process choose alike; refuse linears of split TaskGraphs, whose shards have no float8 path."""
+    every rank and one process choose alike; refuse the rowwise recipe on linears of split TaskGraphs (their shards
+    are scaled over the shard group tensor by tensor only)."""
 
     name = "choose_float8_linears"
     phase = TransformPhase.CHOOSE_FLOAT8
@@ -39,11 +44,12 @@ class ChooseFloat8Linears:
         choice = choose_linears(model, settings.exclude)
         split = {id(t) for tg in context.taskgraphs if tg.strategy.kind == "split" for t in tg.tensors}
         refused = [name for name in choice.converted if id(model.get_submodule(name).weight) in split]
-        if refused:
+        if refused and settings.recipe != "tensorwise":
             shown = ", ".join(refused[:4]) + (f" and {len(refused) - 4} more" if len(refused) > 4 else "")
             raise AnnotationError(
-                f"float8.enabled: {shown} belong to an epl.split TaskGraph, whose column and row shards have no float8 "
-                "path yet. Add them to float8.exclude (patterns, e.g. the split module's name), or leave "
+                f"float8.enabled: {shown} belong to an epl.split TaskGraph, whose column and row shards train in "
+                f"float8 with the tensorwise recipe only (one scale a tensor, taken over the shard group), not "
+                f'{settings.recipe}. Set float8.recipe to "tensorwise", add them to float8.exclude, or leave '
                 "float8.enabled off."
             )
         context.state(Float8State).choice = choice
@@ -63,8 +69,9 @@ class ConvertToFloat8:
         state = context.state(Float8State)
         held = dict(model.named_modules())
         names = [name for name in state.choice.converted if type(held.get(name)) is nn.Linear]
-        if names:
-            device = held[names[0]].weight.device
+        shards = [name for name in state.choice.converted if isinstance(held.get(name), PARALLEL_LINEARS)]
+        if names or shards:
+            device = held[(names or shards)[0]].get_parameter("weight").device
             if device.type == "meta":
                 raise EplError(
                     "float8.enabled with a model built on the meta device (model.meta_init) is not supported: build "
@@ -76,5 +83,9 @@ class ConvertToFloat8:
             if all_gather and settings.recipe != "tensorwise":
                 _log.info("float8: the rowwise recipe all-gathers weights in high precision under zero.level")
             state.converted = convert(model, names, float8_config(settings.recipe, all_gather))
+            for name in shards:  # split's shards: torchao's product, scaled over the shard group
+                shard = held[name]
+                shard.product = ShardedFloat8Product(float8_config(settings.recipe, False), shard.group)
+                state.converted.append(name)
         _log.info("float8 (%s): %s", settings.recipe, state.choice.describe())
         return model

@@ -8,6 +8,7 @@ keeps the original orientation, so checkpoints keep the names and shapes of the 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -80,13 +81,15 @@ class ColumnParallelLinear(nn.Module):
         self.weight = sharded_parameter(_weight(linear), group=self.group, dim=dim, parts=shard.parts)
         bias = getattr(linear, "bias", None)
         self.bias = sharded_parameter(bias, group=self.group, dim=0, parts=shard.parts) if bias is not None else None
+        #: ``F.linear``, or another product of the same arguments (float8's: :mod:`epl.float8.sharded`).
+        self.product: Callable[..., torch.Tensor] = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This device's output features (``column``/``logits``) or all of them (``alone``)."""
         group = self.group
         x = entered(x, group)
         weight = self.weight if self.weight_layout == "out_in" else self.weight.t()
-        y = F.linear(x, weight, self.bias)
+        y = self.product(x, weight, self.bias)
         if self.role == "column":
             if group.random is not None:
                 group.random.enter()  # dropouts of the sharded activations draw per device
@@ -131,6 +134,8 @@ class RowParallelLinear(nn.Module):
         self.weight = sharded_parameter(_weight(linear), group=self.group, dim=dim)
         bias = getattr(linear, "bias", None)
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad) if bias is not None else None
+        #: ``F.linear``, or another product of the same arguments (float8's: :mod:`epl.float8.sharded`).
+        self.product: Callable[..., torch.Tensor] = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The whole output (this device's rows of it when the batch is split over the devices)."""
@@ -138,7 +143,7 @@ class RowParallelLinear(nn.Module):
         group.entry = None  # the region's input is no longer needed for sharing
         if group.random is not None and not group.sequence_depth:  # sequence parallel: the stack's end leaves
             group.random.leave()
-        partial = F.linear(x, self.weight if self.weight_layout == "out_in" else self.weight.t())
+        partial = self.product(x, self.weight if self.weight_layout == "out_in" else self.weight.t())
         if group.sequence_depth:  # sequence parallel: this device's tokens of the sum
             assert group.sequence_dim is not None
             y = C.reduce_scatter_rows(partial, group, group.sequence_dim)
