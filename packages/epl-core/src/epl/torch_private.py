@@ -28,6 +28,7 @@ __all__ = [
     "engine_run_backward",
     "foreach_mul_",
     "foreach_norm",
+    "functional_collectives",
     "functorch_transforms_active",
     "has_torch_function",
     "inductor_backend",
@@ -124,6 +125,15 @@ def inductor_backend(mode: str | None) -> Callable[..., Any]:
     """What ``torch.compile(backend="inductor", mode=mode)`` builds (``torch._TorchCompileInductorWrapper``), so that
     EPL can wrap it."""
     return torch._TorchCompileInductorWrapper(mode, None, None)
+
+
+def functional_collectives() -> Any:
+    """torch's functional collectives (``torch.distributed._functional_collectives``: ``all_reduce``,
+    ``all_gather_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``, ``wait_tensor``), which dynamo traces
+    into a compiled graph rather than breaking it; they address a process group by its name."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
 
 
 def saved_tensor_hooks_active() -> bool:
