@@ -1,0 +1,136 @@
+"""``compile.enabled`` under ``epl.split(2)``, 2 processes on the CPU (gloo, inductor's C++ backend): split's
+collectives traced as functional collectives (each block one graph) against the same engine eager, against the
+blocks compiled with a graph break at each collective (what EPL did before), and against PyTorch's own: DTensor's
+``parallelize_module`` with torchtitan's plan and each block ``torch.compile``d.
+
+**The model.** The tensor-parallel benchmark's Llama (``benchmarks/test_split_llama.py``): hidden 512, 4 layers,
+GQA 8/4, SwiGLU 1376, vocabulary 4096, float32, SDPA; batch 2 x 128 tokens; next-token loss on the logits; AdamW.
+
+**Same step first.** Every compiled side's first loss equals EPL eager's within float32 tolerance; EPL's blocks
+compile to one graph (13 with the breaks).
+
+**Measured.** Step time in alternating rounds after warm-up (rank 0's clock, a barrier before each run); ratios of
+EPL compiled to each other side. The first step of each, which compiles, is timed apart.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from tests.helpers.distributed import run_ranks
+
+from benchmarks.harness import Ratio, ResultRow, Section, compare, ms, record, short_mode
+
+pytestmark = pytest.mark.multiprocess
+
+#: Short mode (CI) catches gross regressions only; a full run expects traced collectives no slower than breaks.
+MAX_RATIO = 1.5 if short_mode() else 1.05
+SECTION = Section(
+    "torch.compile under split (compile.enabled, epl.split(2))",
+    __file__,
+    "Step time of the tensor-parallel benchmark's transformers Llama (hidden 512, 4 layers, float32, batch 2 x 128, "
+    "AdamW) under `epl.split(2)` on 2 processes (gloo, CPU, inductor's C++ backend): EPL compiled, its collectives "
+    "traced as functional collectives (one graph a block), against the same engine eager, against the blocks "
+    "compiled with a graph break at each collective (EPL before), and against DTensor's `parallelize_module` with "
+    "torchtitan's plan and each block `torch.compile`d. The first step of each, which compiles, is timed apart.",
+)
+
+
+def first_step(step: Any) -> tuple[float, float]:
+    start = time.perf_counter()
+    loss = float(step())
+    return time.perf_counter() - start, loss
+
+
+def race(rounds: int, calls: int) -> dict[str, Any]:
+    """On this rank: each side's first step (compiling) and loss, then EPL compiled timed against each side."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    import epl
+    from benchmarks.test_split_llama import (
+        BATCH,
+        LR,
+        SEQUENCE,
+        VOCABULARY,
+        llama,
+        local,
+        next_token_loss,
+        torchtitan_plan,
+    )
+    from epl.interfaces.shard_group import ShardGroup
+
+    torch.set_num_threads(1)
+    tokens = torch.randint(0, VOCABULARY, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1))
+
+    def engine(compiled: bool, breaks: bool = False) -> Any:
+        epl.init(epl.Config({"compile.enabled": compiled, "compile.backend": "inductor"}))
+        with epl.split(2):
+            model = llama()
+        built = epl.parallelize(model, optimizer=lambda p: torch.optim.AdamW(p, lr=LR), loss_fn=next_token_loss)
+        if breaks:  # as before: collectives run as they are, a graph break at each (compiling starts at step 1)
+            for module in built.model.modules():
+                if isinstance(getattr(module, "group", None), ShardGroup):
+                    module.group.traced_group = None
+        return built
+
+    sides = {"eager": engine(False), "traced": engine(True), "breaks": engine(True, breaks=True)}
+    steps = {name: (lambda e=e: e.step(tokens, tokens)) for name, e in sides.items()}
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    theirs = parallelize_module(llama(), mesh, torchtitan_plan())
+    for index, block in enumerate(theirs.model.layers):
+        theirs.model.layers.register_module(str(index), torch.compile(block))
+    optimizer = torch.optim.AdamW(theirs.parameters(), lr=LR)
+
+    def dtensor_step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        with loss_parallel():
+            loss = next_token_loss(theirs(tokens), tokens)
+            loss.backward()
+        optimizer.step()
+        return local(loss.detach())
+
+    steps["dtensor"] = dtensor_step
+    firsts = {name: first_step(step) for name, step in steps.items()}
+    for name, (_, loss) in firsts.items():
+        assert abs(loss - firsts["eager"][1]) < 1e-4, (name, firsts)
+    graphs = {name: sides[name].compile_report.graphs for name in ("traced", "breaks")}
+    assert graphs["traced"] == {"LlamaDecoderLayer": 1}, graphs
+    found: dict[str, Any] = {"first_s": {name: seconds for name, (seconds, _) in firsts.items()}, "graphs": graphs}
+    for against in ("eager", "breaks", "dtensor"):
+        result = compare(f"compile_split_vs_{against}", steps[against], steps["traced"], rounds=rounds,
+                         calls_per_round=calls, warmup=1, sync=dist.barrier, save=False)  # fmt: skip
+        found[against] = {"ratio": result.ratio, "theirs_ms": result.baseline_s * 1e3, "epl_ms": result.epl_s * 1e3}
+    return found
+
+
+def test_compiled_split_against_eager_breaks_and_dtensor_compiled() -> None:
+    rounds, calls = (3, 1) if short_mode() else (11, 3)
+    first, _ = run_ranks(race, 2, rounds, calls, timeout=1500)
+    against = {
+        "eager": "the same engine eager",
+        "breaks": "blocks compiled with a graph break at each collective (EPL before)",
+        "dtensor": "DTensor `parallelize_module` (torchtitan plan), each block `torch.compile`d",
+    }
+    feature = "`compile.enabled` (inductor) under `epl.split(2)`, transformers Llama, 2 processes, CPU"
+    rows = [
+        ResultRow(feature, text, time=(Ratio(first[name]["ratio"]),), plot=f"compiled split vs {name}")
+        for name, text in against.items()
+    ]
+    details = [
+        f"{name}: {ms(first[name]['theirs_ms'])}, EPL compiled (traced) {ms(first[name]['epl_ms'])} per step, "
+        f"ratio {first[name]['ratio']:.3f} ({rounds} rounds x {calls} steps)"
+        for name in against
+    ]
+    details.append(
+        "first step (compiling): "
+        + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in first["first_s"].items())
+        + f"; graphs per block type: traced {first['graphs']['traced']}, breaks {first['graphs']['breaks']}"
+    )
+    record("compile_split", rows, section=SECTION, details=details)
+    print("\n" + "\n".join(details))
+    assert first["breaks"]["ratio"] < MAX_RATIO, first
