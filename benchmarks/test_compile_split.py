@@ -6,8 +6,10 @@ blocks compiled with a graph break at each collective (what EPL did before), and
 **The model.** The tensor-parallel benchmark's Llama (``benchmarks/test_split_llama.py``): hidden 512, 4 layers,
 GQA 8/4, SwiGLU 1376, vocabulary 4096, float32, SDPA; batch 2 x 128 tokens; next-token loss on the logits; AdamW.
 
-**Same step first.** Every compiled side's first loss equals EPL eager's within float32 tolerance; EPL's blocks
-compile to one graph (13 with the breaks).
+**One engine.** EPL's three sides are one engine (one ``epl.init``): eager under
+``torch.compiler.set_stance("force_eager")``, and its collectives traced or not by the shard groups' ``traced_group``
+(dynamo keeps a graph for each). Equality with eager is the tests' (``tests/compiling/test_compile_split.py``,
+``test_compile_layouts.py``); here the traced blocks are asserted to be one graph.
 
 **Measured.** Step time in alternating rounds after warm-up (rank 0's clock, a barrier before each run); ratios of
 EPL compiled to each other side. The first step of each, which compiles, is timed apart.
@@ -45,7 +47,7 @@ def first_step(step: Any) -> tuple[float, float]:
 
 
 def race(rounds: int, calls: int) -> dict[str, Any]:
-    """On this rank: each side's first step (compiling) and loss, then EPL compiled timed against each side."""
+    """On this rank: each side's first step (compiling), then EPL compiled timed against each side."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -67,19 +69,37 @@ def race(rounds: int, calls: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     tokens = torch.randint(0, VOCABULARY, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1))
 
-    def engine(compiled: bool, breaks: bool = False) -> Any:
-        epl.init(epl.Config({"compile.enabled": compiled, "compile.backend": "inductor"}))
-        with epl.split(2):
-            model = llama()
-        built = epl.parallelize(model, optimizer=lambda p: torch.optim.AdamW(p, lr=LR), loss_fn=next_token_loss)
-        if breaks:  # as before: collectives run as they are, a graph break at each (compiling starts at step 1)
-            for module in built.model.modules():
-                if isinstance(getattr(module, "group", None), ShardGroup):
-                    module.group.traced_group = None
-        return built
+    epl.init(epl.Config({"compile.enabled": True, "compile.backend": "inductor"}))
+    with epl.split(2):
+        model = llama()
+    engine = epl.parallelize(model, optimizer=lambda p: torch.optim.AdamW(p, lr=LR), loss_fn=next_token_loss)
+    groups = {id(m.group): m.group for m in engine.model.modules() if isinstance(getattr(m, "group", None), ShardGroup)}
+    names = {key: group.traced_group for key, group in groups.items()}
 
-    sides = {"eager": engine(False), "traced": engine(True), "breaks": engine(True, breaks=True)}
-    steps = {name: (lambda e=e: e.step(tokens, tokens)) for name, e in sides.items()}
+    def mode(traced: bool) -> None:
+        """Traced collectives, or as before: run as they are, a graph break at each (dynamo keeps both graphs)."""
+        for key, group in groups.items():
+            group.traced_group = names[key] if traced else None
+
+    def traced() -> torch.Tensor:
+        mode(True)
+        return engine.step(tokens, tokens)
+
+    def breaks() -> torch.Tensor:
+        mode(False)
+        return engine.step(tokens, tokens)
+
+    def eager() -> torch.Tensor:
+        with torch.compiler.set_stance("force_eager"):
+            return engine.step(tokens, tokens)
+
+    report = engine.compile_report
+    assert report is not None
+    first_s = {"traced": first_step(traced)[0]}
+    graphs = {"traced": dict(report.graphs)}
+    first_s["breaks"] = first_step(breaks)[0]
+    graphs["breaks"] = {kind: count - graphs["traced"].get(kind, 0) for kind, count in report.graphs.items()}
+    first_s["eager"] = first_step(eager)[0]
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     theirs = parallelize_module(llama(), mesh, torchtitan_plan())
     for index, block in enumerate(theirs.model.layers):
@@ -94,14 +114,14 @@ def race(rounds: int, calls: int) -> dict[str, Any]:
         optimizer.step()
         return local(loss.detach())
 
-    steps["dtensor"] = dtensor_step
-    firsts = {name: first_step(step) for name, step in steps.items()}
-    for name, (_, loss) in firsts.items():
-        assert abs(loss - firsts["eager"][1]) < 1e-4, (name, firsts)
-    graphs = {name: sides[name].compile_report.graphs for name in ("traced", "breaks")}
     assert graphs["traced"] == {"LlamaDecoderLayer": 1}, graphs
-    found: dict[str, Any] = {"first_s": {name: seconds for name, (seconds, _) in firsts.items()}, "graphs": graphs}
-    for against in ("eager", "breaks", "dtensor"):
+    steps = {"eager": eager, "traced": traced, "breaks": breaks, "dtensor": dtensor_step}
+    found: dict[str, Any] = {"first_s": first_s, "graphs": graphs, "failed": {}}
+    try:
+        first_s["dtensor"] = first_step(dtensor_step)[0]
+    except Exception as error:  # torch's own side may not run here: say so, and time the others
+        found["failed"]["dtensor"] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1]}"
+    for against in [name for name in ("eager", "breaks", "dtensor") if name not in found["failed"]]:
         result = compare(f"compile_split_vs_{against}", steps[against], steps["traced"], rounds=rounds,
                          calls_per_round=calls, warmup=1, sync=dist.barrier, save=False)  # fmt: skip
         found[against] = {"ratio": result.ratio, "theirs_ms": result.baseline_s * 1e3, "epl_ms": result.epl_s * 1e3}
@@ -117,15 +137,17 @@ def test_compiled_split_against_eager_breaks_and_dtensor_compiled() -> None:
         "dtensor": "DTensor `parallelize_module` (torchtitan plan), each block `torch.compile`d",
     }
     feature = "`compile.enabled` (inductor) under `epl.split(2)`, transformers Llama, 2 processes, CPU"
+    ran = [name for name in against if name not in first["failed"]]
     rows = [
-        ResultRow(feature, text, time=(Ratio(first[name]["ratio"]),), plot=f"compiled split vs {name}")
-        for name, text in against.items()
+        ResultRow(feature, against[name], time=(Ratio(first[name]["ratio"]),), plot=f"compiled split vs {name}")
+        for name in ran
     ]
     details = [
         f"{name}: {ms(first[name]['theirs_ms'])}, EPL compiled (traced) {ms(first[name]['epl_ms'])} per step, "
         f"ratio {first[name]['ratio']:.3f} ({rounds} rounds x {calls} steps)"
-        for name in against
+        for name in ran
     ]
+    details += [f"{name}: did not run on gloo CPU ({why})" for name, why in first["failed"].items()]
     details.append(
         "first step (compiling): "
         + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in first["first_s"].items())
