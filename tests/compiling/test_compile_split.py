@@ -4,7 +4,8 @@ eager in one process.
 
 The backend here is ``aot_eager``'s own (AOTAutograd, no generated code) with compilers that count the forward and
 backward graphs it is given. In float64 the losses and every parameter after 3 AdamW steps equal eager's to 1e-10,
-under split(2), split(2) with ``split.sequence_parallel``, and split(2) x 2 pipeline stages (4 processes). Inductor
+under split(2), split(2) with checkpointing (its recomputation inside the backward graph), split(2) with
+``split.sequence_parallel``, and split(2) x 2 pipeline stages (4 processes). Inductor
 in float32: ``nox -s compile`` (``tests/compiling/test_compile_layouts.py`` with ``EPL_COMPILE_BACKEND=inductor``).
 """
 
@@ -53,7 +54,9 @@ pytestmark = pytest.mark.multiprocess
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["split(2)", "split(2), sequence parallel", "split(2) x 2 stages"])
+@pytest.mark.parametrize(
+    "name", ["split(2)", "split(2), checkpointing", "split(2), sequence parallel", "split(2) x 2 stages"]
+)
 def test_a_split_block_compiles_to_one_graph_each_way_and_trains_as_eager(name: str) -> None:
     expected = train(None, None, torch.float64)
     tolerance = TOLERANCE[torch.float64]

@@ -21,6 +21,7 @@ except ImportError:  # pragma: no cover - another torch
 
 __all__ = [
     "amp_unscale_",
+    "checkpointed_bookkeeping",
     "compile_backend",
     "compile_backends",
     "current_graph_task_id",
@@ -112,6 +113,16 @@ def compile_backend(name: str) -> Callable[..., Any]:
     import torch._dynamo
 
     return torch._dynamo.lookup_backend(name)
+
+
+def checkpointed_bookkeeping() -> contextlib.AbstractContextManager[Any]:
+    """While entered, dynamo traces a checkpointed forward that sets attributes of objects outside it, without
+    replaying those writes when the backward recomputes it (``torch._dynamo.config.patch(
+    skip_fwd_side_effects_in_bwd_under_checkpoint=True)``; dynamo reads its config as it traces). Without it dynamo
+    gives up on the whole frame, which then runs eager."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
 def compile_backends() -> list[str]:

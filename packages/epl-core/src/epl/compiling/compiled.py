@@ -144,10 +144,25 @@ def compile_blocks(
         kind = type(module)
         if kind not in by_kind:
             by_kind[kind] = _NamedBackend(inner, kind.__name__, report, refuse_random)
-        module.forward = torch.compile(module.forward, backend=by_kind[kind])
+        compiled = torch.compile(module.forward, backend=by_kind[kind])
+        module.forward = _with_bookkeeping(compiled) if refuse_random else compiled
         setattr(module, _COMPILED, True)
         report.compiled.append(name or "model")
     return report
+
+
+def _with_bookkeeping(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` traced with split's bookkeeping allowed under checkpointing: the shard group's shared entry and
+    sequence state, which a checkpointed block sets as it is traced. They decide what the graph computes, so the
+    recomputation (the graph itself) needs none of them replayed."""
+    from epl.torch_private import checkpointed_bookkeeping
+
+    @functools.wraps(compiled)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with checkpointed_bookkeeping():
+            return compiled(*args, **kwargs)
+
+    return forward
 
 
 def without_kv_cache(model: nn.Module) -> list[str]:
