@@ -164,3 +164,12 @@ def test_functional_collectives_run_eager_and_address_a_group_by_name() -> None:
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def test_checkpointed_bookkeeping_sets_dynamo_config_while_entered() -> None:
+    import torch._dynamo
+
+    before = torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+    with private.checkpointed_bookkeeping():
+        assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint is True
+    assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint == before
