@@ -122,7 +122,10 @@ def checkpointed_bookkeeping() -> contextlib.AbstractContextManager[Any]:
     gives up on the whole frame, which then runs eager."""
     import torch._dynamo
 
-    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+    patched: contextlib.AbstractContextManager[Any] = torch._dynamo.config.patch(
+        skip_fwd_side_effects_in_bwd_under_checkpoint=True
+    )
+    return patched
 
 
 def compile_backends() -> list[str]:
