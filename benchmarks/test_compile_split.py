@@ -103,7 +103,7 @@ def race(rounds: int, calls: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     theirs = parallelize_module(llama(), mesh, torchtitan_plan())
     for index, block in enumerate(theirs.model.layers):
-        theirs.model.layers.register_module(str(index), torch.compile(block))
+        theirs.model.layers.register_module(str(index), torch.compile(block, fullgraph=True))
     optimizer = torch.optim.AdamW(theirs.parameters(), lr=LR)
 
     def dtensor_step() -> torch.Tensor:
