@@ -179,7 +179,7 @@ def compile_suite(session: nox.Session) -> None:
     install_packages(session, *TEST_TOOLS, *BENCH_TOOLS)
     env = {**SINGLE_THREAD, "EPL_COMPILE_BACKEND": "inductor"}
     session.run("pytest", "tests/compiling", *session.posargs, env=env)
-    session.run("pytest", "benchmarks/test_compile.py", "-s", env=SINGLE_THREAD)
+    session.run("pytest", "benchmarks/test_compile.py", "benchmarks/test_compile_split.py", "-s", env=SINGLE_THREAD)
 
 
 @nox.session

@@ -33,6 +33,7 @@ LAYOUTS: dict[str, tuple[str | None, dict[str, Any], int]] = {
     "ZeRO v2": (None, {"zero.level": "v2"}, 2),
     "split(2)": ("split", {}, 2),
     "split(2), checkpointing": ("split", {"gradient_checkpoint.type": "auto"}, 2),
+    "split(2), sequence parallel": ("split", {"split.sequence_parallel": True}, 2),
     "2 stages, 1F1B": (None, {**PIPELINE, "pipeline.strategy": "PreferBackward"}, 2),
     "2 stages, ZeroBubble": (None, {**PIPELINE, "pipeline.strategy": "ZeroBubble"}, 2),
     "split(2) x 2 stages": ("split", PIPELINE, 4),
@@ -109,6 +110,8 @@ def check(name: str, backend: str, dtype: torch.dtype) -> None:
             assert not compiled and "zero bubble" in eager["every block"], found["report"]
         else:
             assert compiled and not eager, (rank, found["report"])
+        if name.startswith("split"):  # its collectives traced: each block one graph (docs/compile.md)
+            assert graphs == {"LlamaDecoderLayer": 1}, (rank, graphs)
         torch.testing.assert_close(found["losses"], expected["losses"], rtol=tolerance, atol=tolerance)
         for key, value in found["state"].items():
             torch.testing.assert_close(value, expected["state"][key], rtol=tolerance, atol=tolerance, msg=key)

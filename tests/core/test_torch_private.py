@@ -141,3 +141,35 @@ def test_fsdp2_reduces_on_request_outside_a_backward() -> None:
     state = FSDPState()
     assert hasattr(state, "_state_ctx") and hasattr(state._state_ctx, "all_states")
     assert hasattr(state, "_fsdp_param_groups")
+
+
+def test_functional_collectives_run_eager_and_address_a_group_by_name() -> None:
+    """What split's collectives issue inside a compiled block (traced there: tests/split/test_traced_collectives.py)."""
+    import torch.distributed as dist
+
+    from epl.ports import free_port
+
+    created = not dist.is_initialized()
+    if created:
+        store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        funcol = private.functional_collectives()
+        name = dist.group.WORLD.group_name  # type: ignore[union-attr]  # set once the process group is
+        x = torch.arange(6.0).view(2, 3)
+        assert funcol.wait_tensor(funcol.all_reduce(x, "sum", name)).tolist() == x.tolist()
+        assert funcol.wait_tensor(funcol.all_gather_tensor(x, 1, name)).shape == (2, 3)
+        assert funcol.wait_tensor(funcol.reduce_scatter_tensor(x, "sum", 0, name)).tolist() == x.tolist()
+        assert funcol.wait_tensor(funcol.all_to_all_single(x, None, None, name)).tolist() == x.tolist()
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def test_checkpointed_bookkeeping_sets_dynamo_config_while_entered() -> None:
+    import torch._dynamo
+
+    before = torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+    with private.checkpointed_bookkeeping():
+        assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint is True
+    assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint == before

@@ -21,6 +21,7 @@ except ImportError:  # pragma: no cover - another torch
 
 __all__ = [
     "amp_unscale_",
+    "checkpointed_bookkeeping",
     "compile_backend",
     "compile_backends",
     "current_graph_task_id",
@@ -28,6 +29,7 @@ __all__ = [
     "engine_run_backward",
     "foreach_mul_",
     "foreach_norm",
+    "functional_collectives",
     "functorch_transforms_active",
     "has_torch_function",
     "inductor_backend",
@@ -113,6 +115,19 @@ def compile_backend(name: str) -> Callable[..., Any]:
     return torch._dynamo.lookup_backend(name)
 
 
+def checkpointed_bookkeeping() -> contextlib.AbstractContextManager[Any]:
+    """While entered, dynamo traces a checkpointed forward that sets attributes of objects outside it, without
+    replaying those writes when the backward recomputes it (``torch._dynamo.config.patch(
+    skip_fwd_side_effects_in_bwd_under_checkpoint=True)``; dynamo reads its config as it traces). Without it dynamo
+    gives up on the whole frame, which then runs eager."""
+    import torch._dynamo
+
+    patched: contextlib.AbstractContextManager[Any] = torch._dynamo.config.patch(
+        skip_fwd_side_effects_in_bwd_under_checkpoint=True
+    )
+    return patched
+
+
 def compile_backends() -> list[str]:
     """The names ``torch.compile`` takes as a backend, every tag included (``torch._dynamo.list_backends``)."""
     import torch._dynamo
@@ -124,6 +139,15 @@ def inductor_backend(mode: str | None) -> Callable[..., Any]:
     """What ``torch.compile(backend="inductor", mode=mode)`` builds (``torch._TorchCompileInductorWrapper``), so that
     EPL can wrap it."""
     return torch._TorchCompileInductorWrapper(mode, None, None)
+
+
+def functional_collectives() -> Any:
+    """torch's functional collectives (``torch.distributed._functional_collectives``: ``all_reduce``,
+    ``all_gather_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``, ``wait_tensor``), which dynamo traces
+    into a compiled graph rather than breaking it; they address a process group by its name."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
 
 
 def saved_tensor_hooks_active() -> bool:

@@ -42,7 +42,7 @@ class CompileBlocks:
         changed = without_kv_cache(model)
         if changed:
             _log.info("compile: %s run with use_cache=False (a KV cache recompiles every block)", changed)
-        report = compile_blocks(blocks, settings.backend, settings.mode)
+        report = compile_blocks(blocks, settings.backend, settings.mode, refuse_random=bool(context.shard_groups))
         context.state(CompileState).report = report
         _log.info("compile: %s", report.describe())
         return model

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from epl.errors import ConfigError
+from epl.errors import ConfigError, EplError
 
 _log = logging.getLogger("epl.compile")
 _COMPILED = "_epl_compiled_forward"
@@ -53,14 +53,23 @@ class _NamedBackend:
     """A backend that counts the graphs of one block type, and gives a graph it fails on back to run eager
     (as dynamo captured it), naming the block type and the error in the report."""
 
-    def __init__(self, inner: Callable[..., Any], kind: str, report: CompileReport) -> None:
-        self.inner, self.kind, self.report = inner, kind, report
+    def __init__(self, inner: Callable[..., Any], kind: str, report: CompileReport, refuse_random: bool) -> None:
+        self.inner, self.kind, self.report, self.refuse_random = inner, kind, report, refuse_random
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         self.report.graphs[self.kind] = self.report.graphs.get(self.kind, 0) + 1
+        drawn = draws_random(graph) if self.refuse_random else None
+        if drawn is not None:
+            raise EplError(
+                f"compile.enabled: the compiled {self.kind} of a split model draws random numbers ({drawn}). Inside "
+                "a compiled block EPL cannot switch to the split regions' own random state, so the devices' draws "
+                "would not be the ones eager gives. Set the model's dropout to 0, or compile.enabled to False."
+            )
         try:
             compiled: Callable[..., Any] = self.inner(graph, example_inputs)
             return compiled
+        except EplError:
+            raise
         except Exception as error:  # any backend failure: this graph runs eager, and the report says why
             why = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
             self.report.eager[self.kind] = why
@@ -69,6 +78,36 @@ class _NamedBackend:
 
     def __getattr__(self, name: str) -> Any:  # the inner backend's own settings (e.g. inductor's config)
         return getattr(self.inner, name)
+
+
+#: Torch functions and methods that draw random numbers (dropouts drawing only with ``p`` > 0 in training).
+_RANDOM = frozenset(
+    "rand randn randint rand_like randn_like randint_like randperm bernoulli normal multinomial poisson uniform "
+    "exponential geometric cauchy log_normal random".split()
+)
+_DROPOUTS = frozenset("dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout".split())
+
+
+def draws_random(graph: torch.fx.GraphModule) -> str | None:
+    """The first call of ``graph`` (a dynamo graph) that draws random numbers, by name; None when none does.
+    A dropout draws unless its ``p`` is 0 or ``training`` False; attention unless its ``dropout_p`` is 0."""
+    for node in graph.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        base = name.rstrip("_")
+        if base in _RANDOM:
+            return name
+        if base in _DROPOUTS:
+            p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+            training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+            if p != 0 and training is not False:
+                return name
+        if base == "scaled_dot_product_attention":
+            p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+            if p != 0:
+                return name
+    return None
 
 
 def _backend(name: str, mode: str) -> Callable[..., Any]:
@@ -85,12 +124,16 @@ def _backend(name: str, mode: str) -> Callable[..., Any]:
     return compile_backend(name)
 
 
-def compile_blocks(modules: Sequence[tuple[str, nn.Module]], backend: str, mode: str = "") -> CompileReport:
+def compile_blocks(
+    modules: Sequence[tuple[str, nn.Module]], backend: str, mode: str = "", *, refuse_random: bool = False
+) -> CompileReport:
     """Compile each module's ``forward`` (as it is now: a checkpointed forward is compiled with its
     recomputation) with ``torch.compile``; the module, its name, parameters and hooks stay as they are.
 
     Modules of one type share a backend, so dynamo compiles their code once and reuses the graph for every
     module whose attributes pass its guards (transformer blocks: one graph for all of them).
+    ``refuse_random``: a graph that draws random numbers is an error (split's regions draw from their own random
+    state, which a compiled block does not switch to).
     """
     report = CompileReport(backend)
     inner = _backend(backend, mode)
@@ -100,11 +143,26 @@ def compile_blocks(modules: Sequence[tuple[str, nn.Module]], backend: str, mode:
             continue
         kind = type(module)
         if kind not in by_kind:
-            by_kind[kind] = _NamedBackend(inner, kind.__name__, report)
-        module.forward = torch.compile(module.forward, backend=by_kind[kind])
+            by_kind[kind] = _NamedBackend(inner, kind.__name__, report, refuse_random)
+        compiled = torch.compile(module.forward, backend=by_kind[kind])
+        module.forward = _with_bookkeeping(compiled) if refuse_random else compiled
         setattr(module, _COMPILED, True)
         report.compiled.append(name or "model")
     return report
+
+
+def _with_bookkeeping(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` traced with split's bookkeeping allowed under checkpointing: the shard group's shared entry and
+    sequence state, which a checkpointed block sets as it is traced. They decide what the graph computes, so the
+    recomputation (the graph itself) needs none of them replayed."""
+    from epl.torch_private import checkpointed_bookkeeping
+
+    @functools.wraps(compiled)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with checkpointed_bookkeeping():
+            return compiled(*args, **kwargs)
+
+    return forward
 
 
 def without_kv_cache(model: nn.Module) -> list[str]:

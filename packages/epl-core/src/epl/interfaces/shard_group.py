@@ -51,6 +51,18 @@ class ShardGroup:
     sequence_entry: Any = field(default=None, repr=False)
     #: How many sequence-parallel regions are running (their row layers reduce-scatter along the sequence).
     sequence_depth: int = 0
+    #: The name torch's functional collectives address the communicator's process group by (what a compiled block
+    #: traces its collectives on), or None where the communicator has no torch process group.
+    traced_group: str | None = field(default=None, init=False)
+    #: :attr:`entry` inside a compiled block: (the input, entered), held only while the block is traced (its row
+    #: layer clears it), so no block's graph guards on what eager code left in :attr:`entry`.
+    traced_entry: tuple[Any, Any] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        asked = getattr(self.communicator, "process_group", None)  # a stand-in (a plan's seat) has none
+        group = asked() if callable(asked) else None
+        self.traced_group = getattr(group, "group_name", None) if group is not None else None
+        self.traced_entry = None  # in the instance's own attributes, as the row layers' clearing leaves it
 
     @property
     def index(self) -> int:

@@ -4,8 +4,12 @@ Each function is a pair: an operator in the forward pass and its adjoint in the
 backward pass, over the :class:`~epl.interfaces.shard_group.ShardGroup`'s communicator.
 Every call waits for its collective, so a timeout surfaces where it happened,
 and counts it in ``group.collectives`` (tests assert there is no hidden traffic).
-``torch.compile`` runs them as they are (``torch.compiler.disable``): a compiled block breaks its graph at each,
-rather than tracing the communicator and guarding on its counters.
+Inside a compiled region (``torch.compiler.is_compiling()``, ``compile.enabled``) over a communicator with a
+torch process group, each function is issued as torch's functional collectives instead, in autograd Functions of
+the same forward/backward pairs, which dynamo traces into the block's graph: a split block compiles whole, and
+inductor sees (and may fuse around) the collectives. Those calls are the graph's, so ``group.collectives`` does not
+count them, and they wait as torch's process group does (its timeout: ``communication.timeout``). Over a
+communicator without one (another backend) they run as they are (``torch.compiler.disable``), a graph break at each.
 
 ==========================  ======================================  ======================================
 function                    forward                                 backward
@@ -36,6 +40,7 @@ import torch
 
 from epl.interfaces.communicator import ReduceOp
 from epl.interfaces.shard_group import ShardGroup
+from epl.torch_private import functional_collectives
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -211,53 +216,252 @@ def _exchange(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     return output
 
 
-@_eager
+def _traced(group: ShardGroup) -> str | None:
+    """The process group's name when ``group``'s collectives are traced (inside a compiled region, over a
+    communicator with a torch process group); None when they run as they are."""
+    if group.traced_group is None or not torch.compiler.is_compiling():
+        return None
+    return group.traced_group
+
+
+def _traced_all_reduce(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    funcol = functional_collectives()
+    return cast(torch.Tensor, funcol.wait_tensor(funcol.all_reduce(tensor.contiguous(), "sum", name)))
+
+
+def _traced_gather(tensor: torch.Tensor, name: str, count: int, dim: int, sizes: list[int] | None) -> torch.Tensor:
+    """:func:`_gather` by a functional all-gather: uneven pieces padded to the longest, the padding dropped."""
+    funcol = functional_collectives()
+    dim = dim % tensor.dim()
+    longest = max(sizes) if sizes else tensor.shape[dim]
+    piece = tensor
+    if piece.shape[dim] < longest:
+        pad = list(piece.shape)
+        pad[dim] = longest - piece.shape[dim]
+        piece = torch.cat([piece, piece.new_zeros(pad)], dim=dim)
+    output = cast(torch.Tensor, funcol.wait_tensor(funcol.all_gather_tensor(piece.contiguous(), dim, name)))
+    if sizes and any(size != longest for size in sizes):
+        chunks = output.split(longest, dim)
+        output = torch.cat([chunk.narrow(dim, 0, size) for chunk, size in zip(chunks, sizes, strict=True)], dim)
+    return output.contiguous()
+
+
+def _traced_reduce_scatter(tensor: torch.Tensor, name: str, count: int, dim: int) -> torch.Tensor:
+    dim = dim % tensor.dim()
+    if tensor.shape[dim] % count:
+        raise ValueError(f"{tensor.shape[dim]} rows cannot be shared equally by {count} devices of a split TaskGraph.")
+    funcol = functional_collectives()
+    return cast(torch.Tensor, funcol.wait_tensor(funcol.reduce_scatter_tensor(tensor.contiguous(), "sum", dim, name)))
+
+
+class _TracedCopy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        ctx.name = name
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _traced_all_reduce(grad, ctx.name), None
+
+
+class _TracedReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return _traced_all_reduce(tensor, name)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _TracedGather(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, tensor: torch.Tensor, name: str, count: int, index: int, dim: int, sizes: list[int]
+    ) -> torch.Tensor:
+        ctx.dim, ctx.start, ctx.size = dim, sum(sizes[:index]), sizes[index]
+        return _traced_gather(tensor, name, count, dim, sizes)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
+        return grad.narrow(ctx.dim, ctx.start, ctx.size).contiguous(), None, None, None, None, None
+
+
+class _TracedSplit(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, tensor: torch.Tensor, name: str, count: int, index: int, dim: int, sizes: list[int]
+    ) -> torch.Tensor:
+        ctx.name, ctx.count, ctx.dim, ctx.sizes = name, count, dim, sizes
+        return tensor.narrow(dim, sum(sizes[:index]), sizes[index]).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
+        return _traced_gather(grad, ctx.name, ctx.count, ctx.dim, ctx.sizes), None, None, None, None, None
+
+
+class _TracedGatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str, count: int, dim: int) -> torch.Tensor:
+        ctx.name, ctx.count, ctx.dim = name, count, dim
+        return _traced_gather(tensor, name, count, dim, None)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _traced_reduce_scatter(grad, ctx.name, ctx.count, ctx.dim), None, None, None
+
+
+class _TracedScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str, count: int, index: int) -> torch.Tensor:
+        if tensor.shape[0] % count:
+            raise ValueError(
+                f"{tensor.shape[0]} rows cannot be shared equally by {count} devices of a split TaskGraph."
+            )
+        ctx.name, ctx.count = name, count
+        rows = tensor.shape[0] // count
+        return tensor[index * rows : (index + 1) * rows].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _traced_gather(grad, ctx.name, ctx.count, 0, None), None, None, None
+
+
+class _TracedReduceScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str, count: int, dim: int) -> torch.Tensor:
+        ctx.name, ctx.count, ctx.dim = name, count, dim
+        return _traced_reduce_scatter(tensor, name, count, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _traced_gather(grad, ctx.name, ctx.count, ctx.dim, None), None, None, None
+
+
+class _TracedAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str, count: int) -> torch.Tensor:
+        if tensor.shape[0] % count:
+            raise ValueError(
+                f"{tensor.shape[0]} rows cannot be shared equally by {count} devices of a split TaskGraph."
+            )
+        ctx.name, ctx.count = name, count
+        return _traced_all_to_all(tensor, name)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _traced_all_to_all(grad, ctx.name), None, None
+
+
+def _traced_all_to_all(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    funcol = functional_collectives()
+    return cast(torch.Tensor, funcol.wait_tensor(funcol.all_to_all_single(tensor.contiguous(), None, None, name)))
+
+
 def copy_to_shards(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward (the input of column-parallel layers)."""
+    name = _traced(group)
+    if name is not None:
+        return _applied(_TracedCopy, tensor, name)
+    return _copy_to_shards_eager(tensor, group)
+
+
+@_eager
+def _copy_to_shards_eager(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     return _applied(_CopyToShards, tensor, group)
 
 
-@_eager
 def reduce_from_shards(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     """All-reduce (sum) forward; identity backward (the output of row-parallel layers)."""
+    name = _traced(group)
+    if name is not None:
+        return _applied(_TracedReduce, tensor, name)
+    return _reduce_from_shards_eager(tensor, group)
+
+
+@_eager
+def _reduce_from_shards_eager(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     return _applied(_ReduceFromShards, tensor, group)
 
 
-@_eager
 def gather_from_shards(tensor: torch.Tensor, group: ShardGroup, dim: int, sizes: list[int]) -> torch.Tensor:
     """All-gather every shard's piece along ``dim`` (piece lengths ``sizes``); backward keeps this shard's slice."""
+    name = _traced(group)
+    if name is not None:
+        return _applied(_TracedGather, tensor, name, group.count, group.index, dim, sizes)
+    return _gather_from_shards_eager(tensor, group, dim, sizes)
+
+
+@_eager
+def _gather_from_shards_eager(tensor: torch.Tensor, group: ShardGroup, dim: int, sizes: list[int]) -> torch.Tensor:
     return _applied(_GatherFromShards, tensor, group, dim, sizes)
 
 
-@_eager
 def split_to_shards(tensor: torch.Tensor, group: ShardGroup, dim: int, sizes: list[int]) -> torch.Tensor:
     """This shard's slice along ``dim`` (lengths ``sizes``); backward all-gathers the gradient."""
+    name = _traced(group)
+    if name is not None:
+        return _applied(_TracedSplit, tensor, name, group.count, group.index, dim, sizes)
+    return _split_to_shards_eager(tensor, group, dim, sizes)
+
+
+@_eager
+def _split_to_shards_eager(tensor: torch.Tensor, group: ShardGroup, dim: int, sizes: list[int]) -> torch.Tensor:
     return _applied(_SplitToShards, tensor, group, dim, sizes)
 
 
-@_eager
 def gather_rows(tensor: torch.Tensor, group: ShardGroup, dim: int = 0) -> torch.Tensor:
     """Every device's rows (along ``dim``, dimension 0 by default), in device order; backward reduce-scatters
     (sums) the gradient."""
+    name = _traced(group)
+    if name is not None:
+        return _applied(_TracedGatherRows, tensor, name, group.count, dim)
+    return _gather_rows_eager(tensor, group, dim)
+
+
+@_eager
+def _gather_rows_eager(tensor: torch.Tensor, group: ShardGroup, dim: int = 0) -> torch.Tensor:
     return _applied(_GatherRows, tensor, group, dim)
 
 
-@_eager
 def scatter_rows(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     """This device's rows of ``tensor`` (identical on every device); backward all-gathers the gradient."""
+    name = _traced(group)
+    if name is not None:
+        return _applied(_TracedScatterRows, tensor, name, group.count, group.index)
+    return _scatter_rows_eager(tensor, group)
+
+
+@_eager
+def _scatter_rows_eager(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     return _applied(_ScatterRows, tensor, group)
 
 
-@_eager
 def reduce_scatter_rows(tensor: torch.Tensor, group: ShardGroup, dim: int = 0) -> torch.Tensor:
     """Sum the devices' partial ``tensor`` and keep this device's rows (along ``dim``); backward all-gathers the
     gradient."""
-    return _applied(_ReduceScatterRows, tensor, group, dim)
+    name = _traced(group)
+    if name is not None:
+        return _applied(_TracedReduceScatterRows, tensor, name, group.count, dim)
+    return _reduce_scatter_rows_eager(tensor, group, dim)
 
 
 @_eager
+def _reduce_scatter_rows_eager(tensor: torch.Tensor, group: ShardGroup, dim: int = 0) -> torch.Tensor:
+    return _applied(_ReduceScatterRows, tensor, group, dim)
+
+
 def all_to_all(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     """Send chunk j of dimension 0 to device j and receive device j's chunk into chunk j; backward sends back."""
+    name = _traced(group)
+    if name is not None:
+        return _applied(_TracedAllToAll, tensor, name, group.count)
+    return _all_to_all_eager(tensor, group)
+
+
+@_eager
+def _all_to_all_eager(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     return _applied(_AllToAll, tensor, group)
 
 

@@ -38,13 +38,29 @@ def _features(module: nn.Module, shard: ShardContext) -> tuple[int, int]:
     )
 
 
-@torch.compiler.disable  # a cache of weak references: run as it is under torch.compile
 def entered(x: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     """``x`` entered into the shards (copy, or gather of rows), shared by every layer reading the same ``x``.
 
     q, k and v (or gate and up) then cost one all-reduce of the input gradient
-    backward, as Megatron-LM's fused layers do.
+    backward, as Megatron-LM's fused layers do. Inside a compiled block whose collectives are traced, the cache
+    holds the tensors themselves for the trace (dynamo follows them; the row layer clears it); else weak
+    references, run as they are.
     """
+    if group.traced_group is not None and torch.compiler.is_compiling():
+        gathered = group.sequence_entry
+        if gathered is not None and gathered is x:
+            return x
+        traced = group.traced_entry
+        if traced is not None and traced[0] is x:
+            return cast(torch.Tensor, traced[1])
+        result = C.gather_rows(x, group) if group.batch_split else C.copy_to_shards(x, group)
+        group.traced_entry = (x, result)
+        return result
+    return _entered_eager(x, group)
+
+
+@torch.compiler.disable  # a cache of weak references: run as it is under torch.compile
+def _entered_eager(x: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     gathered = group.sequence_entry
     if gathered is not None and gathered() is x:  # gathered along the sequence: its backward sums already
         return x
@@ -140,7 +156,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The whole output (this device's rows of it when the batch is split over the devices)."""
         group = self.group
-        group.entry = None  # the region's input is no longer needed for sharing
+        group.entry = group.traced_entry = None  # the region's input is no longer needed for sharing
         if group.random is not None and not group.sequence_depth:  # sequence parallel: the stack's end leaves
             group.random.leave()
         partial = self.product(x, self.weight if self.weight_layout == "out_in" else self.weight.t())

@@ -42,16 +42,25 @@ class RegionRandom:
         """Whether the region's state is in use now."""
         return self._saved is not None
 
-    @torch.compiler.disable  # swaps the generator's state: run as it is under torch.compile
     def enter(self) -> None:
-        """Use the region's state (a column layer's output is sharded from here on)."""
+        """Use the region's state (a column layer's output is sharded from here on). Inside a compiled block,
+        nothing: the block's graph is refused if it draws random numbers (``epl.compiling``), so no draw needs it."""
+        if not torch.compiler.is_compiling():
+            self._enter()
+
+    @torch.compiler.disable  # swaps the generator's state: run as it is under torch.compile
+    def _enter(self) -> None:
         if self._saved is None:
             self._saved = self._get()
             self._set(self.state)
 
-    @torch.compiler.disable
     def leave(self) -> None:
-        """Back to the default state (a row layer sums the region up)."""
+        """Back to the default state (a row layer sums the region up); inside a compiled block, nothing."""
+        if not torch.compiler.is_compiling():
+            self._leave()
+
+    @torch.compiler.disable
+    def _leave(self) -> None:
         if self._saved is not None:
             self.state = self._get()
             self._set(self._saved)

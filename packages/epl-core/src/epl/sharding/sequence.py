@@ -62,7 +62,9 @@ def install(model: nn.Module, group: ShardGroup, summed: set[int]) -> list[Any]:
             handles.append(block.register_forward_pre_hook(lambda module, args: group.random.enter()))
     for region in regions.values():
         handles.append(region.register_forward_pre_hook(_enter_region(group), with_kwargs=True))
-        handles.append(region.register_forward_hook(_leave_region(group), always_call=True))
+        # Not always_call: a compiled block would guard on each region's hook id, and compile once per block. A
+        # forward that raises is cleaned up by default_random_after, the forward context, instead.
+        handles.append(region.register_forward_hook(_leave_region(group)))
     for block in blocks:
         for parameter in block.parameters():
             if not is_sharded(parameter) and parameter.requires_grad and id(parameter) not in summed:
@@ -74,13 +76,18 @@ def install(model: nn.Module, group: ShardGroup, summed: set[int]) -> list[Any]:
 @contextlib.contextmanager
 def default_random_after(groups: list[ShardGroup]) -> Iterator[None]:
     """A forward context: the default random state is back when a forward ends, also a pipeline stage's that
-    holds blocks but not the last one (whose final gather leaves the region's state)."""
+    holds blocks but not the last one (whose final gather leaves the region's state); and no region is left
+    open by a forward that raised inside one (its saved-tensor hooks left, its depth back to 0)."""
     try:
         yield
     finally:
         for group in groups:
             if group.random is not None:
                 group.random.leave()
+            group.sequence_depth, group.sequence_entry = 0, None
+        while _saving:
+            for entered in reversed(_saving.popitem()[1]):
+                entered.__exit__(None, None, None)
 
 
 def _cut(group: ShardGroup) -> Any:
@@ -153,6 +160,10 @@ def _enter_region(group: ShardGroup) -> Any:
 
         def gather(x: torch.Tensor) -> torch.Tensor:
             whole = C.gather_rows(x, group, SEQUENCE_DIM)
+            if group.traced_group is not None and torch.compiler.is_compiling():
+                # traced: the tensor itself (no weak reference in a graph); what the graph saves is its own choice
+                group.sequence_entry = whole
+                return whole
             group.sequence_entry = weakref.ref(whole)
             # saved-tensor hooks active already (checkpointing's, offloading's) own what is saved; True where torch
             # cannot say, and the gathered input is then kept whole
@@ -162,7 +173,8 @@ def _enter_region(group: ShardGroup) -> Any:
             return whole
 
         changed = _on_stream(gather)(module, args, kwargs)
-        _saving[id(module)] = saving
+        if saving:  # none in a compiled block (no guard there on the region's id)
+            _saving[id(module)] = saving
         return changed
 
     return hook
@@ -176,7 +188,7 @@ def _leave_region(group: ShardGroup) -> Any:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         group.sequence_depth -= 1
         group.sequence_entry = None
-        for entered in reversed(_saving.pop(id(module), [])):
+        for entered in reversed(_saving.pop(id(module), []) if _saving else []):
             entered.__exit__(None, None, None)
 
     return hook
