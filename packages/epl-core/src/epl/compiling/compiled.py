@@ -25,7 +25,8 @@ class CompileReport:
 
     ``compiled``: the modules whose forward is compiled, by name. ``graphs``: graphs the backend was given, by
     block type (one per block type when nothing breaks the graph; more for graph breaks, recompilations for new
-    shapes, and inference). ``eager``: what runs eager instead, by block type, with the backend's error.
+    shapes, and inference); AOTAutograd backends make one forward and one backward graph of each that needs
+    gradients. ``eager``: what runs eager instead, by block type, with the backend's error.
     """
 
     backend: str
