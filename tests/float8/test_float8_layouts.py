@@ -170,12 +170,13 @@ def test_a_two_stage_pipeline_of_float8_equals_one_process() -> None:
     assert any("model.layers.1.mlp.up_proj" in h for h in held) and any("model.layers.2.mlp.up_proj" in h for h in held)
 
 
-def split_gradients() -> dict[str, Any]:
-    """One rank under ``epl.split(2)``: the first loss and the gradient of every parameter (gathered whole), as one
-    SGD step of rate 1 writes it; the names of the float8 layers."""
+def split_gradients(compiled: bool) -> dict[str, Any]:
+    """One rank under ``epl.split(2)`` (each block compiled by ``aot_eager`` when ``compiled``): the first loss and
+    the gradient of every parameter (gathered whole), as one SGD step of rate 1 writes it; the float8 layers."""
     import epl
 
-    epl.init(epl.Config({"float8.enabled": True}))
+    compiling = {"compile.enabled": True, "compile.backend": "aot_eager"} if compiled else {}
+    epl.init(epl.Config({"float8.enabled": True, **compiling}))
     with epl.split(2):
         model = llama()
     engine = epl.parallelize(model, optimizer=lambda p: torch.optim.SGD(p, lr=1.0), loss_fn=token_loss)
@@ -191,19 +192,21 @@ def split_gradients() -> dict[str, Any]:
 
 
 @pytest.mark.timeout(300)
-def test_split_float8_equals_one_process() -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_split_float8_equals_one_process(compiled: bool) -> None:
     """Column shards (q, k, v, gate, up) and row shards (o, down) in float8, each operand scaled over the devices,
     against the same float8 model in one process: the first loss within ``DP_TOLERANCE``, and each parameter's
     gradient within ``SPLIT_GRADIENT`` of its norm. Float8 rounds to 3 bits of mantissa, so a value the row shards
     sum in another order can land on the next float8 step: measured 1.4e-4 of a gradient's norm at most. Scaling each
     shard by its own largest magnitude instead (what torchao's Float8Linear would do on a shard) is 0.15 off: the
     test tells the two apart by three orders of magnitude. (Over several AdamW steps, its normalisation makes such a
-    difference a whole step's size on elements whose gradient is near zero, so one step is compared.)"""
+    difference a whole step's size on elements whose gradient is near zero, so one step is compared.) Compiled, the
+    float8 products run eager between the block's graphs (their scales' all-reduces are EPL's communicator's)."""
     model = float8_llama()
     tokens = batches(1)[0]
     loss = token_loss(model(input_ids=tokens), tokens)
     loss.backward()
-    for result in run_ranks(split_gradients, 2, timeout=240):
+    for result in run_ranks(split_gradients, 2, compiled, timeout=240):
         assert result["loss"] == pytest.approx(float(loss), rel=DP_TOLERANCE)
         assert {"model.layers.1.self_attn.q_proj", "model.layers.2.mlp.down_proj"} <= set(result["float8"])
         for name, parameter in model.named_parameters():

@@ -33,6 +33,7 @@ class ShardedFloat8Product:
         with torch.device("meta"):  # torchao's product settings, as Float8Linear makes them
             self.mm_config = Float8Linear.from_float(nn.Linear(16, 16), config=config).linear_mm_config
 
+    @torch.compiler.disable  # its scales' all-reduces run on EPL's communicator: eager in a compiled block
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T + bias`` in float8, every operand scaled over the group."""
         from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
