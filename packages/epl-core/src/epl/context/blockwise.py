@@ -101,6 +101,9 @@ class Merge:
         self.shape, self.dtype, self.device = query.shape, merge_dtype(query.dtype), query.device
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
+        #: Whether ``out`` and ``lse`` are the merge's own, to write in place (not a kernel's results, which
+        #: selective checkpointing may keep: torch refuses a kept tensor written after).
+        self.owned = False
 
     def add(self, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Take in one partial result of query ``rows`` (``lse`` ``-inf`` where a query saw nothing)."""
@@ -110,7 +113,9 @@ class Merge:
         if self.out is None or self.lse is None:
             self.out = torch.zeros(self.shape, dtype=self.dtype, device=out.device)
             self.lse = torch.full(self.shape[:-1], float("-inf"), dtype=self.dtype, device=out.device)
-        self.out, self.lse = self.out.to(self.dtype), self.lse.to(self.dtype)
+        elif not self.owned:  # a second result: the kept first one is copied once, then merged into
+            self.out, self.lse = self.out.to(self.dtype, copy=True), self.lse.to(self.dtype, copy=True)
+        self.owned = True
         old_out, old_lse = self.out[:, :, rows], self.lse[:, :, rows]
         lse = lse.to(self.dtype)
         new_lse = torch.logaddexp(old_lse, lse)
