@@ -68,13 +68,7 @@ def _gather(tensor: torch.Tensor, group: ShardGroup, dim: int, sizes: list[int] 
     """Concatenate every member's ``tensor`` along ``dim``; ``sizes`` gives uneven lengths."""
     group.collectives["all_gather"] += 1
     dim = dim % tensor.dim()
-    longest = max(sizes) if sizes else tensor.shape[dim]
-    piece = tensor
-    if piece.shape[dim] < longest:
-        pad = list(piece.shape)
-        pad[dim] = longest - piece.shape[dim]
-        piece = torch.cat([piece, piece.new_zeros(pad)], dim=dim)
-    piece = piece.movedim(dim, 0).contiguous()
+    piece = _padded(tensor, dim, max(sizes) if sizes else tensor.shape[dim]).movedim(dim, 0).contiguous()
     output = piece.new_empty((group.count * piece.shape[0], *piece.shape[1:]))
     group.communicator.all_gather(output, piece).wait()
     chunks = list(output.split(piece.shape[0]))
@@ -82,6 +76,22 @@ def _gather(tensor: torch.Tensor, group: ShardGroup, dim: int, sizes: list[int] 
         chunks = [chunk[:size] for chunk, size in zip(chunks, sizes, strict=True)]
     # Contiguous, as the whole layer's output was: code after it may view it (view_as_complex, .view()).
     return torch.cat(chunks).movedim(0, dim).contiguous()
+
+
+def _padded(tensor: torch.Tensor, dim: int, longest: int) -> torch.Tensor:
+    """``tensor`` with zeros after it along ``dim`` up to ``longest`` (an uneven piece of an all-gather)."""
+    if tensor.shape[dim] >= longest:
+        return tensor
+    pad = list(tensor.shape)
+    pad[dim] = longest - tensor.shape[dim]
+    return torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
+
+
+def _rows_per_device(rows: int, count: int) -> int:
+    """``rows`` shared equally by ``count`` devices, or the error that they cannot be."""
+    if rows % count:
+        raise ValueError(f"{rows} rows cannot be shared equally by {count} devices of a split TaskGraph.")
+    return rows // count
 
 
 def regather(tensor: torch.Tensor, group: ShardGroup, dim: int) -> torch.Tensor:
@@ -106,11 +116,7 @@ def _reduce_scatter_along(tensor: torch.Tensor, group: ShardGroup, dim: int) -> 
 
 
 def _own_rows_count(tensor: torch.Tensor, group: ShardGroup) -> int:
-    if tensor.shape[0] % group.count:
-        raise ValueError(
-            f"{tensor.shape[0]} rows cannot be shared equally by {group.count} devices of a split TaskGraph."
-        )
-    return tensor.shape[0] // group.count
+    return _rows_per_device(tensor.shape[0], group.count)
 
 
 def _own_rows(tensor: torch.Tensor, group: ShardGroup) -> torch.Tensor:
@@ -234,11 +240,7 @@ def _traced_gather(tensor: torch.Tensor, name: str, count: int, dim: int, sizes:
     funcol = functional_collectives()
     dim = dim % tensor.dim()
     longest = max(sizes) if sizes else tensor.shape[dim]
-    piece = tensor
-    if piece.shape[dim] < longest:
-        pad = list(piece.shape)
-        pad[dim] = longest - piece.shape[dim]
-        piece = torch.cat([piece, piece.new_zeros(pad)], dim=dim)
+    piece = _padded(tensor, dim, longest)
     output = cast(torch.Tensor, funcol.wait_tensor(funcol.all_gather_tensor(piece.contiguous(), dim, name)))
     if sizes and any(size != longest for size in sizes):
         chunks = output.split(longest, dim)
@@ -248,8 +250,7 @@ def _traced_gather(tensor: torch.Tensor, name: str, count: int, dim: int, sizes:
 
 def _traced_reduce_scatter(tensor: torch.Tensor, name: str, count: int, dim: int) -> torch.Tensor:
     dim = dim % tensor.dim()
-    if tensor.shape[dim] % count:
-        raise ValueError(f"{tensor.shape[dim]} rows cannot be shared equally by {count} devices of a split TaskGraph.")
+    _rows_per_device(tensor.shape[dim], count)
     funcol = functional_collectives()
     return cast(torch.Tensor, funcol.wait_tensor(funcol.reduce_scatter_tensor(tensor.contiguous(), "sum", dim, name)))
 
@@ -315,12 +316,8 @@ class _TracedGatherRows(torch.autograd.Function):
 class _TracedScatterRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str, count: int, index: int) -> torch.Tensor:
-        if tensor.shape[0] % count:
-            raise ValueError(
-                f"{tensor.shape[0]} rows cannot be shared equally by {count} devices of a split TaskGraph."
-            )
         ctx.name, ctx.count = name, count
-        rows = tensor.shape[0] // count
+        rows = _rows_per_device(tensor.shape[0], count)
         return tensor[index * rows : (index + 1) * rows].contiguous()
 
     @staticmethod
@@ -342,10 +339,7 @@ class _TracedReduceScatterRows(torch.autograd.Function):
 class _TracedAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str, count: int) -> torch.Tensor:
-        if tensor.shape[0] % count:
-            raise ValueError(
-                f"{tensor.shape[0]} rows cannot be shared equally by {count} devices of a split TaskGraph."
-            )
+        _rows_per_device(tensor.shape[0], count)
         ctx.name, ctx.count = name, count
         return _traced_all_to_all(tensor, name)
 
