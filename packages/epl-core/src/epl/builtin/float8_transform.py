@@ -83,9 +83,10 @@ class ConvertToFloat8:
             if all_gather and settings.recipe != "tensorwise":
                 _log.info("float8: the rowwise recipe all-gathers weights in high precision under zero.level")
             state.converted = convert(model, names, float8_config(settings.recipe, all_gather))
+            sharded_config = float8_config(settings.recipe, all_gather=False)  # one for every shard
             for name in shards:  # split's shards: torchao's product, scaled over the shard group
                 shard = held[name]
-                shard.product = ShardedFloat8Product(float8_config(settings.recipe, False), shard.group)
+                shard.product = ShardedFloat8Product(sharded_config, shard.group)
                 state.converted.append(name)
         _log.info("float8 (%s): %s", settings.recipe, state.choice.describe())
         return model
