@@ -32,20 +32,15 @@ def check_length(length: int, count: int) -> int:
     return length // (2 * count)
 
 
-def local_positions(length: int, index: int, count: int, device: torch.device | None = None) -> torch.Tensor:
-    """The global positions of the tokens device ``index`` holds, in the order it holds them."""
-    chunk = check_length(length, count)
-    first, second = chunks_of(index, count)
-    return torch.cat(
-        [torch.arange(first * chunk, (first + 1) * chunk, device=device),
-         torch.arange(second * chunk, (second + 1) * chunk, device=device)]
-    )  # fmt: skip
-
-
 def local_runs(length: int, index: int, count: int) -> Runs:
     """The global positions device ``index`` holds, as runs ``(first, tokens)`` known on the host."""
     chunk = check_length(length, count)
     return merged_runs([(first * chunk, chunk) for first in chunks_of(index, count)])
+
+
+def local_positions(length: int, index: int, count: int, device: torch.device | None = None) -> torch.Tensor:
+    """The global positions of the tokens device ``index`` holds, in the order it holds them."""
+    return local_facts(1, length, index, count, device).positions[0]
 
 
 def local_facts(
