@@ -115,16 +115,6 @@ def test_a_device_without_float8_matmuls_is_refused(monkeypatch: pytest.MonkeyPa
         check_device(torch.device("mps"))
 
 
-def test_the_rowwise_recipe_on_a_split_taskgraph_is_refused_with_the_fix() -> None:
-    """Split's shards train in float8 with one scale a tensor (tests/float8/test_float8_layouts.py); a scale a row
-    would need each row's largest magnitude over the devices."""
-    epl.init(epl.Config({"float8.enabled": True, "float8.recipe": "rowwise"}))
-    with epl.split(2):
-        model = llama()
-    with pytest.raises(epl.AnnotationError, match='tensorwise recipe only.*Set float8.recipe to "tensorwise"'):
-        epl.parallelize(model)
-
-
 def test_an_exclusion_that_matches_nothing_is_a_config_error() -> None:
     with pytest.raises(epl.ConfigError, match=r"float8.exclude: \['model.layer.2'\] match no module"):
         choose_linears(llama(), ["model.layer.2"])

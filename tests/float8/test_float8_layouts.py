@@ -13,8 +13,8 @@ replica's rows and each micro-batch as a separate forward, as the layout does: f
   ``DP_TOLERANCE``;
 - an automatic 2-stage pipeline of 2 micro-batches (layer 1 on the first stage, layer 2 on the second):
   ``DP_TOLERANCE``;
-- ``epl.split(2)``, each column and row shard scaled over the two devices as the whole layer (tensorwise): the
-  first loss within ``DP_TOLERANCE``, the gradients within ``SPLIT_GRADIENT`` of their norm.
+- ``epl.split(2)``, each column and row shard scaled over the two devices as the whole layer (both recipes): the
+  first loss within ``SPLIT_LOSS``, the gradients within ``SPLIT_GRADIENT`` of their norm.
 
 And a checkpoint of ZeRO v2's float8-gathered weights resumes exactly.
 """
@@ -36,8 +36,10 @@ STEPS = 3
 #: Relative and absolute tolerance of losses and parameters against one process (float32). Measured: every layout
 #: equal to the bit (largest difference 0.0): a float8 cast is exact given the same amax, and halving a gradient is.
 DP_TOLERANCE = 1e-6
-#: Under split, each parameter's gradient against one process, relative to its norm (see the split test).
-SPLIT_GRADIENT = 1e-3
+#: Under split, the first loss (relative) and each parameter's gradient (relative to its norm) against one process,
+#: by recipe (see the split test).
+SPLIT_LOSS = {"tensorwise": DP_TOLERANCE, "rowwise": 1e-4}
+SPLIT_GRADIENT = {"tensorwise": 1e-3, "rowwise": 0.1}
 
 
 def float8_llama(recipe: str = "tensorwise") -> torch.nn.Module:
@@ -170,13 +172,13 @@ def test_a_two_stage_pipeline_of_float8_equals_one_process() -> None:
     assert any("model.layers.1.mlp.up_proj" in h for h in held) and any("model.layers.2.mlp.up_proj" in h for h in held)
 
 
-def split_gradients(compiled: bool) -> dict[str, Any]:
+def split_gradients(compiled: bool, recipe: str) -> dict[str, Any]:
     """One rank under ``epl.split(2)`` (each block compiled by ``aot_eager`` when ``compiled``): the first loss and
     the gradient of every parameter (gathered whole), as one SGD step of rate 1 writes it; the float8 layers."""
     import epl
 
     compiling = {"compile.enabled": True, "compile.backend": "aot_eager"} if compiled else {}
-    epl.init(epl.Config({"float8.enabled": True, **compiling}))
+    epl.init(epl.Config({"float8.enabled": True, "float8.recipe": recipe, **compiling}))
     with epl.split(2):
         model = llama()
     engine = epl.parallelize(model, optimizer=lambda p: torch.optim.SGD(p, lr=1.0), loss_fn=token_loss)
@@ -192,8 +194,12 @@ def split_gradients(compiled: bool) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_split_float8_equals_one_process(compiled: bool) -> None:
+@pytest.mark.parametrize(
+    ("compiled", "recipe"),
+    [(False, "tensorwise"), (True, "tensorwise"), (False, "rowwise")],
+    ids=["eager", "compiled", "rowwise"],
+)
+def test_split_float8_equals_one_process(compiled: bool, recipe: str) -> None:
     """Column shards (q, k, v, gate, up) and row shards (o, down) in float8, each operand scaled over the devices,
     against the same float8 model in one process: the first loss within ``DP_TOLERANCE``, and each parameter's
     gradient within ``SPLIT_GRADIENT`` of its norm. Float8 rounds to 3 bits of mantissa, so a value the row shards
@@ -201,18 +207,27 @@ def test_split_float8_equals_one_process(compiled: bool) -> None:
     shard by its own largest magnitude instead (what torchao's Float8Linear would do on a shard) is 0.15 off: the
     test tells the two apart by three orders of magnitude. (Over several AdamW steps, its normalisation makes such a
     difference a whole step's size on elements whose gradient is near zero, so one step is compared.) Compiled, the
-    float8 products run eager between the block's graphs (their scales' all-reduces are EPL's communicator's)."""
-    model = float8_llama()
+    float8 products run eager between the block's graphs (their scales' all-reduces are EPL's communicator's).
+
+    Rowwise, torchao computes each product in bfloat16 (no float32 output with row scales), so a row shard's part of
+    a sum is rounded before the parts are added, where one process rounds the sum once: the first loss within 1e-4
+    (measured 3.3e-5) and gradients within 0.1 of their norm (measured 4.6e-2), the size of float8's own rounding.
+    That the shards' casts are the whole layer's, to the bit, is tested on the products
+    (tests/float8/test_float8_sharded.py)."""
+    model = float8_llama(recipe)
     tokens = batches(1)[0]
     loss = token_loss(model(input_ids=tokens), tokens)
     loss.backward()
-    for result in run_ranks(split_gradients, 2, compiled, timeout=240):
-        assert result["loss"] == pytest.approx(float(loss), rel=DP_TOLERANCE)
+    worst = 0.0
+    for result in run_ranks(split_gradients, 2, compiled, recipe, timeout=240):
+        assert result["loss"] == pytest.approx(float(loss), rel=SPLIT_LOSS[recipe])
         assert {"model.layers.1.self_attn.q_proj", "model.layers.2.mlp.down_proj"} <= set(result["float8"])
         for name, parameter in model.named_parameters():
             assert parameter.grad is not None
             difference = float((result["gradients"][name] - parameter.grad).norm())
-            assert difference <= SPLIT_GRADIENT * float(parameter.grad.norm()) + 1e-12, (name, difference)
+            assert difference <= SPLIT_GRADIENT[recipe] * float(parameter.grad.norm()) + 1e-12, (name, difference)
+            worst = max(worst, difference / (float(parameter.grad.norm()) + 1e-30))
+    print(f"split float8 ({recipe}), largest gradient difference over its norm: {worst:.2e}")
 
 
 def save_and_resume(folder: str) -> list[list[float]]:

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from epl.config.settings import CoreSettings
-from epl.errors import AnnotationError, EplError
+from epl.errors import EplError
 from epl.float8 import Float8Choice, ShardedFloat8Product, check_device, choose_linears, convert, float8_config
+from epl.float8.sharded import ShardedFeatures
 from epl.interfaces.facts import MemoryTechniques
 from epl.interfaces.phases import TransformPhase
 from epl.plugins.context import ParallelContext
@@ -32,8 +33,7 @@ class Float8State:
 
 class ChooseFloat8Linears:
     """Model transform: decide which linears train in float8 on the whole model (before a pipeline keeps a stage), so
-    every rank and one process choose alike; refuse the rowwise recipe on linears of split TaskGraphs (their shards
-    are scaled over the shard group tensor by tensor only)."""
+    every rank and one process choose alike."""
 
     name = "choose_float8_linears"
     phase = TransformPhase.CHOOSE_FLOAT8
@@ -42,16 +42,6 @@ class ChooseFloat8Linears:
         """``model`` unchanged; the choice kept for :class:`ConvertToFloat8`."""
         settings = CoreSettings.from_config(context.config).float8
         choice = choose_linears(model, settings.exclude)
-        split = {id(t) for tg in context.taskgraphs if tg.strategy.kind == "split" for t in tg.tensors}
-        refused = [name for name in choice.converted if id(model.get_submodule(name).weight) in split]
-        if refused and settings.recipe != "tensorwise":
-            shown = ", ".join(refused[:4]) + (f" and {len(refused) - 4} more" if len(refused) > 4 else "")
-            raise AnnotationError(
-                f"float8.enabled: {shown} belong to an epl.split TaskGraph, whose column and row shards train in "
-                f"float8 with the tensorwise recipe only (one scale a tensor, taken over the shard group), not "
-                f'{settings.recipe}. Set float8.recipe to "tensorwise", add them to float8.exclude, or leave '
-                "float8.enabled off."
-            )
         context.state(Float8State).choice = choice
         return model
 
@@ -86,7 +76,8 @@ class ConvertToFloat8:
             sharded_config = float8_config(settings.recipe, all_gather=False)  # one for every shard
             for name in shards:  # split's shards: torchao's product, scaled over the shard group
                 shard = held[name]
-                shard.product = ShardedFloat8Product(sharded_config, shard.group)
+                features: ShardedFeatures = "out" if isinstance(shard, ColumnParallelLinear) else "in"
+                shard.product = ShardedFloat8Product(sharded_config, shard.group, features)
                 state.converted.append(name)
         _log.info("float8 (%s): %s", settings.recipe, state.choice.describe())
         return model
