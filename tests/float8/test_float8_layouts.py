@@ -190,14 +190,16 @@ def split_gradients(compiled: bool, recipe: str) -> dict[str, Any]:
     sharded = [
         name for name, m in modules.items() if type(getattr(m, "product", None)).__name__ == "ShardedFloat8Product"
     ]
-    return {"loss": loss, "gradients": {k: before[k] - after[k] for k in before}, "float8": sharded}
+    report = engine.compile_report
+    graphs = report.graphs if report is not None else None
+    return {"loss": loss, "gradients": {k: before[k] - after[k] for k in before}, "float8": sharded, "graphs": graphs}
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("compiled", "recipe"),
-    [(False, "tensorwise"), (True, "tensorwise"), (False, "rowwise")],
-    ids=["eager", "compiled", "rowwise"],
+    [(False, "tensorwise"), (True, "tensorwise"), (False, "rowwise"), (True, "rowwise")],
+    ids=["eager", "compiled", "rowwise", "rowwise compiled"],
 )
 def test_split_float8_equals_one_process(compiled: bool, recipe: str) -> None:
     """Column shards (q, k, v, gate, up) and row shards (o, down) in float8, each operand scaled over the devices,
@@ -207,7 +209,8 @@ def test_split_float8_equals_one_process(compiled: bool, recipe: str) -> None:
     shard by its own largest magnitude instead (what torchao's Float8Linear would do on a shard) is 0.15 off: the
     test tells the two apart by three orders of magnitude. (Over several AdamW steps, its normalisation makes such a
     difference a whole step's size on elements whose gradient is near zero, so one step is compared.) Compiled, the
-    float8 products run eager between the block's graphs (their scales' all-reduces are EPL's communicator's).
+    float8 products are inside the blocks' graphs (their scales' all-reduces traced as torch's functional
+    collectives): one graph for the two float8 blocks and one for the two high-precision edge blocks, no break.
 
     Rowwise, torchao computes each product in bfloat16 (no float32 output with row scales), so a row shard's part of
     a sum is rounded before the parts are added, where one process rounds the sum once: the first loss within 1e-4
@@ -222,6 +225,7 @@ def test_split_float8_equals_one_process(compiled: bool, recipe: str) -> None:
     for result in run_ranks(split_gradients, 2, compiled, recipe, timeout=240):
         assert result["loss"] == pytest.approx(float(loss), rel=SPLIT_LOSS[recipe])
         assert {"model.layers.1.self_attn.q_proj", "model.layers.2.mlp.down_proj"} <= set(result["float8"])
+        assert result["graphs"] == ({"LlamaDecoderLayer": 2} if compiled else None), result["graphs"]
         for name, parameter in model.named_parameters():
             assert parameter.grad is not None
             difference = float((result["gradients"][name] - parameter.grad).norm())

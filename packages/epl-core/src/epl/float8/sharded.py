@@ -11,12 +11,13 @@ of the layer in one process (the products' sums may differ in order: float32 rou
 Which dimension a shard holds part of: a column shard holds some of the output features (its weight's rows, its
 output gradient's last dimension), a row shard some of the input features (its weight's columns, its input's last
 dimension). The tokens are whole on every device (split gathers them before a column layer and scatters after a row
-layer). :class:`_ShardedFloat8Matmul` follows torchao's ``matmul_with_hp_or_float8_args`` cast by cast.
+layer). :class:`_ShardedFloat8Matmul` follows torchao's ``matmul_with_hp_or_float8_args`` cast by cast. Inside a
+compiled region the all-reduces are torch's functional collectives, so the product is part of the block's graph.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from torch import nn
 from epl.float8.convert import torchao_float8
 from epl.interfaces.communicator import ReduceOp
 from epl.interfaces.shard_group import ShardGroup
+from epl.torch_private import functional_collectives
 
 #: Which features a shard holds part of: ``out`` for a column shard, ``in`` for a row shard.
 ShardedFeatures = Literal["out", "in"]
@@ -41,7 +43,6 @@ class ShardedFloat8Product:
         with torch.device("meta"):  # torchao's product settings, as Float8Linear makes them
             self.mm_config = Float8Linear.from_float(nn.Linear(16, 16), config=config).linear_mm_config
 
-    @torch.compiler.disable  # its scales' all-reduces run on EPL's communicator: eager in a compiled block
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T + bias`` in float8, every operand scaled as the whole layer's."""
         if torch.is_autocast_enabled("cuda"):  # as Float8Linear does: the output in the autocast dtype
@@ -62,9 +63,18 @@ class ShardedFloat8Product:
         axis = dim if axiswise else None  # torchao takes 0 or -1
         amax = tensor_to_amax(tensor.detach(), False, None, cast_config.scaling_granularity, axis).to(torch.float32)
         if sharded_dim is not None and (not axiswise or dim % tensor.dim() == sharded_dim % tensor.dim()):
-            self.group.communicator.all_reduce(amax, ReduceOp.MAX).wait()
+            amax = self._largest_over_group(amax)
         scale = amax_to_scale(amax, cast_config.target_dtype, self.config.round_scales_to_power_of_2)
         return hp_tensor_and_scale_to_float8(tensor, scale, cast_config.target_dtype, self.mm_config, role, axis)
+
+    def _largest_over_group(self, amax: torch.Tensor) -> torch.Tensor:
+        """``amax``'s elementwise maximum over the group: torch's functional all-reduce inside a compiled region
+        (traced into the graph), EPL's communicator otherwise."""
+        if self.group.traced_group is not None and torch.compiler.is_compiling():
+            funcol = functional_collectives()
+            return cast(torch.Tensor, funcol.wait_tensor(funcol.all_reduce(amax, "max", self.group.traced_group)))
+        self.group.communicator.all_reduce(amax, ReduceOp.MAX).wait()
+        return amax
 
 
 class _ShardedFloat8Matmul(torch.autograd.Function):
