@@ -97,8 +97,13 @@ def race(rounds: int, calls: int) -> dict[str, Any]:
     assert report is not None
     first_s = {"traced": first_step(traced)[0]}
     graphs = {"traced": dict(report.graphs)}
+    directions = {"traced": (sum(report.forward_graphs.values()), sum(report.backward_graphs.values()))}
     first_s["breaks"] = first_step(breaks)[0]
     graphs["breaks"] = {kind: count - graphs["traced"].get(kind, 0) for kind, count in report.graphs.items()}
+    directions["breaks"] = (
+        sum(report.forward_graphs.values()) - directions["traced"][0],
+        sum(report.backward_graphs.values()) - directions["traced"][1],
+    )
     first_s["eager"] = first_step(eager)[0]
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     theirs = parallelize_module(llama(), mesh, torchtitan_plan())
@@ -114,9 +119,9 @@ def race(rounds: int, calls: int) -> dict[str, Any]:
         optimizer.step()
         return local(loss.detach())
 
-    assert graphs["traced"] == {"LlamaDecoderLayer": 1}, graphs
+    assert graphs["traced"] == {"LlamaDecoderLayer": 1} and directions["traced"] == (1, 1), (graphs, directions)
     steps = {"eager": eager, "traced": traced, "breaks": breaks, "dtensor": dtensor_step}
-    found: dict[str, Any] = {"first_s": first_s, "graphs": graphs, "failed": {}}
+    found: dict[str, Any] = {"first_s": first_s, "graphs": graphs, "directions": directions, "failed": {}}
     try:
         first_s["dtensor"] = first_step(dtensor_step)[0]
     except Exception as error:  # torch's own side may not run here: say so, and time the others
@@ -152,6 +157,8 @@ def test_compiled_split_against_eager_breaks_and_dtensor_compiled() -> None:
         "first step (compiling): "
         + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in first["first_s"].items())
         + f"; graphs per block type: traced {first['graphs']['traced']}, breaks {first['graphs']['breaks']}"
+        + "; forward + backward graphs: "
+        + ", ".join(f"{name} {forward} + {backward}" for name, (forward, backward) in first["directions"].items())
     )
     record("compile_split", rows, section=SECTION, details=details)
     print("\n" + "\n".join(details))

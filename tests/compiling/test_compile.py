@@ -53,9 +53,42 @@ def test_blocks_share_one_graph_and_train_as_eager() -> None:
     model(x).square().sum().backward()
     eager(x).square().sum().backward()
     assert report.compiled == ["blocks.0", "blocks.1", "blocks.2"] and report.graphs == {"Block": 1}
+    assert report.forward_graphs == {"Block": 1} and report.backward_graphs == {"Block": 1}  # AOTAutograd's split
     for (name, a), b in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=name)
     assert list(model.state_dict()) == list(eager.state_dict())  # names unchanged: checkpoints load either way
+
+
+@pytest.mark.parametrize("mode", ["", "max-autotune-no-cudagraphs"])
+def test_an_inductor_block_reports_one_forward_and_one_backward_graph(mode: str) -> None:
+    """Inductor's C++ code on the CPU, with and without a mode: counted whether inductor compiles the graphs or
+    finds them in its cache (a second run of this test)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, eager = Model(), Model()
+    eager.load_state_dict(model.state_dict())
+    report = compile_blocks(repeated_blocks(model), "inductor", mode)
+    x = torch.randn(5, 4)
+    model(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    assert report.graphs == {"Block": 1} and not report.eager, report
+    assert report.forward_graphs == {"Block": 1} and report.backward_graphs == {"Block": 1}, report
+    assert report.describe() == "3 modules compiled by inductor (Block: 1 graph = 1 forward + 1 backward)"
+    for (name, a), b in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def test_a_backend_without_aot_autograd_counts_no_forward_or_backward_graphs() -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = Model()
+    report = compile_blocks(repeated_blocks(model), "eager")
+    model(torch.randn(5, 4)).sum().backward()
+    assert report.graphs == {"Block": 1} and report.forward_graphs == {} and report.backward_graphs == {}
+    assert report.describe() == "3 modules compiled by eager (Block: 1 graph)"
 
 
 def failing_backend(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
@@ -106,7 +139,7 @@ def test_the_engine_reports_what_it_compiled() -> None:
     engine.step(torch.randn(4, 4), torch.zeros(4))
     report = engine.compile_report
     assert report is not None and report.compiled == ["blocks.0", "blocks.1", "blocks.2"]
-    assert report.describe() == "3 modules compiled by aot_eager (Block: 1 graph)"
+    assert report.describe() == "3 modules compiled by aot_eager (Block: 1 graph = 1 forward + 1 backward)"
     epl.init(epl.Config({}))
     assert epl.parallelize(Model()).compile_report is None
 

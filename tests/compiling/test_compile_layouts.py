@@ -98,6 +98,7 @@ def train(name: str | None, backend: str | None, dtype: torch.dtype) -> dict[str
         "losses": losses,
         "state": engine.state_dict(full=True)["model"],
         "report": None if report is None else (report.compiled, report.graphs, report.eager),
+        "directions": None if report is None else (report.forward_graphs, report.backward_graphs),
     }
 
 
@@ -112,6 +113,8 @@ def check(name: str, backend: str, dtype: torch.dtype) -> None:
             assert compiled and not eager, (rank, found["report"])
         if name.startswith("split"):  # its collectives traced: each block one graph (docs/compile.md)
             assert graphs == {"LlamaDecoderLayer": 1}, (rank, graphs)
+            one = {"LlamaDecoderLayer": 1}  # AOTAutograd's split of it: one forward graph, one backward graph
+            assert found["directions"] == (one, one), (rank, found["directions"])
         torch.testing.assert_close(found["losses"], expected["losses"], rtol=tolerance, atol=tolerance)
         for key, value in found["state"].items():
             torch.testing.assert_close(value, expected["state"][key], rtol=tolerance, atol=tolerance, msg=key)

@@ -3,6 +3,7 @@ changes one fails here, by name."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from epl import torch_private as private
@@ -54,6 +55,23 @@ def test_compile_backends_are_listed_and_found() -> None:
     assert {"inductor", "aot_eager", "eager"} <= set(names)
     assert callable(private.compile_backend("aot_eager"))
     assert callable(private.inductor_backend(None))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_aot_backends_tell_of_each_forward_and_backward_graph(backend: str) -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    seen: list[str] = []
+    compiler = (
+        private.aot_eager_backend(seen.append)
+        if backend == "aot_eager"
+        else private.inductor_backend(None, seen.append)
+    )
+    weight, x = torch.randn(3, requires_grad=True), torch.randn(3)
+    torch.compile(lambda x: (x * weight).sin().sum(), backend=compiler)(x).backward()
+    assert seen == ["forward", "backward"]  # compiled, or (inductor, a second run) found in AOTAutograd's cache
+    torch.testing.assert_close(weight.grad, (x * weight.detach()).cos() * x)
 
 
 def test_saved_tensor_hooks_are_seen() -> None:

@@ -9,6 +9,7 @@ somewhere inside a training step. Plugins reach them through :mod:`epl.plugin_ap
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ except ImportError:  # pragma: no cover - another torch
 
 __all__ = [
     "amp_unscale_",
+    "aot_eager_backend",
     "checkpointed_bookkeeping",
     "compile_backend",
     "compile_backends",
@@ -135,10 +137,70 @@ def compile_backends() -> list[str]:
     return list(torch._dynamo.list_backends(exclude_tags=()))
 
 
-def inductor_backend(mode: str | None) -> Callable[..., Any]:
+def inductor_backend(mode: str | None, on_graph: Callable[[str], None] | None = None) -> Callable[..., Any]:
     """What ``torch.compile(backend="inductor", mode=mode)`` builds (``torch._TorchCompileInductorWrapper``), so that
-    EPL can wrap it."""
-    return torch._TorchCompileInductorWrapper(mode, None, None)
+    EPL can wrap it.
+
+    With ``on_graph``, it calls ``on_graph("forward")`` or ``on_graph("backward")`` for each graph AOTAutograd has
+    inductor compile: it passes ``torch._inductor.compile_fx.compile_fx`` an ``inner_compile`` that counts and
+    calls inductor's own (``compile_fx_inner``; ``is_backward`` tells the backward), with the mode's config as
+    ``config_patches``, as the wrapper does. A backward graph is compiled at the first backward. A graph found in
+    AOTAutograd's cache (``counters["aot_autograd"]["autograd_cache_hit"]``) comes back compiled, backward
+    included, without ``inner_compile``: it is counted as a forward, and a backward where AOTAutograd makes one
+    (grad mode on and an input that requires grad).
+    """
+    if on_graph is None:
+        return torch._TorchCompileInductorWrapper(mode, None, None)
+    return _CountedInductor(mode, on_graph)
+
+
+class _CountedInductor(torch._TorchCompileInductorWrapper):
+    """``torch._TorchCompileInductorWrapper`` (its mode's config, ``reset`` and ``get_compiler_config`` kept) that
+    tells ``on_graph`` of each forward and backward graph it compiles (:func:`inductor_backend`)."""
+
+    def __init__(self, mode: str | None, on_graph: Callable[[str], None]) -> None:
+        super().__init__(mode, None, None)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        self.on_graph = on_graph
+
+    def __call__(self, model_: Any, inputs_: Any, *, config_patches: dict[str, Any] | None = None) -> Any:
+        from torch._dynamo.utils import counters
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        def inner_compile(graph: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+            compiled = compile_fx_inner(graph, example_inputs, **kwargs)
+            self.on_graph("backward" if kwargs.get("is_backward") else "forward")
+            return compiled
+
+        hits = counters["aot_autograd"]["autograd_cache_hit"]
+        compiled = compile_fx(
+            model_,
+            inputs_,
+            inner_compile=inner_compile,
+            config_patches={**self.config, **(config_patches or {})},
+            compile_region_name=self.name,
+        )
+        if counters["aot_autograd"]["autograd_cache_hit"] > hits:  # forward and backward loaded, not compiled
+            self.on_graph("forward")
+            if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs_):
+                self.on_graph("backward")
+        return compiled
+
+
+def aot_eager_backend(on_graph: Callable[[str], None]) -> Callable[..., Any]:
+    """torch's ``aot_eager`` backend (``torch._dynamo.backends.debugging.aot_eager``: AOTAutograd around a compiler
+    that runs the graph as it is, ``get_nop_func``), calling ``on_graph("forward")`` for each forward (or
+    inference) graph it is given and ``on_graph("backward")`` for each backward graph (at the first backward)."""
+    from torch._dynamo.backends.debugging import aot_eager, get_nop_func
+
+    def counted(direction: str) -> Callable[..., Any]:
+        def compiler(graph: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+            compiled = get_nop_func()(graph, list(example_inputs))
+            on_graph(direction)
+            return compiled
+
+        return compiler
+
+    return functools.partial(aot_eager, fw_compiler=counted("forward"), bw_compiler=counted("backward"))
 
 
 def functional_collectives() -> Any:

@@ -23,24 +23,40 @@ _NO_CACHE = "_epl_without_kv_cache"
 class CompileReport:
     """What ``compile.enabled`` did on this rank.
 
-    ``compiled``: the modules whose forward is compiled, by name. ``graphs``: graphs the backend was given, by
+    ``compiled``: the modules whose forward is compiled, by name. ``graphs``: graphs dynamo gave the backend, by
     block type (one per block type when nothing breaks the graph; more for graph breaks, recompilations for new
-    shapes, and inference); AOTAutograd backends make one forward and one backward graph of each that needs
-    gradients. ``eager``: what runs eager instead, by block type, with the backend's error.
+    shapes, and inference). ``forward_graphs`` and ``backward_graphs``: the graphs AOTAutograd split those into
+    and had compiled, by block type, for ``inductor`` and ``aot_eager`` (one forward and one backward for each
+    graph that needs gradients; an inference graph is a forward); empty for a backend without AOTAutograd
+    (``eager``). A backward graph is compiled at the first backward, so these are complete after a step.
+    ``eager``: what runs eager instead, by block type, with the backend's error.
     """
 
     backend: str
     compiled: list[str] = field(default_factory=list)
     graphs: dict[str, int] = field(default_factory=dict)
+    forward_graphs: dict[str, int] = field(default_factory=dict)
+    backward_graphs: dict[str, int] = field(default_factory=dict)
     eager: dict[str, str] = field(default_factory=dict)
 
+    def count(self, kind: str, direction: str) -> None:
+        """Count one ``direction`` ("forward" or "backward") graph AOTAutograd had compiled for block type ``kind``."""
+        counts = self.forward_graphs if direction == "forward" else self.backward_graphs
+        counts[kind] = counts.get(kind, 0) + 1
+
     def describe(self) -> str:
-        """One line for logs: what is compiled, into how many graphs, and what stayed eager."""
-        kinds = ", ".join(f"{kind}: {count} graph{'s' * (count != 1)}" for kind, count in self.graphs.items())
+        """One line for logs: what is compiled, into how many graphs (and forward and backward graphs, where
+        AOTAutograd made them), and what stayed eager."""
+        kinds = ", ".join(self._graphs_of(kind, count) for kind, count in self.graphs.items())
         line = f"{len(self.compiled)} modules compiled by {self.backend}" + (f" ({kinds})" if kinds else "")
         if self.eager:
             line += "; eager: " + "; ".join(f"{kind} ({why})" for kind, why in self.eager.items())
         return line
+
+    def _graphs_of(self, kind: str, count: int) -> str:
+        forward, backward = self.forward_graphs.get(kind, 0), self.backward_graphs.get(kind, 0)
+        split = f" = {forward} forward + {backward} backward" if forward or backward else ""
+        return f"{kind}: {count} graph{'s' * (count != 1)}{split}"
 
 
 class CompileState:
@@ -111,18 +127,28 @@ def draws_random(graph: torch.fx.GraphModule) -> str | None:
     return None
 
 
-def _backend(name: str, mode: str) -> Callable[..., Any]:
-    """The backend ``compile.backend`` names, with ``compile.mode`` for inductor; a clear error otherwise."""
-    from epl.torch_private import compile_backend, compile_backends, inductor_backend
+def _check_backend(name: str, mode: str) -> None:
+    """One clear error for a ``compile.backend`` torch does not know, or a ``compile.mode`` without inductor; an
+    inductor mode is checked by inductor, which names the modes it knows."""
+    from epl.torch_private import compile_backends, inductor_backend
 
     known = compile_backends()
     if name not in known:
         raise ConfigError(f"compile.backend {name!r} is not a torch.compile backend; use one of {', '.join(known)}.")
-    if name == "inductor":
-        return inductor_backend(mode or None)
-    if mode:
+    if mode and name != "inductor":
         raise ConfigError(f"compile.mode {mode!r} applies to the inductor backend only, not {name!r}; remove it.")
-    return compile_backend(name)
+    if mode:
+        inductor_backend(mode)
+
+
+def _backend(name: str, mode: str, on_graph: Callable[[str], None]) -> Callable[..., Any]:
+    """The backend ``compile.backend`` names (checked), with ``compile.mode`` for inductor. ``inductor`` and
+    ``aot_eager`` tell ``on_graph`` of each forward and backward graph AOTAutograd has compiled."""
+    from epl.torch_private import aot_eager_backend, compile_backend, inductor_backend
+
+    if name == "inductor":
+        return inductor_backend(mode or None, on_graph)
+    return aot_eager_backend(on_graph) if name == "aot_eager" else compile_backend(name)
 
 
 def compile_blocks(
@@ -137,14 +163,15 @@ def compile_blocks(
     state, which a compiled block does not switch to).
     """
     report = CompileReport(backend)
-    inner = _backend(backend, mode)
+    _check_backend(backend, mode)
     by_kind: dict[type[nn.Module], _NamedBackend] = {}
     for name, module in modules:
         if getattr(module, _COMPILED, False):
             continue
         kind = type(module)
         if kind not in by_kind:
-            by_kind[kind] = _NamedBackend(inner, kind.__name__, report, refuse_random)
+            counted = functools.partial(report.count, kind.__name__)
+            by_kind[kind] = _NamedBackend(_backend(backend, mode, counted), kind.__name__, report, refuse_random)
         compiled = torch.compile(module.forward, backend=by_kind[kind])
         module.forward = _with_bookkeeping(compiled) if refuse_random else compiled
         setattr(module, _COMPILED, True)
