@@ -191,7 +191,7 @@ def split_gradients(compiled: bool, recipe: str) -> dict[str, Any]:
         name for name, m in modules.items() if type(getattr(m, "product", None)).__name__ == "ShardedFloat8Product"
     ]
     report = engine.compile_report
-    graphs = report.graphs if report is not None else None
+    graphs = (report.graphs, report.forward_graphs, report.backward_graphs) if report is not None else None
     return {"loss": loss, "gradients": {k: before[k] - after[k] for k in before}, "float8": sharded, "graphs": graphs}
 
 
@@ -210,7 +210,8 @@ def test_split_float8_equals_one_process(compiled: bool, recipe: str) -> None:
     test tells the two apart by three orders of magnitude. (Over several AdamW steps, its normalisation makes such a
     difference a whole step's size on elements whose gradient is near zero, so one step is compared.) Compiled, the
     float8 products are inside the blocks' graphs (their scales' all-reduces traced as torch's functional
-    collectives): one graph for the two float8 blocks and one for the two high-precision edge blocks, no break.
+    collectives): one graph for the two float8 blocks and one for the two high-precision edge blocks, no break,
+    each one forward and one backward graph (``engine.compile_report``).
 
     Rowwise, torchao computes each product in bfloat16 (no float32 output with row scales), so a row shard's part of
     a sum is rounded before the parts are added, where one process rounds the sum once: the first loss within 1e-4
@@ -225,7 +226,8 @@ def test_split_float8_equals_one_process(compiled: bool, recipe: str) -> None:
     for result in run_ranks(split_gradients, 2, compiled, recipe, timeout=240):
         assert result["loss"] == pytest.approx(float(loss), rel=SPLIT_LOSS[recipe])
         assert {"model.layers.1.self_attn.q_proj", "model.layers.2.mlp.down_proj"} <= set(result["float8"])
-        assert result["graphs"] == ({"LlamaDecoderLayer": 2} if compiled else None), result["graphs"]
+        two = {"LlamaDecoderLayer": 2}
+        assert result["graphs"] == ((two, two, two) if compiled else None), result["graphs"]
         for name, parameter in model.named_parameters():
             assert parameter.grad is not None
             difference = float((result["gradients"][name] - parameter.grad).norm())
