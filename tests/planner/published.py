@@ -330,7 +330,7 @@ MEMORY_RUNS: tuple[MemoryRun, ...] = (
                  keeps_root_and_last_block=True),
         H100_96GB, "max reserved", 71.9,
         assumed="loss parallel; float8 linears with torchao's float8 tensor-parallel styles (torchtitan @9dec370a "
-        "parallelize_llama.py:149-160); FSDP's weights all-gathered in bf16 (the float8 all-gather is not printed "
+        "parallelize_llama.py:148-166); FSDP's weights all-gathered in bf16 (the float8 all-gather is not printed "
         "for this run and the 70B preset leaves float8 off); torch.compile not modelled",
     ),
     MemoryRun(
