@@ -9,6 +9,8 @@ import math
 import statistics
 from dataclasses import replace
 
+import pytest
+
 from epl.planner import estimate, search
 from epl.planner.estimate import RESERVED_BYTES, device_bytes, reserved_bytes
 from epl.planner.memory import memory_breakdown, stage_breakdown
@@ -96,13 +98,36 @@ def predicted_figure(run: MemoryRun) -> float:
 
 def test_published_memory_figures_are_predicted() -> None:
     """Within 15% where the figure is allocated memory (what the planner counts). Where it is the allocator's
-    reserved memory or nvidia-smi's, never above it and within 20% (docs/planner.md lists each error and what is
-    missing: torchtitan's float8, compile and asynchronous TP). A run its source says did not fit is predicted not
-    to."""
+    reserved memory or nvidia-smi's, never above it and within 20%, or the row's own bound where it names what is
+    unexplained (docs/planner.md lists each error and what is missing). A run its source says did not fit is
+    predicted not to."""
     for run in MEMORY_RUNS:
         if run.published_gib is None:
             assert predicted_peak(run) > run.device.memory_bytes - RESERVED_BYTES, run.name
         elif run.measure == "max allocated":
             assert abs(memory_error(run)) <= 0.15, (run.name, memory_error(run))
         else:
-            assert -0.2 <= memory_error(run) <= 0.0, (run.name, memory_error(run))
+            assert run.under_by_at_most == 0.2 or run.unexplained, run.name
+            assert -run.under_by_at_most <= memory_error(run) <= 0.0, (run.name, memory_error(run))
+
+
+def test_torchtitans_mechanisms_add_what_their_sources_say() -> None:
+    """Each setting the torchtitan rows state changes its own term by its hand count (docs/planner.md, the
+    torchtitan rows): the head's input whole, the root and last block kept whole through the loss, the gathered
+    inputs saved whole in float8 in the recomputed block, and the blocks' linear weights held in float8."""
+    seventy, four_hundred = (run for run in MEMORY_RUNS if run.name.startswith("torchtitan") and run.published_gib)
+    shape, h = seventy.shape, seventy.shape.hidden
+    peak = memory_breakdown(shape, seventy.layout, seventy.workload)
+    layer = (shape.layer_parameters() - 2 * h) / 8 + 2 * h
+    root = 2 * shape.vocab * h / 8 + h  # the embedding, the head and the final norm on a tensor device
+    assert peak.moment == "the loss's backward"
+    assert peak.terms["head_input"] == 16 * 8192 * h * 2
+    assert peak.terms["gathered_weights"] == (root + layer) * 2
+
+    shape, h = four_hundred.shape, four_hundred.shape.hidden
+    plain = replace(four_hundred.workload, saves_gathered_inputs=False, float8_weight_gathers=False)
+    ours = stage_breakdown(shape, four_hundred.layout, four_hundred.workload, 0).terms
+    bf16 = stage_breakdown(shape, four_hundred.layout, plain, 0).terms
+    assert ours["block_backward"] - bf16["block_backward"] == 2 * 4 * 8192 * h * (1 - 2 / 8)
+    linear = 15 * (shape.layer_parameters() - 2 * h) / 8  # stage 0's 15 blocks
+    assert bf16["parameters"] - ours["parameters"] == pytest.approx(linear)

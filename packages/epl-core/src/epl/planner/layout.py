@@ -174,6 +174,20 @@ class Workload:
     keeps_stage_outputs: bool = True
     #: The model has dropout: each residual dropout keeps a mask of a byte per element.
     dropout: bool = False
+    #: Under sequence parallelism, the column-parallel projections (q/k/v, the MLP's first) save their input
+    #: all-gathered whole, as torch's DTensor plans run them (torchtitan's ``PrepareModuleInput`` from
+    #: ``Shard(1)`` to ``Replicate()``); Megatron-LM and EPL save the shard and gather it again (False).
+    saves_gathered_inputs: bool = False
+    #: The blocks' linear layers are torchao's ``Float8Linear`` under its float8 tensor-parallel styles: the
+    #: input is cast to float8 before its all-gather, so a gathered input saved whole is a byte an element.
+    float8_linears: bool = False
+    #: FSDP2 all-gathers the blocks' linear weights in float8 (torchao's ``enable_fsdp_float8_all_gather``): the
+    #: weights held whole are a byte an element (the embedding, the head and the norms stay in the compute dtype).
+    float8_weight_gathers: bool = False
+    #: ZeRO v2 as torchtitan wraps FSDP2: the root (embedding, final norm, head) is not resharded after its forward
+    #: (torch's root never is) nor is the last block (``reshard_after_forward=False``), so their weights are
+    #: whole through the loss; EPL's v2 reshards every unit (False).
+    keeps_root_and_last_block: bool = False
 
     @property
     def dtype_bytes(self) -> int:

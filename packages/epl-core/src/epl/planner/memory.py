@@ -27,13 +27,20 @@ largest of its moments:
   zero-bubble schedules: every gradient whole, float32, until the last micro-batch);
 - **the loss's backward**, on the last stage: ``logits``, torch's cross-entropy's float32 log-softmax of each
   micro-batch in flight and this one's float32 gradients in and out (Megatron-LM's fused loss: 8 bytes a logit
-  for this one, ``Workload.fused_loss``), with the activations and ZeRO v0/v1's whole weights;
+  for this one, ``Workload.fused_loss``), with the activations, ``head_input`` (the head's input, saved whole
+  for its backward) and ZeRO v0/v1's whole weights (with ``Workload.keeps_root_and_last_block``, v2's root and
+  last block, as torchtitan wraps FSDP2);
 - **the end of the forward**, on the last stage under tensor parallelism with ``Workload.gathered_logits``:
   ``logits``, the all-gather's working set, ``(3 + 2/t)`` logits-sized tensors in the compute dtype;
 - **the end of the backward** under ZeRO v0/v1 on one stage: the root's embedding and head weights gathered
   (``gathered_weights``) and their gradients twice (``gradient_buffers``), the activations gone;
 - **the optimizer step**: ``optimizer_temporary``, a float32 tensor the size of what it updates (torch's foreach
   Adam: the square roots' denominators), the activations gone.
+
+Settings for runs EPL does not make (``Workload``, all off by default): ``saves_gathered_inputs`` (torch's DTensor
+sequence parallelism saves the projections' gathered input whole: in ``block_backward``, and in ``activations``
+without full recomputation), ``float8_linears`` (that gathered input in float8), ``float8_weight_gathers`` (FSDP2's
+float8 all-gather: the blocks' linear weights held whole in a byte an element).
 
 Checked against resident memory per rank in ``nox -s planner-memory`` (benchmarks/planner_memory.py: every layout
 the zoo runs, within 15%; docs/planner.md, "Measured here") and tests/planner/test_measured_memory.py.
@@ -69,6 +76,7 @@ TERM_MEANINGS: dict[str, str] = {
     "at its backward, the gradients in and out (Megatron's fused loss: its float32 softmax and the gradient); under "
     "tensor parallelism at the end of the forward, the logits' all-gather's working set",
     "stage_outputs": "the stage's outputs kept until their backward, one per micro-batch in flight",
+    "head_input": "the head's input, whole, saved for its backward",
     "block_backward": "one block's backward working set (its activations recomputed, or held by autograd)",
     "gathered_weights": "weights gathered whole by ZeRO",
     "gradient_buffers": "gradients whole before their reduction and the reduction's buffer",
@@ -152,10 +160,17 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
     # Megatron-LM's distributed optimizer and DeepSpeed's ZeRO-1 (zero_once_per_step) chunk the master weights and
     # the states only: the working weights and a whole gradient buffer are held all step
     chunked = zero and not workload.zero_once_per_step
+    # FSDP2's float8 all-gather (Workload.float8_weight_gathers; torchao fsdp_utils.py,
+    # WeightWithDynamicFloat8CastTensor.fsdp_post_all_gather returns a float8 tensor): a block's linear weights are
+    # held whole in a byte an element, its norms in the compute dtype
+    layer_linear = (shape.layer_parameters() - 2 * shape.hidden) / t
+    float8_saved = (e - 1) * layer_linear if workload.float8_weight_gathers else 0.0  # bytes a block whole saves
     held = {
         "parameters": weights * (master or e) / d if chunked else weights * e + weights * master / (d if zero else 1),
         "optimizer": updated * 4 * workload.optimizer_states,
     }
+    if not chunked:  # the working weights whole
+        held["parameters"] -= blocks * float8_saved
     gradients = weights * 4 / d if chunked else weights * workload.gradient_bytes
     # The step begins with zero_grad(set_to_none=True) (EPL's StepUpdate.begin, torch's default), which frees the
     # gradients, and the first micro-batch's backward makes them anew: only plain data parallelism's flat buckets
@@ -169,6 +184,18 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
                               checkpoint=layout.gradient_checkpoint)  # fmt: skip
     whole = block_activations(shape, b, s, dtype_bytes=e, sdpa=sdpa, dropout=dropout, fused=fused)
     whole_block = whole.per_device(t, sequence_parallel)
+    h = shape.hidden
+    # DTensor sequence parallelism (Workload.saves_gathered_inputs; torchtitan @9dec370a parallelize_llama.py:177,
+    # 186, PrepareModuleInput from Shard(1) to Replicate()) saves the q/k/v and the MLP's first projections' input
+    # gathered whole where the count above has it on s/t tokens; float8 linears gather it in float8 (torchao's
+    # PrepareFloat8ModuleInput, and matmul_with_hp_or_float8_args saves the argument it is given)
+    gathered_inputs = 0.0
+    if workload.saves_gathered_inputs and sequence_parallel:
+        gathered_inputs = 2 * b * s * h * ((1 if workload.float8_linears else e) - e / t)
+    whole_block += gathered_inputs
+    block_saved = block.per_device(t, sequence_parallel)
+    if layout.gradient_checkpoint in ("none", "auto"):  # full keeps the block's input only, ops the products
+        block_saved += gathered_inputs
     # gradient accumulation (one stage, several micro-batches) keeps one micro-batch at a time
     in_flight = micro_batches_in_flight(layout, stage) if p > 1 else 1.0
     m = layout.micro_batches
@@ -189,6 +216,10 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
     # shard, its copy moved to the front, the all-gather's buffer, their concatenation and its contiguous copy,
     # (3 + 2/t) logits in the compute dtype at once (measured: 4 on split(2)).
     gather = (3 + 2 / t) * b * s * shape.vocab * e if workload.gathered_logits and t > 1 else 0.0
+    # The head saves its input for its backward, whole: EPL's sequence parallelism gathers the last block's output
+    # before the final norm (epl.sharding.sequence), torchtitan's head gathers its input (@9dec370a
+    # parallelize_llama.py:138-139, ColwiseParallel(input_layouts=Shard(1))); freed by the head's backward
+    head_input = b * s * h * e if last else 0.0
 
     def backward_moments(flight: float, grads: float, later: bool) -> list[tuple[str, dict[str, float]]]:
         """The backward's moments of a micro-batch while ``flight`` are in flight and ``grads`` bytes of gradients
@@ -196,13 +227,13 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
         outputs = 0.0
         if workload.keeps_stage_outputs and not last:  # EPL's runner keeps what it sent until its backward
             outputs = flight * b * s * shape.hidden * e / (t if sequence_parallel else 1)
-        saved = {"gradients": grads, "activations": blocks * block.per_device(t, sequence_parallel) * flight,
+        saved = {"gradients": grads, "activations": blocks * block_saved * flight,
                  "stage_outputs": outputs}  # fmt: skip
         # the log-softmax the loss saved for the others in flight
         others = (min(losses_in_flight(layout), flight) - 1) * logit if last else 0.0
         start = {**saved, "logits": others + logit if last else 0.0, "block_backward": whole_block}
-        loss = {**saved, "logits": others + at_loss}
-        forward_end = {**saved, "logits": others + gather}
+        loss = {**saved, "logits": others + at_loss, "head_input": head_input}
+        forward_end = {**saved, "logits": others + gather, "head_input": head_input}
         if chunked and d > 1:
             # FSDP2 (epl_memory.zero): v0 and v1 keep every block's weights whole from its forward to the end of its
             # backward, so the stage's at the start of backward; v2 one block's at a time. A block's gradients are
@@ -210,11 +241,22 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
             # previous block's released as this one's is made), float32, of the largest block.
             unit = largest_unit(shape, layout)
             whole_weights = layout.zero in ("v0", "v1") or zero_holds_whole_stage(layout)
-            gathered = weights if whole_weights else unit * (2 if workload.weights_prefetched else 1)
-            start["gathered_weights"] = gathered * e
+            layer = layer_linear + 2 * h
+            units = 2 if workload.weights_prefetched else 1
+            if whole_weights:
+                start["gathered_weights"] = weights * e - blocks * float8_saved
+            else:  # float8 only where the largest unit is a block
+                start["gathered_weights"] = units * (unit * e - (float8_saved if unit <= layer else 0.0))
             start["gradient_buffers"] = 2 * unit * 4
             if whole_weights:  # v2 releases the head's weights after its forward
-                loss["gathered_weights"] = forward_end["gathered_weights"] = weights * e
+                loss["gathered_weights"] = forward_end["gathered_weights"] = weights * e - blocks * float8_saved
+            elif workload.keeps_root_and_last_block and last:
+                # torchtitan's v2 (@9dec370a parallelize_llama.py:333, 339): the root, which holds the embedding,
+                # the final norm and the head, is not resharded after its forward (torch's FSDPState._lazy_init
+                # sets its post_forward_mesh_info to None), nor is the last block: both whole through the loss
+                ends = root_unit(shape, layout) if p == 1 else shape.vocab * h / t * (1 + (stage == 0)) + h
+                kept = (ends + layer) * e - float8_saved
+                loss["gathered_weights"] = forward_end["gathered_weights"] = kept
             if later and zero_accumulates_whole(layout):  # whole until the last micro-batch: no chunk yet
                 for moment in (start, loss, forward_end):
                     moment["gradients"], moment["accumulated_gradients"] = 0.0, weights * 4
