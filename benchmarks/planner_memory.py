@@ -56,6 +56,8 @@ STEPS = 2
 TOLERANCE = 0.15
 
 PIPELINE = {"auto.auto_parallel": True, "pipeline.num_stages": 2, "pipeline.num_micro_batch": 4}
+#: AMP O1 in bf16 (on a CPU, torch.autocast("cpu") in bfloat16).
+AMP = {"amp.level": "O1", "amp.dtype": "bfloat16"}
 #: 2 ranks of 2 chunks each (4 stages), Megatron's interleaved 1F1B.
 INTERLEAVED = {
     **PIPELINE,
@@ -92,6 +94,9 @@ LAYOUTS: dict[str, MeasuredLayout] = {
     "3D split(2) x 2 stages x 2 replicas": MeasuredLayout(8, PIPELINE, split=2, rows=PIPELINE_ROWS),
     # the check that the model trains as in one process needs values: the model is on meta
     "context 2": MeasuredLayout(2, {"context.degree": 2, "context.verify": False}),
+    # AMP O1 (autocast over float32 weights: epl.planner.Workload.autocast), with and without ZeRO's chunks
+    "data parallel 2, AMP O1 bf16": MeasuredLayout(2, AMP),
+    "ZeRO v2 x 2, AMP O1 bf16": MeasuredLayout(2, {"zero.level": "v2", **AMP}),
 }
 
 
@@ -114,7 +119,7 @@ def rank_peak(
     import epl
     from benchmarks.resident import peak, reset_peak
     from epl.planner import ModelShape
-    from epl.planner.from_plan import layout_of
+    from epl.planner.from_plan import layout_of, precision_of
 
     epl.init(epl.Config({"io.check_batches": False, "model.meta_init": True, **config}))
     torch.manual_seed(0)
@@ -142,6 +147,7 @@ def rank_peak(
         "shape": shape,
         "stage": min(plan.taskgraphs_on(rank)) % plan.pipeline_size,
         "global_batch": global_batch,
+        "precision": precision_of(engine.context.config),
         "step_s": seconds,
         "epl": epl.__file__,
     }
@@ -171,7 +177,7 @@ def measure(
             "sequence": sequence, "global_batch": big["global_batch"], "shape": dataclasses.asdict(big["shape"]),
             "planner_layout": big["layout"].to_dict(), "measured": big["growth"] - small["growth"],
             "own": small["growth"], "parallelized": big["parallelized"] - small["parallelized"],
-            "step_s": big["step_s"], "peaks": big["peaks"],
+            "step_s": big["step_s"], "peaks": big["peaks"], "precision": list(big["precision"]),
         }  # fmt: skip
         records.append(predict(record))
     return records
@@ -184,7 +190,10 @@ def predict(record: dict[str, Any]) -> dict[str, Any]:
     from epl.planner.memory import stage_breakdown
 
     layout = {key: tuple(v) if isinstance(v, list) else v for key, v in record["planner_layout"].items()}
-    workload = Workload(record["global_batch"], record["sequence"], dtype="fp32", gathered_logits=True)
+    dtype, autocast = record.get("precision", ("fp32", False))
+    workload = Workload(
+        record["global_batch"], record["sequence"], dtype=dtype, autocast=autocast, gathered_logits=True
+    )
     breakdown = stage_breakdown(ModelShape(**record["shape"]), Layout(**layout), workload, record["stage"])
     return {**record, "predicted": breakdown.peak, "moment": breakdown.moment, "terms": breakdown.terms,
             "error": breakdown.peak / record["measured"] - 1}  # fmt: skip

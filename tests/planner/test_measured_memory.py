@@ -90,8 +90,15 @@ def test_micro_batches_in_flight_and_saved_bytes_are_the_predicted_ones(checkpoi
 SMALL = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
          "intermediate_size": 1365, "vocab_size": 8192}  # fmt: skip
 #: One layout of each mechanism: buckets, FSDP2's chunks (whole weights, then a block's at a time), tensor
-#: parallelism's gathered logits, a pipeline's micro-batches in flight.
-MEMORY_LAYOUTS = ["data parallel 2", "ZeRO v1 x 2", "ZeRO v2 x 2", "split(2)", "2 stages, 1F1B"]
+#: parallelism's gathered logits, a pipeline's micro-batches in flight, autocast's precision (AMP O1).
+MEMORY_LAYOUTS = [
+    "data parallel 2",
+    "ZeRO v1 x 2",
+    "ZeRO v2 x 2",
+    "split(2)",
+    "2 stages, 1F1B",
+    "ZeRO v2 x 2, AMP O1 bf16",
+]
 
 
 @pytest.mark.timeout(600)

@@ -108,6 +108,7 @@ def epl_config_facts(config: Config) -> list[object]:
             zero=settings.zero.level,
             recompute=settings.gradient_checkpoint.type,
             mixed_precision=bool(settings.amp.level),
+            parameter_dtype=settings.zero.param_dtype if settings.zero.level else "",
         )
     ]
 

@@ -36,6 +36,8 @@ class MemoryTechniques:
     recompute: str = ""
     #: ``amp.level`` is set: the model computes in a lower precision.
     mixed_precision: bool = False
+    #: ``zero.param_dtype`` under ``zero.level``: the dtype ZeRO gathers the weights in ("": the model's).
+    parameter_dtype: str = ""
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,10 @@ from epl.annotations.taskgraph import TaskGraph
 from epl.config import Config
 from epl.config.settings import CoreSettings
 from epl.errors import EplError
-from epl.interfaces.facts import MemoryTechniques, PipelineChoices
+from epl.interfaces.facts import PipelineChoices
 from epl.planner.devices import PROFILES, DeviceProfile, device_profile
 from epl.planner.estimate import Estimate
+from epl.planner.from_plan import precision_of
 from epl.planner.layout import Layout, Workload
 from epl.planner.search import search
 from epl.planner.shape import ModelShape
@@ -78,8 +79,9 @@ def choose_layout(
             'auto.auto_parallel: "plan" chooses a layout for a job: set planner.global_batch_size (sequences per '
             "step, over all replicas) and planner.sequence_length (tokens per sequence)."
         )
-    dtype = "bf16" if config_facts(config, MemoryTechniques).mixed_precision else "fp32"
-    workload = Workload(batch, sequence, dtype=dtype, devices_per_node=devices_per_node, gathered_logits=own_loss)
+    dtype, autocast = precision_of(config)
+    workload = Workload(batch, sequence, dtype=dtype, autocast=autocast, devices_per_node=devices_per_node,
+                        gathered_logits=own_loss)  # fmt: skip
     result = search(ModelShape.of(model), workload, device_of(config), world_size)
     best = result.plans[0] if result.plans else None
     if best is None or not best.fits:

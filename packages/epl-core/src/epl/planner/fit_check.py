@@ -47,7 +47,7 @@ from epl.placement.render import format_bytes
 from epl.planner.apply import known_profile
 from epl.planner.devices import PROFILES, DeviceProfile, device_profile, host_memory
 from epl.planner.estimate import RESERVED_BYTES, Estimate, estimate
-from epl.planner.from_plan import layout_of
+from epl.planner.from_plan import layout_of, precision_of
 from epl.planner.layout import ZERO_LEVELS, Layout, Workload
 from epl.planner.memory import TERM_MEANINGS
 from epl.planner.render import describe_layout
@@ -176,7 +176,7 @@ class FitCheck:
         self.presliced = CoreSettings.from_config(config).context.presliced
         # any global batch the replicas and micro-batches divide: run() sets the micro-batch's rows
         self.layout = layout_of(plan, config, plan.world_size * plan.num_micro_batch)
-        self.dtype = "bf16" if config_facts(config, MemoryTechniques).mixed_precision else "fp32"
+        self.dtype, self.autocast = precision_of(config)
         self.sdpa, self.own_loss = sdpa, own_loss
         self.devices_per_node = plan.gpu_per_worker
 
@@ -187,6 +187,7 @@ class FitCheck:
             micro_batch_size * layout.micro_batches * layout.data,
             sequence,
             dtype=self.dtype,
+            autocast=self.autocast,
             optimizer_states=self.optimizer.count,
             sdpa=self.sdpa,
             devices_per_node=self.devices_per_node,
@@ -216,7 +217,7 @@ class FitCheck:
         where = f" of stage {memory.stage} of {layout.pipeline}" if layout.pipeline > 1 else ""
         assumed = (
             f"Predicted at the {memory.moment}{where}, for micro-batches of {micro_batch_size} x {sequence} tokens, "
-            f"{workload.dtype}, {self.optimizer.what}."
+            f"{workload.dtype}{' autocast over float32 weights' if workload.autocast else ''}, {self.optimizer.what}."
         )
         return message(memory.terms, self.device, assumed, self.cheapest_change(predicted, workload))
 

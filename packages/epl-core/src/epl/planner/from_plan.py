@@ -45,3 +45,15 @@ def layout_of(plan: Plan, config: Config, global_batch: int) -> Layout:
         sequence_parallel=CoreSettings.from_config(config).split.sequence_parallel and tensor > 1,
         context=context,
     )
+
+
+def precision_of(config: Config) -> tuple[str, bool]:
+    """The planner's compute dtype for ``config`` and whether it is autocast's over float32 weights
+    (:attr:`epl.planner.Workload.autocast`): ``amp.level`` runs autocast, in bf16 as the planner prices it, over the
+    model's float32 weights, unless ZeRO gathers them in bf16 or fp16 (``zero.param_dtype``), which is bf16
+    weights with float32 masters; neither is float32."""
+    memory = config_facts(config, MemoryTechniques)
+    low = memory.parameter_dtype in ("bfloat16", "float16")
+    if memory.mixed_precision or low:
+        return "bf16", memory.mixed_precision and not low
+    return "fp32", False

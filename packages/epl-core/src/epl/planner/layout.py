@@ -174,6 +174,14 @@ class Workload:
     keeps_stage_outputs: bool = True
     #: The model has dropout: each residual dropout keeps a mask of a byte per element.
     dropout: bool = False
+    #: ``dtype`` is autocast's over float32 weights (EPL's ``amp.level: O1``, ``torch.autocast``): the products run
+    #: in ``dtype``, while the weights, gradients and optimizer stay float32 with no second copy, and the
+    #: activations are counted in float32. Under autocast the residual stream, the norms and the loss stay in
+    #: float32, and the bf16 copies autocast keeps (of the weights, for the forward; of the products' inputs) make up
+    #: what the products save in bf16: measured on a 123M Llama on 2 processes, AMP O1 bf16 held 2.865 GiB (data
+    #: parallel) and 1.764 GiB (ZeRO v2), float32's prediction 2.868 and 1.792, bf16's 2.778 and 1.397
+    #: (docs/planner.md).
+    autocast: bool = False
     #: Under sequence parallelism, the column-parallel projections (q/k/v, the MLP's first) save their input
     #: all-gathered whole, as torch's DTensor plans run them (torchtitan's ``PrepareModuleInput`` from
     #: ``Shard(1)`` to ``Replicate()``); Megatron-LM and EPL save the shard and gather it again (False).
@@ -191,10 +199,10 @@ class Workload:
 
     @property
     def dtype_bytes(self) -> int:
-        """Bytes of one activation or working weight element."""
-        return 4 if self.dtype == "fp32" else 2
+        """Bytes of one activation or working weight element (float32's under autocast)."""
+        return 4 if self.dtype == "fp32" or self.autocast else 2
 
     @property
     def mixed(self) -> bool:
-        """Whether a float32 master copy of the weights is kept (bf16/fp16 training)."""
-        return self.dtype != "fp32"
+        """Whether a float32 master copy of the weights is kept besides them (bf16/fp16 weights, not autocast)."""
+        return self.dtype != "fp32" and not self.autocast
