@@ -7,7 +7,7 @@ the efficiency), else the measured throughput as the peak. The profile is writte
 (``calibrated_profile.json``), as ``epl calibrate --out`` writes it.
 
 **Planned.** :func:`epl.planner.estimate` for the engine's own layout (:func:`epl.planner.from_plan.layout_of` of its
-Plan and config) and the step's workload (global batch, sequence, bf16, transformers' loss on whole logits).
+Plan and config) and the step's workload (global batch, sequence, AMP O1 as autocast over float32 weights).
 
 **Measured.** The engine's step: the median of synchronized steps, and ``torch.cuda.max_memory_allocated`` over a
 step. The model is the suite's Llama 1.1B (TinyLlama's shape, ``benchmarks/test_gpu.py``), AMP O1 bf16, full
@@ -77,7 +77,7 @@ def plan_against_step(device: str, shape: dict[str, int], batch: int, sequence: 
     """Calibrate, plan and measure the Llama step on ``device`` (module docstring)."""
     from epl.planner import ModelShape, Workload, estimate
     from epl.planner.calibrate import calibrate
-    from epl.planner.from_plan import layout_of
+    from epl.planner.from_plan import layout_of, precision_of
 
     cuda = device == "cuda"
     dtype = "bf16" if cuda else "fp32"
@@ -105,7 +105,8 @@ def plan_against_step(device: str, shape: dict[str, int], batch: int, sequence: 
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
     layout = layout_of(engine.context.plan, engine.context.config, batch)
-    workload = Workload(batch, sequence, dtype=dtype, devices_per_node=1)
+    planned, autocast = precision_of(engine.context.config)  # AMP O1: autocast over float32 weights
+    workload = Workload(batch, sequence, dtype=planned, autocast=autocast, devices_per_node=1)
     predicted = estimate(ModelShape.of(model), layout, workload, profile)
     return {
         "device": name, "profile": profile.name, "efficiency": profile.efficiency, "seconds": seconds, "peak": peak,
