@@ -62,3 +62,17 @@ def test_estimates_need_the_device_the_batch_and_the_sequence(tmp_path: Path) ->
     script.write_text(SCRIPT)
     result = run("plan", "-n", "8", "--device", "h100-sxm", str(script))
     assert result.exit_code == 2 and "--global-batch-size and --sequence-length" in result.output
+
+
+def test_a_script_under_amp_is_planned_as_autocast_unless_dtype_is_given(tmp_path: Path) -> None:
+    """``amp.level`` runs autocast over float32 weights: more memory than bf16 weights with float32 masters."""
+    script = tmp_path / "llama8b_amp.py"
+    script.write_text(SCRIPT.replace('"zero.level": "v1"', '"zero.level": "v1", "amp.level": "O1"'))
+    autocast = run(*OPTIONS, str(script))
+    assert autocast.exit_code == 0, autocast.output
+    assert "bf16 autocast over float32 weights" in autocast.output
+    given = run(*OPTIONS, "--dtype", "bf16", str(script))
+    assert "autocast" not in given.output
+    peaks = [json.loads(run(*OPTIONS, *extra, "--json", str(script)).output)["memory_per_device"]["peak"]
+             for extra in ((), ("--dtype", "bf16"))]  # fmt: skip
+    assert peaks[0] > peaks[1], peaks

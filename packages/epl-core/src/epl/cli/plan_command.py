@@ -42,7 +42,12 @@ from epl.errors import EplError
 )
 @click.option("--global-batch-size", type=click.IntRange(min=1), default=None, help="Sequences per step.")
 @click.option("--sequence-length", type=click.IntRange(min=1), default=None, help="Tokens per sequence.")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", help="Compute dtype [bf16].")
+@click.option(
+    "--dtype",
+    type=click.Choice(["bf16", "fp16", "fp32"]),
+    default=None,
+    help="Compute dtype [bf16; with the script's amp.level, bf16 autocast over float32 weights].",
+)
 @click.option(
     "--auto",
     "auto",
@@ -62,7 +67,7 @@ def plan_command(
     device: str | None,
     global_batch_size: int | None,
     sequence_length: int | None,
-    dtype: str,
+    dtype: str | None,
     auto: bool,
     as_json: bool,
     script: str | None,

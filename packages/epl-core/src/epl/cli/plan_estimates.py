@@ -7,7 +7,7 @@ import json
 from epl.placement.request import PlanReady
 from epl.planner.devices import device_profile
 from epl.planner.estimate import estimate
-from epl.planner.from_plan import layout_of
+from epl.planner.from_plan import layout_of, precision_of
 from epl.planner.layout import Workload
 from epl.planner.render import describe, describe_search, heading
 from epl.planner.search import search
@@ -15,13 +15,17 @@ from epl.planner.shape import ModelShape
 
 
 def show_estimates(
-    ready: PlanReady, device: str, global_batch: int, sequence: int, dtype: str, auto: bool, as_json: bool
+    ready: PlanReady, device: str, global_batch: int, sequence: int, dtype: str | None, auto: bool, as_json: bool
 ) -> str:
-    """The text (or JSON) of the estimates for the planned run ``ready`` on ``device``."""
+    """The text (or JSON) of the estimates for the planned run ``ready`` on ``device``; ``dtype`` None: bf16, as
+    autocast over float32 weights when the script's config sets ``amp.level`` (:func:`precision_of`)."""
     profile = device_profile(device)
     plan = ready.plan
     shape = ModelShape.of(ready.model)
-    workload = Workload(global_batch, sequence, dtype=dtype, devices_per_node=plan.gpu_per_worker)
+    autocast = dtype is None and precision_of(ready.config)[1]
+    workload = Workload(
+        global_batch, sequence, dtype=dtype or "bf16", autocast=autocast, devices_per_node=plan.gpu_per_worker
+    )
     if auto:
         result = search(shape, workload, profile, plan.world_size)
         if as_json:

@@ -52,7 +52,8 @@ def heading(device: DeviceProfile, workload: Workload, devices: int) -> str:
     """What the estimates assume."""
     return (
         f"Estimate on {devices} x {device.name} (global batch {workload.global_batch} x sequence {workload.sequence}, "
-        f"{workload.dtype}, {workload.devices_per_node} devices per node, GEMM efficiency {device.efficiency:.0%}); "
+        f"{workload.dtype}{' autocast over float32 weights' if workload.autocast else ''}, "
+        f"{workload.devices_per_node} devices per node, GEMM efficiency {device.efficiency:.0%}); "
         f"{MFU_FORMULA}"
     )
 
