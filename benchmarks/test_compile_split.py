@@ -51,7 +51,7 @@ def race(rounds: int, calls: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     import epl
     from benchmarks.test_split_llama import (
@@ -59,8 +59,8 @@ def race(rounds: int, calls: int) -> dict[str, Any]:
         LR,
         SEQUENCE,
         VOCABULARY,
+        dtensor_step,
         llama,
-        local,
         next_token_loss,
         torchtitan_plan,
     )
@@ -109,21 +109,13 @@ def race(rounds: int, calls: int) -> dict[str, Any]:
     theirs = parallelize_module(llama(), mesh, torchtitan_plan())
     for index, block in enumerate(theirs.model.layers):
         theirs.model.layers.register_module(str(index), torch.compile(block, fullgraph=True))
-    optimizer = torch.optim.AdamW(theirs.parameters(), lr=LR)
-
-    def dtensor_step() -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        with loss_parallel():
-            loss = next_token_loss(theirs(tokens), tokens)
-            loss.backward()
-        optimizer.step()
-        return local(loss.detach())
+    dtensor = dtensor_step(theirs, torch.optim.AdamW(theirs.parameters(), lr=LR), tokens)
 
     assert graphs["traced"] == {"LlamaDecoderLayer": 1} and directions["traced"] == (1, 1), (graphs, directions)
-    steps = {"eager": eager, "traced": traced, "breaks": breaks, "dtensor": dtensor_step}
+    steps = {"eager": eager, "traced": traced, "breaks": breaks, "dtensor": dtensor}
     found: dict[str, Any] = {"first_s": first_s, "graphs": graphs, "directions": directions, "failed": {}}
     try:
-        first_s["dtensor"] = first_step(dtensor_step)[0]
+        first_s["dtensor"] = first_step(dtensor)[0]
     except Exception as error:  # torch's own side may not run here: say so, and time the others
         found["failed"]["dtensor"] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1]}"
     for against in [name for name in ("eager", "breaks", "dtensor") if name not in found["failed"]]:

@@ -73,11 +73,20 @@ def race_against_torchao(rounds: int, steps: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     import epl
     from benchmarks.harness import race_steps
-    from benchmarks.test_split_llama import BATCH, LAYERS, LR, SEQUENCE, VOCABULARY, llama, local, next_token_loss
+    from benchmarks.test_split_llama import (
+        BATCH,
+        LAYERS,
+        LR,
+        SEQUENCE,
+        VOCABULARY,
+        dtensor_step,
+        llama,
+        next_token_loss,
+    )
     from epl.float8 import choose_linears, convert, float8_config
 
     torch.set_num_threads(1)
@@ -90,16 +99,8 @@ def race_against_torchao(rounds: int, steps: int) -> dict[str, Any]:
     convert(theirs, converted, float8_config("tensorwise", all_gather=False))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     theirs = parallelize_module(theirs, mesh, float8_plan(converted, LAYERS))
-    optimizer = torch.optim.AdamW(theirs.parameters(), lr=LR)
     tokens = torch.randint(0, VOCABULARY, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1))
-
-    def torch_step() -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        with loss_parallel():
-            loss = next_token_loss(theirs(tokens), tokens)
-            loss.backward()
-        optimizer.step()
-        return local(loss.detach())
+    torch_step = dtensor_step(theirs, torch.optim.AdamW(theirs.parameters(), lr=LR), tokens)
 
     def epl_step() -> torch.Tensor:
         return engine.step(tokens, tokens)

@@ -108,6 +108,22 @@ def torchtitan_plan() -> dict[str, Any]:
     }
 
 
+def dtensor_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> Any:
+    """One training step of a DTensor-parallel ``model`` as torchtitan runs it: the loss on the vocabulary-sharded
+    logits under ``loss_parallel``; a function returning this rank's loss."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        with loss_parallel():
+            loss = next_token_loss(model(tokens), tokens)
+            loss.backward()
+        optimizer.step()
+        return local(loss.detach())
+
+    return step
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor; a plain tensor as it is."""
     from torch.distributed.tensor import DTensor
@@ -131,7 +147,7 @@ def race_against_dtensor(rounds: int, steps: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     import epl
     from benchmarks.harness import race_steps
@@ -142,16 +158,8 @@ def race_against_dtensor(rounds: int, steps: int) -> dict[str, Any]:
     engine = epl.parallelize(ours, optimizer=lambda p: torch.optim.AdamW(p, lr=LR), loss_fn=next_token_loss)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     theirs = parallelize_module(llama(), mesh, torchtitan_plan())
-    optimizer = torch.optim.AdamW(theirs.parameters(), lr=LR)
     tokens = torch.randint(0, VOCABULARY, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1))
-
-    def torch_step() -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        with loss_parallel():
-            loss = next_token_loss(theirs(tokens), tokens)
-            loss.backward()
-        optimizer.step()
-        return local(loss.detach())
+    torch_step = dtensor_step(theirs, torch.optim.AdamW(theirs.parameters(), lr=LR), tokens)
 
     def epl_step() -> torch.Tensor:
         return engine.step(tokens, tokens)
