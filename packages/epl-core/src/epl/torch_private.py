@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -172,18 +173,28 @@ class _CountedInductor(torch._TorchCompileInductorWrapper):
             return compiled
 
         hits = counters["aot_autograd"]["autograd_cache_hit"]
+        # The region's name, where this torch's wrapper and compile_fx have one (torch 2.13 does; older ones not)
+        named = getattr(self, "name", None) is not None and "compile_region_name" in _parameters(compile_fx)
         compiled = compile_fx(
             model_,
             inputs_,
             inner_compile=inner_compile,
             config_patches={**self.config, **(config_patches or {})},
-            compile_region_name=self.name,
+            **({"compile_region_name": self.name} if named else {}),
         )
         if counters["aot_autograd"]["autograd_cache_hit"] > hits:  # forward and backward loaded, not compiled
             self.on_graph("forward")
             if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs_):
                 self.on_graph("backward")
         return compiled
+
+
+def _parameters(function: Callable[..., Any]) -> set[str]:
+    """The names of ``function``'s parameters (none when it has no signature)."""
+    try:
+        return set(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def aot_eager_backend(on_graph: Callable[[str], None]) -> Callable[..., Any]:
