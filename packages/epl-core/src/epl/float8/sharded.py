@@ -17,15 +17,14 @@ compiled region the all-reduces are torch's functional collectives, so the produ
 
 from __future__ import annotations
 
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from epl.float8.convert import torchao_float8
-from epl.interfaces.communicator import ReduceOp
 from epl.interfaces.shard_group import ShardGroup
-from epl.torch_private import functional_collectives
+from epl.sharding.links import link_of
 
 #: Which features a shard holds part of: ``out`` for a column shard, ``in`` for a row shard.
 ShardedFeatures = Literal["out", "in"]
@@ -63,18 +62,9 @@ class ShardedFloat8Product:
         axis = dim if axiswise else None  # torchao takes 0 or -1
         amax = tensor_to_amax(tensor.detach(), False, None, cast_config.scaling_granularity, axis).to(torch.float32)
         if sharded_dim is not None and (not axiswise or dim % tensor.dim() == sharded_dim % tensor.dim()):
-            amax = self._largest_over_group(amax)
+            amax = link_of(self.group).all_reduce(amax, "max")  # traced into a compiled block's graph
         scale = amax_to_scale(amax, cast_config.target_dtype, self.config.round_scales_to_power_of_2)
         return hp_tensor_and_scale_to_float8(tensor, scale, cast_config.target_dtype, self.mm_config, role, axis)
-
-    def _largest_over_group(self, amax: torch.Tensor) -> torch.Tensor:
-        """``amax``'s elementwise maximum over the group: torch's functional all-reduce inside a compiled region
-        (traced into the graph), EPL's communicator otherwise."""
-        if self.group.traced_group is not None and torch.compiler.is_compiling():
-            funcol = functional_collectives()
-            return cast(torch.Tensor, funcol.wait_tensor(funcol.all_reduce(amax, "max", self.group.traced_group)))
-        self.group.communicator.all_reduce(amax, ReduceOp.MAX).wait()
-        return amax
 
 
 class _ShardedFloat8Matmul(torch.autograd.Function):

@@ -19,6 +19,7 @@ from epl.errors import AnnotationError
 from epl.interfaces.shard_group import ShardGroup
 from epl.interfaces.split_rule import ShardContext, ShardRole
 from epl.sharding import collectives as C
+from epl.sharding.links import tracing
 from epl.sharding.logits import mark_sharded_logits
 from epl.sharding.parameters import sharded_parameter
 
@@ -46,7 +47,7 @@ def entered(x: torch.Tensor, group: ShardGroup) -> torch.Tensor:
     holds the tensors themselves for the trace (dynamo follows them; the row layer clears it); else weak
     references, run as they are.
     """
-    if group.traced_group is not None and torch.compiler.is_compiling():
+    if tracing(group):
         gathered = group.sequence_entry
         if gathered is not None and gathered is x:
             return x

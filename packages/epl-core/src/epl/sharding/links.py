@@ -11,13 +11,16 @@ torch's functional collectives, which dynamo traces into the compiled graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Literal, Protocol, cast
 
 import torch
 
 from epl.interfaces.communicator import ReduceOp
 from epl.interfaces.shard_group import ShardGroup
 from epl.torch_private import functional_collectives
+
+#: What an all-reduce combines: the members' sum, or their elementwise maximum.
+Combine = Literal["sum", "max"]
 
 
 class Link(Protocol):
@@ -33,8 +36,8 @@ class Link(Protocol):
         """This member's place."""
         ...
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The sum of every member's ``tensor``."""
+    def all_reduce(self, tensor: torch.Tensor, combine: Combine = "sum") -> torch.Tensor:
+        """Every member's ``tensor`` combined: their sum, or their elementwise maximum."""
         ...
 
     def all_gather(self, piece: torch.Tensor, dim: int) -> torch.Tensor:
@@ -59,11 +62,11 @@ class EagerLink:
     count: int
     index: int
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The sum of every member's ``tensor``; counted as ``all_reduce``."""
+    def all_reduce(self, tensor: torch.Tensor, combine: Combine = "sum") -> torch.Tensor:
+        """Every member's ``tensor`` combined (sum or maximum); counted as ``all_reduce``."""
         self.group.collectives["all_reduce"] += 1
         result = tensor.clone(memory_format=torch.contiguous_format)
-        self.group.communicator.all_reduce(result, ReduceOp.SUM).wait()
+        self.group.communicator.all_reduce(result, ReduceOp.SUM if combine == "sum" else ReduceOp.MAX).wait()
         return result
 
     def all_gather(self, piece: torch.Tensor, dim: int) -> torch.Tensor:
@@ -100,10 +103,10 @@ class TracedLink:
     count: int
     index: int
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The sum of every member's ``tensor``."""
+    def all_reduce(self, tensor: torch.Tensor, combine: Combine = "sum") -> torch.Tensor:
+        """Every member's ``tensor`` combined (sum or maximum)."""
         funcol = functional_collectives()
-        return cast(torch.Tensor, funcol.wait_tensor(funcol.all_reduce(tensor.contiguous(), "sum", self.name)))
+        return cast(torch.Tensor, funcol.wait_tensor(funcol.all_reduce(tensor.contiguous(), combine, self.name)))
 
     def all_gather(self, piece: torch.Tensor, dim: int) -> torch.Tensor:
         """Every member's equal ``piece`` concatenated along ``dim``."""
@@ -128,9 +131,18 @@ def eager_link(group: ShardGroup) -> EagerLink:
     return EagerLink(group, group.count, group.index)
 
 
+def tracing(group: ShardGroup) -> bool:
+    """Whether ``group``'s collectives are traced here: inside a compiled region, over a communicator with a torch
+    process group."""
+    return group.traced_group is not None and torch.compiler.is_compiling()
+
+
 def traced_link(group: ShardGroup) -> TracedLink | None:
-    """The link ``group``'s collectives are traced on (inside a compiled region, over a communicator with a torch
-    process group); None when they run eagerly."""
-    if group.traced_group is None or not torch.compiler.is_compiling():
-        return None
-    return TracedLink(group.traced_group, group.count, group.index)
+    """The link ``group``'s collectives are traced on (:func:`tracing`); None when they run eagerly."""
+    name = group.traced_group
+    return TracedLink(name, group.count, group.index) if name is not None and tracing(group) else None
+
+
+def link_of(group: ShardGroup) -> Link:
+    """The link ``group``'s collectives run on here: traced inside a compiled region, else eager."""
+    return traced_link(group) or eager_link(group)

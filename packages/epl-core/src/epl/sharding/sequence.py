@@ -31,6 +31,7 @@ from epl.interfaces.shard_group import ShardGroup
 from epl.sharding import collectives as C
 from epl.sharding.dataflow import Dataflow, ModuleCall, Op, Span, tensors_in
 from epl.sharding.linear import RowParallelLinear
+from epl.sharding.links import tracing
 from epl.sharding.parameters import is_sharded
 from epl.torch_private import saved_tensor_hooks_active
 
@@ -160,7 +161,7 @@ def _enter_region(group: ShardGroup) -> Any:
 
         def gather(x: torch.Tensor) -> torch.Tensor:
             whole = C.gather_rows(x, group, SEQUENCE_DIM)
-            if group.traced_group is not None and torch.compiler.is_compiling():
+            if tracing(group):
                 # traced: the tensor itself (no weak reference in a graph); what the graph saves is its own choice
                 group.sequence_entry = whole
                 return whole
