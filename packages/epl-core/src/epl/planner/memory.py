@@ -165,6 +165,7 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
     # held whole in a byte an element, its norms in the compute dtype
     layer_linear = (shape.layer_parameters() - 2 * shape.hidden) / t
     float8_saved = (e - 1) * layer_linear if workload.float8_weight_gathers else 0.0  # bytes a block whole saves
+    whole_bytes = weights * e - blocks * float8_saved  # the stage's working weights, whole
     held = {
         "parameters": weights * (master or e) / d if chunked else weights * e + weights * master / (d if zero else 1),
         "optimizer": updated * 4 * workload.optimizer_states,
@@ -244,12 +245,12 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
             layer = layer_linear + 2 * h
             units = 2 if workload.weights_prefetched else 1
             if whole_weights:
-                start["gathered_weights"] = weights * e - blocks * float8_saved
+                start["gathered_weights"] = whole_bytes
             else:  # float8 only where the largest unit is a block
                 start["gathered_weights"] = units * (unit * e - (float8_saved if unit <= layer else 0.0))
             start["gradient_buffers"] = 2 * unit * 4
             if whole_weights:  # v2 releases the head's weights after its forward
-                loss["gathered_weights"] = forward_end["gathered_weights"] = weights * e - blocks * float8_saved
+                loss["gathered_weights"] = forward_end["gathered_weights"] = whole_bytes
             elif workload.keeps_root_and_last_block and last:
                 # torchtitan's v2 (@9dec370a parallelize_llama.py:333, 339): the root, which holds the embedding,
                 # the final norm and the head, is not resharded after its forward (torch's FSDPState._lazy_init
