@@ -230,18 +230,27 @@ class Comparison:
         return replace(template, time=(Ratio(self.ratio),))
 
 
-def median_step_seconds(step: Callable[[], object], steps: int, warmup: int = 2) -> float:
-    """On every rank of a job: the median seconds of ``steps`` calls of ``step`` after ``warmup`` untimed ones, the
-    ranks starting each call together (a barrier)."""
+def median_step_seconds(
+    step: Callable[[], object], steps: int, warmup: int = 2, sync: Callable[[], object] | None = None
+) -> float:
+    """The median seconds of ``steps`` calls of ``step`` after ``warmup`` untimed ones; in a job, the ranks start
+    each call together (a barrier). ``sync`` ends each call (a device's synchronize, so the clock covers its
+    work)."""
     import torch.distributed as dist
 
-    for _ in range(warmup):
+    def call() -> None:
         step()
+        if sync is not None:
+            sync()
+
+    for _ in range(warmup):
+        call()
     times = []
     for _ in range(steps):
-        dist.barrier()
+        if dist.is_initialized():
+            dist.barrier()
         start = time.perf_counter()
-        step()
+        call()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

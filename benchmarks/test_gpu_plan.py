@@ -21,15 +21,13 @@ comparison runs on a small Llama in float32 (step time only: the CPU's peak per 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
 import epl
-from benchmarks.harness import RESULTS, Ratio, ResultRow, Section, mib, ms, record, short_mode
+from benchmarks.harness import RESULTS, Ratio, ResultRow, Section, median_step_seconds, mib, ms, record, short_mode
 
 #: The named device profile each GPU name maps to (the first name found in ``torch.cuda.get_device_name``).
 NAMED_PROFILES = {"H100": "h100-sxm", "H200": "h200", "B200": "b200", "A100": "a100-80gb"}
@@ -59,20 +57,6 @@ def llama(shape: dict[str, int], device: str) -> torch.nn.Module:
         return LlamaForCausalLM(config)
 
 
-def median_step(step: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
-    """Median seconds of ``calls`` steps after two warm-up steps, each ended by ``sync``."""
-    for _ in range(2):
-        step()
-        sync()
-    times = []
-    for _ in range(calls):
-        started = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - started)
-    return sorted(times)[len(times) // 2]
-
-
 def plan_against_step(device: str, shape: dict[str, int], batch: int, sequence: int, calls: int) -> dict[str, Any]:
     """Calibrate, plan and measure the Llama step on ``device`` (module docstring)."""
     from epl.planner import ModelShape, Workload, estimate
@@ -96,8 +80,7 @@ def plan_against_step(device: str, shape: dict[str, int], batch: int, sequence: 
     generator = torch.Generator(device=device).manual_seed(1)
     tokens = torch.randint(0, shape["vocabulary"], (batch, sequence), device=device, generator=generator)
     inputs = {"input_ids": tokens, "labels": tokens}
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    seconds = median_step(lambda: engine.step(inputs), calls, sync)
+    seconds = median_step_seconds(lambda: engine.step(inputs), calls, sync=torch.cuda.synchronize if cuda else None)
     peak = None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
