@@ -168,9 +168,13 @@ def planner_memory(session: nox.Session) -> None:
     parallel, ZeRO v0-v2, split with and without sequence parallelism, 2 stages under each schedule, 3D, context) on
     a 123M Llama, 2 to 8 processes (about 7 minutes on 2 cores; benchmarks/results/planner_memory.json, and the table
     of docs/planner.md printed). ``-- NAME ...`` measures some layouts; ``-- --again FILE`` predicts a measured
-    file's ranks anew. CI runs a slice on a 31M Llama (tests/planner/test_measured_memory.py)."""
+    file's ranks anew. CI runs a slice on a 31M Llama (tests/planner/test_measured_memory.py). Without arguments,
+    then torchtitan's 3D recipe (torch's FSDP2, tensor parallelism and pipelining) against the planner: 4 and 8
+    processes, about 4 minutes (benchmarks/recipe_memory.py; CI's slice: tests/planner/test_recipe_memory.py)."""
     install_packages(session, *TEST_TOOLS)
     session.run("python", "-m", "benchmarks.planner_memory", *session.posargs, env=SINGLE_THREAD)
+    if not session.posargs:
+        session.run("python", "-m", "benchmarks.recipe_memory", env=SINGLE_THREAD)
 
 
 @nox.session(name="compile")

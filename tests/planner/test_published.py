@@ -111,11 +111,20 @@ def test_published_memory_figures_are_predicted() -> None:
             assert -run.under_by_at_most <= memory_error(run) <= 0.0, (run.name, memory_error(run))
 
 
+SEVENTY, FOUR_HUNDRED = "70B, FSDP 32 x TP 8", "405B, FSDP 8 x TP 8 x PP 8, 1F1B"
+
+
+def published_row(name: str) -> MemoryRun:
+    """The torchtitan row of :data:`MEMORY_RUNS` named ``torchtitan Llama 3.1 {name}``."""
+    (row,) = (run for run in MEMORY_RUNS if run.name == f"torchtitan Llama 3.1 {name}")
+    return row
+
+
 def test_torchtitans_mechanisms_add_what_their_sources_say() -> None:
     """Each setting the torchtitan rows state changes its own term by its hand count (docs/planner.md, the
     torchtitan rows): the head's input whole, the root and last block kept whole through the loss, the gathered
     inputs saved whole in float8 in the recomputed block, and the blocks' linear weights held in float8."""
-    seventy, four_hundred = (run for run in MEMORY_RUNS if run.name.startswith("torchtitan") and run.published_gib)
+    seventy, four_hundred = (published_row(name) for name in (SEVENTY, FOUR_HUNDRED))
     shape, h = seventy.shape, seventy.shape.hidden
     peak = memory_breakdown(shape, seventy.layout, seventy.workload)
     layer = (shape.layer_parameters() - 2 * h) / 8 + 2 * h
@@ -131,3 +140,37 @@ def test_torchtitans_mechanisms_add_what_their_sources_say() -> None:
     assert ours["block_backward"] - bf16["block_backward"] == 2 * 4 * 8192 * h * (1 - 2 / 8)
     linear = 15 * (shape.layer_parameters() - 2 * h) / 8  # stage 0's 15 blocks
     assert bf16["parameters"] - ours["parameters"] == pytest.approx(linear)
+
+
+def test_torch_pipelining_holds_what_its_sources_say() -> None:
+    """torch's pipelining (``Workload.torch_pipelining``, torch 2.6 ``pipelining/stage.py``) on the 405B row, by hand
+    count: a receive buffer per micro-batch for the first stage's output gradients; on the last stage, its input
+    buffers not in flight and, at the last micro-batch, the 7 input gradients sent back, and the 8 micro-batches'
+    bf16 logits (on a vocabulary shard) kept for ``step`` to return; under the interleaved schedule one chunk's
+    gradients whole at a time; and FSDP2's reduce-scatter of the root, first, at the end of the backward."""
+    run = published_row(FOUR_HUNDRED)
+    shape, h = run.shape, run.shape.hidden
+    boundary = 4 * 8192 * h * 2 / 8  # a micro-batch's stage output: 4 x 8,192 tokens on a sequence shard, bf16
+    first = stage_breakdown(shape, run.layout, run.workload, 0)
+    last = stage_breakdown(shape, run.layout, run.workload, 7)
+    assert first.terms["receive_buffers"] == 8 * boundary
+    assert last.moment == "the loss's backward"
+    assert last.terms["receive_buffers"] == (8 - 1 + 7) * boundary
+    assert last.terms["returned_outputs"] == 8 * 4 * 8192 * shape.vocab / 8 * 2
+    without = stage_breakdown(shape, run.layout, replace(run.workload, torch_pipelining=False), 7).terms
+    assert "receive_buffers" not in without and "returned_outputs" not in without
+
+    interleaved = replace(run.layout, schedule="interleaved", virtual_stages=2)
+    whole = stage_breakdown(shape, run.layout, run.workload, 0).gradients
+    assert stage_breakdown(shape, interleaved, run.workload, 0).terms["gradients"] == pytest.approx(
+        whole / 2 * (1 + 1 / 8)
+    )
+
+    # one stage of data devices only: the end of the backward is the peak where the embedding is most of the stage
+    small = replace(shape, layers=2)
+    layout = replace(run.layout, tensor=1, pipeline=2, micro_batches=2, micro_batch_size=1, stage_layers=())
+    workload = replace(run.workload, sequence=256, saves_gathered_inputs=False, float8_linears=False,
+                       float8_weight_gathers=False)  # fmt: skip
+    end = stage_breakdown(small, layout, workload, 0)
+    assert end.moment == "end of the backward"
+    assert end.terms["gradient_buffers"] == shape.vocab * h * 4 * (1 + 1 / 8)

@@ -196,6 +196,12 @@ class Workload:
     #: (torch's root never is) nor is the last block (``reshard_after_forward=False``), so their weights are
     #: whole through the loss; EPL's v2 reshards every unit (False).
     keeps_root_and_last_block: bool = False
+    #: The pipeline is ``torch.distributed.pipelining`` as torch 2.6 runs it (torchtitan's): a stage keeps a receive
+    #: buffer per micro-batch all step, for its input and for its output's gradient; its input buffers keep the
+    #: gradients it sent back until the next step; and the last stage keeps each micro-batch's output (the head's
+    #: logits) until ``step`` returns them merged (torch 2.6 ``pipelining/stage.py`` ``forward_one_chunk``,
+    #: ``_prepare_forward_infra``, ``clear_runtime_states``; pytorch/pytorch#159251). EPL's runner keeps none (False).
+    torch_pipelining: bool = False
 
     @property
     def dtype_bytes(self) -> int:

@@ -40,7 +40,11 @@ largest of its moments:
 Settings for runs EPL does not make (``Workload``, all off by default): ``saves_gathered_inputs`` (torch's DTensor
 sequence parallelism saves the projections' gathered input whole: in ``block_backward``, and in ``activations``
 without full recomputation), ``float8_linears`` (that gathered input in float8), ``float8_weight_gathers`` (FSDP2's
-float8 all-gather: the blocks' linear weights held whole in a byte an element).
+float8 all-gather: the blocks' linear weights held whole in a byte an element), ``torch_pipelining`` (torch's
+pipelining: ``receive_buffers``, a receive buffer per micro-batch for the stage's input and its output's gradient
+and the input gradients sent back, kept all step; ``returned_outputs``, the last stage's output of each
+micro-batch, kept for ``step`` to return; with FSDP2, the root's reduce-scatter at the end of the backward, and
+under interleaved 1F1B one chunk's gradients whole at a time).
 
 Checked against resident memory per rank in ``nox -s planner-memory`` (benchmarks/planner_memory.py: every layout
 the zoo runs, within 15%; docs/planner.md, "Measured here") and tests/planner/test_measured_memory.py.
@@ -77,6 +81,9 @@ TERM_MEANINGS: dict[str, str] = {
     "tensor parallelism at the end of the forward, the logits' all-gather's working set",
     "stage_outputs": "the stage's outputs kept until their backward, one per micro-batch in flight",
     "head_input": "the head's input, whole, saved for its backward",
+    "receive_buffers": "torch's pipelining: a receive buffer per micro-batch for the stage's input and its output's "
+    "gradient, and the input gradients sent back, kept until the next step",
+    "returned_outputs": "torch's pipelining: the last stage's output of each micro-batch, kept for the step to return",
     "block_backward": "one block's backward working set (its activations recomputed, or held by autograd)",
     "gathered_weights": "weights gathered whole by ZeRO",
     "gradient_buffers": "gradients whole before their reduction and the reduction's buffer",
@@ -222,6 +229,22 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
     # parallelize_llama.py:138-139, ColwiseParallel(input_layouts=Shard(1))); freed by the head's backward
     head_input = b * s * h * e if last else 0.0
 
+    def pipelining_buffers(flight: float, later: bool) -> dict[str, float]:
+        """What torch's pipelining holds besides (``Workload.torch_pipelining``) while ``flight`` micro-batches are
+        in flight; ``later``: at the step's last micro-batch, when every other one's gradients were sent back."""
+        if not workload.torch_pipelining or p == 1:
+            return {}
+        v = layout.virtual_stages if layout.schedule == "interleaved" else 1
+        boundary = b * s * h * e / (t if sequence_parallel else 1)  # what crosses a stage boundary
+        inputs = (v - (stage == 0)) * m  # the first stage's first chunk receives none
+        output_gradients = (v - last) * m  # nor the last stage's last chunk
+        # an input buffer in flight (``flight`` counts in the stage's blocks: chunk micro-batches / v) is the first
+        # block's input, counted in the activations
+        idle = inputs - min(flight * v, inputs)
+        held = (idle + output_gradients + (inputs - v if later else 0)) * boundary
+        outputs = (m if later else 1) * b * s * vocab_share * e if last else 0.0
+        return {"receive_buffers": held, "returned_outputs": outputs}
+
     def backward_moments(flight: float, grads: float, later: bool) -> list[tuple[str, dict[str, float]]]:
         """The backward's moments of a micro-batch while ``flight`` are in flight and ``grads`` bytes of gradients
         are held; ``later``: an earlier micro-batch's backward made them."""
@@ -229,7 +252,7 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
         if workload.keeps_stage_outputs and not last:  # EPL's runner keeps what it sent until its backward
             outputs = flight * b * s * shape.hidden * e / (t if sequence_parallel else 1)
         saved = {"gradients": grads, "activations": blocks * block_saved * flight,
-                 "stage_outputs": outputs}  # fmt: skip
+                 "stage_outputs": outputs, **pipelining_buffers(flight, later)}  # fmt: skip
         # the log-softmax the loss saved for the others in flight
         others = (min(losses_in_flight(layout), flight) - 1) * logit if last else 0.0
         start = {**saved, "logits": others + logit if last else 0.0, "block_backward": whole_block}
@@ -275,15 +298,34 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
                 moments.append((FORWARD_END, forward_end))
         return moments
 
-    candidates = backward_moments(in_flight, gradients if persistent else 0.0, later=False)
+    backward_gradients = gradients
+    if workload.torch_pipelining and layout.schedule == "interleaved" and m <= p and zero and d > 1:
+        # torch's interleaved 1F1B in one round runs every micro-batch's backward of a chunk before the next chunk's
+        # (schedules.py ``backward_stage_index``), and FSDP2 reduce-scatters a chunk's gradients after its last: one
+        # chunk's are whole at a time, the others' chunks (or none yet)
+        v = layout.virtual_stages
+        backward_gradients = gradients / v * (1 + (v - 1) / d)
+    candidates = backward_moments(in_flight, backward_gradients if persistent else 0.0, later=False)
     if m > 1:  # a later micro-batch's backward: the gradients made, one fewer in flight where all were
-        candidates += backward_moments(min(in_flight, m - 1), gradients, later=True)
+        candidates += backward_moments(min(in_flight, m - 1), backward_gradients, later=True)
     end_of_backward: dict[str, float] = {"gradients": gradients}
     if chunked and d > 1 and zero_root_holds_ends(layout):
         # each block resharded after its backward: only the root's weights whole
         root = root_unit(shape, layout)
         end_of_backward.update({"gathered_weights": root * e, "gradient_buffers": 2 * root * 4})
-    step = {"gradients": gradients, "optimizer_temporary": updated * 4 if workload.optimizer_states >= 2 else 0.0}
+    step_gradients = gradients
+    if workload.torch_pipelining and p > 1 and zero and d > 1:
+        # FSDP2 under torch's pipelining reduce-scatters every unit of the stage after its last micro-batch's
+        # backward, the root first (torch's pipelining ``backward_maybe_with_nosync`` calls each state's
+        # ``post_backward``): the root's gradients whole are copied into the reduce-scatter's float32 input while
+        # every other gradient is still whole, and its chunk is made; the step then finds the chunks only.
+        # Measured (benchmarks/recipe_memory.py): the first stage's peak with an embedding of a third of its weights.
+        ends = shape.vocab * h / t * ((stage == 0) + last) + h * last
+        first_unit = ends or layer_linear + 2 * h
+        end_of_backward["gradient_buffers"] = first_unit * 4 * (1 + 1 / d)
+        step_gradients = gradients / d
+    step = {"gradients": step_gradients,
+            "optimizer_temporary": updated * 4 if workload.optimizer_states >= 2 else 0.0}  # fmt: skip
     moments = [*candidates, (BACKWARD_END, end_of_backward), (OPTIMIZER_STEP, step)]
     moment, extra = max(moments, key=lambda item: sum(item[1].values()))
     terms = {"parameters": held["parameters"], "gradients": extra["gradients"], "optimizer": held["optimizer"]}
