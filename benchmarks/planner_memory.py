@@ -29,7 +29,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,6 +153,18 @@ def rank_peak(
     }
 
 
+def ranks_and_own(
+    fn: Callable[..., dict[str, Any]], world: int, args: tuple[Any, ...], tiny_args: tuple[Any, ...], timeout: float
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each rank's result of ``fn(*args)`` on ``world`` processes, with its result of ``fn(*tiny_args)``: the same
+    run with a tiny model, what the process adds by itself. Resident memory follows what the processes allocate,
+    not what glibc keeps (:func:`benchmarks.resident.allocation_tracking_children`)."""
+    with allocation_tracking_children():
+        ranks = run_ranks(fn, world, *args, timeout=timeout)
+        own = run_ranks(fn, world, *tiny_args, timeout=timeout)
+    return list(zip(ranks, own, strict=True))
+
+
 def measure(
     name: str,
     layout: MeasuredLayout,
@@ -165,13 +177,10 @@ def measure(
 ) -> list[dict[str, Any]]:
     """Each rank of ``layout``: its stage, measured growth less the process's own, the predicted peak, the error."""
     rows = rows or layout.rows
-    with allocation_tracking_children():  # resident memory follows what is allocated, not what glibc keeps
-        ranks = run_ranks(rank_peak, layout.world, layout.config, layout.split, model, rows, sequence, steps,
-                          timeout=timeout)  # fmt: skip
-        own = run_ranks(rank_peak, layout.world, layout.config, layout.split, tiny, rows, sequence, steps,
-                        timeout=timeout)  # fmt: skip
+    ranks = ranks_and_own(rank_peak, layout.world, (layout.config, layout.split, model, rows, sequence, steps),
+                          (layout.config, layout.split, tiny, rows, sequence, steps), timeout)  # fmt: skip
     records = []
-    for rank, (big, small) in enumerate(zip(ranks, own, strict=True)):
+    for rank, (big, small) in enumerate(ranks):
         record = {
             "layout": name, "rank": rank, "stage": big["stage"], "world": layout.world, "rows": rows,
             "sequence": sequence, "global_batch": big["global_batch"], "shape": dataclasses.asdict(big["shape"]),

@@ -46,11 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.helpers.distributed import run_ranks
-
 from benchmarks.harness import RESULTS, machine_info
-from benchmarks.planner_memory import GIB, MODEL, TINY, TOLERANCE, llama_config
-from benchmarks.resident import allocation_tracking_children
+from benchmarks.planner_memory import GIB, MODEL, TINY, TOLERANCE, llama_config, ranks_and_own
 
 #: Pipeline stages x data devices (ranks 0 and 1 run the first stage: torchtitan's mesh puts "pp" outermost).
 PIPELINE, DATA = 2, 2
@@ -232,16 +229,14 @@ def predict(record: Mapping[str, Any]) -> dict[str, Any]:
 def measure(name: str, run: Run, steps: int = STEPS) -> list[dict[str, Any]]:
     """Every rank of ``run``: its stage, measured growth less the process's own (the same run with :data:`TINY`),
     the prediction, the error."""
-    with allocation_tracking_children():
-        world, shape = PIPELINE * DATA * run.tensor, (run.micro_batch, run.sequence, run.tensor, steps)
-        ranks = run_ranks(rank_peak, world, run.model, *shape, timeout=900)
-        own = run_ranks(rank_peak, world, TINY, *shape, timeout=900)
+    shape = (run.micro_batch, run.sequence, run.tensor, steps)
+    ranks = ranks_and_own(rank_peak, PIPELINE * DATA * run.tensor, (run.model, *shape), (TINY, *shape), 900)
     return [
         predict({"run": name, "rank": rank, "stage": big["stage"], "shape": dataclasses.asdict(big["shape"]),
                  "micro_batch": run.micro_batch, "sequence": run.sequence, "tensor": run.tensor,
                  "measured": big["growth"] - small["growth"],
                  "own": small["growth"], "peaks": big["peaks"]})
-        for rank, (big, small) in enumerate(zip(ranks, own, strict=True))
+        for rank, (big, small) in enumerate(ranks)
     ]  # fmt: skip
 
 

@@ -88,6 +88,17 @@ def root_unit(shape: ModelShape, layout: Layout) -> float:
     return shape.vocab * shape.hidden / layout.tensor * (1 if shape.tied else 2) + shape.hidden
 
 
+def stage_root_weights(shape: ModelShape, layout: Layout, stage: int) -> float:
+    """Weights on one device of pipeline ``stage``'s root unit, outside its blocks: on one stage
+    :func:`root_unit`; else the embedding on the first stage, the final norm and the head on the last, none
+    between."""
+    p = layout.pipeline
+    if p == 1:
+        return root_unit(shape, layout)
+    last = stage == p - 1
+    return shape.vocab * shape.hidden / layout.tensor * ((stage == 0) + last) + shape.hidden * last
+
+
 def updated_weights(shape: ModelShape, layout: Layout, stage: int | None = None) -> float:
     """Weights one device's optimizer updates: those it holds (:func:`weights_per_device`), or under ZeRO (v0-v2)
     its share of them over the data devices."""

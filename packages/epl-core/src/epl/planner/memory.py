@@ -59,6 +59,7 @@ from epl.planner.communication import (
     largest_unit,
     root_unit,
     stage_blocks,
+    stage_root_weights,
     stages_to_check,
     updated_weights,
     weights_per_device,
@@ -228,6 +229,9 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
     # before the final norm (epl.sharding.sequence), torchtitan's head gathers its input (@9dec370a
     # parallelize_llama.py:138-139, ColwiseParallel(input_layouts=Shard(1))); freed by the head's backward
     head_input = b * s * h * e if last else 0.0
+    boundary = b * s * h * e / (t if sequence_parallel else 1)  # a micro-batch's stage output, what a stage sends
+    # FSDP2 under torch's pipelining: gradients accumulated whole until a stage's last micro-batch, then reduced
+    fsdp_under_torch_pipeline = workload.torch_pipelining and p > 1 and zero and d > 1
 
     def pipelining_buffers(flight: float, later: bool) -> dict[str, float]:
         """What torch's pipelining holds besides (``Workload.torch_pipelining``) while ``flight`` micro-batches are
@@ -235,7 +239,6 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
         if not workload.torch_pipelining or p == 1:
             return {}
         v = layout.virtual_stages if layout.schedule == "interleaved" else 1
-        boundary = b * s * h * e / (t if sequence_parallel else 1)  # what crosses a stage boundary
         inputs = (v - (stage == 0)) * m  # the first stage's first chunk receives none
         output_gradients = (v - last) * m  # nor the last stage's last chunk
         # an input buffer in flight (``flight`` counts in the stage's blocks: chunk micro-batches / v) is the first
@@ -250,7 +253,7 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
         are held; ``later``: an earlier micro-batch's backward made them."""
         outputs = 0.0
         if workload.keeps_stage_outputs and not last:  # EPL's runner keeps what it sent until its backward
-            outputs = flight * b * s * shape.hidden * e / (t if sequence_parallel else 1)
+            outputs = flight * boundary
         saved = {"gradients": grads, "activations": blocks * block_saved * flight,
                  "stage_outputs": outputs, **pipelining_buffers(flight, later)}  # fmt: skip
         # the log-softmax the loss saved for the others in flight
@@ -278,8 +281,7 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
                 # torchtitan's v2 (@9dec370a parallelize_llama.py:333, 339): the root, which holds the embedding,
                 # the final norm and the head, is not resharded after its forward (torch's FSDPState._lazy_init
                 # sets its post_forward_mesh_info to None), nor is the last block: both whole through the loss
-                ends = root_unit(shape, layout) if p == 1 else shape.vocab * h / t * (1 + (stage == 0)) + h
-                kept = (ends + layer) * e - float8_saved
+                kept = (stage_root_weights(shape, layout, stage) + layer) * e - float8_saved
                 loss["gathered_weights"] = forward_end["gathered_weights"] = kept
             if later and zero_accumulates_whole(layout):  # whole until the last micro-batch: no chunk yet
                 for moment in (start, loss, forward_end):
@@ -299,7 +301,7 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
         return moments
 
     backward_gradients = gradients
-    if workload.torch_pipelining and layout.schedule == "interleaved" and m <= p and zero and d > 1:
+    if fsdp_under_torch_pipeline and layout.schedule == "interleaved" and m <= p:
         # torch's interleaved 1F1B in one round runs every micro-batch's backward of a chunk before the next chunk's
         # (schedules.py ``backward_stage_index``), and FSDP2 reduce-scatters a chunk's gradients after its last: one
         # chunk's are whole at a time, the others' chunks (or none yet)
@@ -314,14 +316,13 @@ def stage_breakdown(shape: ModelShape, layout: Layout, workload: Workload, stage
         root = root_unit(shape, layout)
         end_of_backward.update({"gathered_weights": root * e, "gradient_buffers": 2 * root * 4})
     step_gradients = gradients
-    if workload.torch_pipelining and p > 1 and zero and d > 1:
+    if fsdp_under_torch_pipeline:
         # FSDP2 under torch's pipelining reduce-scatters every unit of the stage after its last micro-batch's
         # backward, the root first (torch's pipelining ``backward_maybe_with_nosync`` calls each state's
         # ``post_backward``): the root's gradients whole are copied into the reduce-scatter's float32 input while
         # every other gradient is still whole, and its chunk is made; the step then finds the chunks only.
         # Measured (benchmarks/recipe_memory.py): the first stage's peak with an embedding of a third of its weights.
-        ends = shape.vocab * h / t * ((stage == 0) + last) + h * last
-        first_unit = ends or layer_linear + 2 * h
+        first_unit = stage_root_weights(shape, layout, stage) or layer_linear + 2 * h
         end_of_backward["gradient_buffers"] = first_unit * 4 * (1 + 1 / d)
         step_gradients = gradients / d
     step = {"gradients": step_gradients,
